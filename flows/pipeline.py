@@ -1,0 +1,56 @@
+"""The pipeline DAG as a Prefect flow:
+
+    prepare data -> (optional) SFT -> GRPO -> evaluate -> export
+
+Each stage is a Prefect task (tasks/*) that takes the resolved config as a dict and the run
+workspace path, and returns a small summary with the URIs of what it wrote; the flow passes
+those URIs on. MLflow: the flow opens the parent run (tagged with the Prefect flow-run id),
+each stage task a nested run under it.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import yaml
+from prefect import flow, runtime
+
+from tasks.config import config_from_dict
+from tasks.data import data_task
+from tasks.evaluate import eval_task
+from tasks.export import export_task
+from tasks.grpo.stage import grpo_task
+from tasks.sft import sft_task
+from tasks.tracking import end_run, start_pipeline_run
+from tasks.workspace import Workspace
+
+log = logging.getLogger(__name__)
+
+
+@flow(name="grpo-pipeline")
+def grpo_pipeline(config: dict, workspace: str) -> dict:
+    cfg = config_from_dict(config)
+    ws = Workspace(workspace)
+    (Path(ws.root) / "config.yaml").write_text(yaml.safe_dump(config, sort_keys=False))
+    parent = start_pipeline_run(cfg, tags={"prefect_flow_run_id": runtime.flow_run.id, "workspace": str(ws.root)})
+    args = (config, str(ws.root), parent.run_id)
+    ok = False
+    try:
+        data = data_task(*args)
+        sft = sft_task(*args) if cfg.sft.enabled else None
+        grpo = grpo_task(*args, init_model=sft["model_path"] if sft else None)
+        result = {"workspace": str(ws.root), "mlflow_run_id": parent.run_id, "data": data, "sft": sft, "grpo": grpo}
+        if cfg.eval.enabled:
+            result["eval"] = eval_task(
+                *args, before_model=grpo["base_model"], after_model=grpo["model_path"], after_is_adapter=grpo["adapter"]
+            )
+            parent.log_metrics({k: result["eval"][k] for k in ("accuracy_before", "accuracy_after")})
+        if cfg.export.enabled:
+            result["export"] = export_task(
+                *args, base_model=grpo["base_model"], trained_model=grpo["model_path"], is_adapter=grpo["adapter"]
+            )
+        ok = True
+        return result
+    finally:
+        end_run(parent, ok)

@@ -1,0 +1,420 @@
+"""Run configuration: one YAML file -> typed, frozen objects.
+
+Every section is a pydantic model with ``extra="forbid"`` and ``frozen=True``: unknown keys,
+wrong types and impossible combinations fail in :func:`load_config`, before any model is
+loaded, with a :class:`ConfigError` whose message names the dotted key (``grpo.num_generations``).
+
+GRPO keys keep the names of TRL's / Unsloth's ``GRPOConfig`` so that users can paste theirs; the
+batching rules (``steps_per_generation`` / ``generation_batch_size``) follow
+``trl/trainer/grpo_config.py`` and are resolved once here (:meth:`GRPOConfig.batching`).
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+DEFAULT_CONFIG = Path(__file__).resolve().parent.parent / "configs" / "default.yaml"
+
+
+class ConfigError(ValueError):
+    """A config problem, with the offending dotted key in the message."""
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True, validate_default=True)
+
+
+# --------------------------------------------------------------------------------------------
+# run / data
+# --------------------------------------------------------------------------------------------
+class RunConfig(_Section):
+    name: str | None = Field(
+        None, description="Run name; the run workspace is <output_dir>/<name>. Default: run-<time>."
+    )
+    output_dir: str = Field("runs", description="Folder that holds run workspaces and the MLflow store.")
+    seed: int = 42
+
+    @field_validator("name")
+    @classmethod
+    def _safe_name(cls, v: str | None) -> str | None:
+        if v is None:
+            return v
+        if not v or "/" in v or v in {".", ".."}:
+            raise ValueError("must be a non-empty name without '/'")
+        return v
+
+
+class ArithmeticConfig(_Section):
+    """The built-in verifiable task: 'What is 37 + 58?' -> 95."""
+
+    train_size: int = Field(4000, ge=1)
+    eval_size: int = Field(200, ge=1)
+    min_operand: int = 0
+    max_operand: int = 99
+    operations: list[Literal["+", "-", "*"]] = Field(default_factory=lambda: ["+", "-"], min_length=1)
+
+    @model_validator(mode="after")
+    def _range(self) -> ArithmeticConfig:
+        if self.max_operand < self.min_operand:
+            raise ValueError("max_operand must be >= min_operand")
+        return self
+
+
+GSM8K_SYSTEM_PROMPT = "Respond in the following format:\n<reasoning>\n...\n</reasoning>\n<answer>\n...\n</answer>"
+
+
+class DataConfig(_Section):
+    source: str = Field(
+        "arithmetic",
+        description="'arithmetic' (built-in task), a local .jsonl/.json/.parquet/.csv file, "
+        "or a Hugging Face dataset id.",
+    )
+    format: Literal["auto", "gsm8k", "qa", "arithmetic"] = Field(
+        "auto",
+        description="Row mapping: gsm8k = gold answer after '####'; qa = answer field used as is; "
+        "auto = gsm8k when answers contain '####', else qa.",
+    )
+    question_field: str = "question"
+    answer_field: str = "answer"
+    subset: str | None = Field(None, description="Config name of a HF dataset id (e.g. 'main' for openai/gsm8k).")
+    split: str = Field("train", description="Split of a HF dataset id used for training.")
+    eval_source: str | None = Field(None, description="Separate eval file or split name; else a held-out slice.")
+    eval_size: float = Field(0.1, gt=0, description="Held-out rows: a fraction (<1) or a count (>=1).")
+    max_train_rows: int | None = Field(None, ge=1)
+    max_eval_rows: int | None = Field(None, ge=1)
+    system_prompt: str | None = GSM8K_SYSTEM_PROMPT
+    on_invalid_row: Literal["error", "skip"] = Field(
+        "error", description="A row without a usable question/answer: fail naming the row, or skip and count it."
+    )
+    arithmetic: ArithmeticConfig = Field(default_factory=ArithmeticConfig)
+
+
+# --------------------------------------------------------------------------------------------
+# model
+# --------------------------------------------------------------------------------------------
+class TinyModelConfig(_Section):
+    """A small causal LM built from config (no download); the tokenizer is trained on the task text."""
+
+    architecture: Literal["llama", "qwen2"] = "qwen2"
+    vocab_size: int = Field(384, ge=64)
+    hidden_size: int = Field(128, ge=8)
+    intermediate_size: int = Field(384, ge=8)
+    num_hidden_layers: int = Field(4, ge=1)
+    num_attention_heads: int = Field(4, ge=1)
+    num_key_value_heads: int = Field(2, ge=1)
+    max_position_embeddings: int = Field(512, ge=16)
+    tie_word_embeddings: bool = True
+
+    @model_validator(mode="after")
+    def _heads(self) -> TinyModelConfig:
+        if self.hidden_size % self.num_attention_heads:
+            raise ValueError("hidden_size must be divisible by num_attention_heads")
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ValueError("num_attention_heads must be divisible by num_key_value_heads")
+        return self
+
+
+class LoraConfig(_Section):
+    enabled: bool = True
+    r: int = Field(16, ge=1)
+    alpha: int = Field(32, ge=1)
+    dropout: float = Field(0.0, ge=0, lt=1)
+    target_modules: str | list[str] = Field(
+        default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
+        description="Module names, or 'all-linear'.",
+    )
+
+
+class ModelConfig(_Section):
+    name: str = Field("tiny", description="'tiny' (built from config) or a HF model id / local path.")
+    revision: str | None = None
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "float32"
+    load_in_4bit: bool = Field(False, description="QLoRA: load the base model in 4-bit NF4 with bitsandbytes.")
+    trust_remote_code: bool = False
+    attn_implementation: str | None = Field("sdpa", description="'sdpa', 'eager', 'flash_attention_2', ...")
+    gradient_checkpointing: bool = False
+    lora: LoraConfig = Field(default_factory=LoraConfig)
+    tiny: TinyModelConfig = Field(default_factory=TinyModelConfig)
+
+    @model_validator(mode="after")
+    def _qlora(self) -> ModelConfig:
+        if self.load_in_4bit and not self.lora.enabled:
+            raise ValueError("load_in_4bit needs lora.enabled: 4-bit weights cannot be trained directly")
+        return self
+
+
+# --------------------------------------------------------------------------------------------
+# stages
+# --------------------------------------------------------------------------------------------
+class _OptimFields(_Section):
+    learning_rate: float = Field(1e-5, gt=0)
+    weight_decay: float = Field(0.0, ge=0)
+    warmup_ratio: float = Field(0.0, ge=0, le=1)
+    lr_scheduler_type: Literal["linear", "cosine", "constant", "constant_with_warmup"] = "linear"
+    max_grad_norm: float | None = Field(1.0, gt=0)
+    optim: Literal["adamw_torch", "adamw_8bit", "paged_adamw_8bit"] = "adamw_torch"
+    adam_beta1: float = Field(0.9, ge=0, lt=1)
+    adam_beta2: float = Field(0.999, ge=0, lt=1)
+    per_device_train_batch_size: int = Field(8, ge=1)
+    gradient_accumulation_steps: int = Field(1, ge=1)
+    logging_steps: int = Field(1, ge=1)
+
+
+class SFTConfig(_OptimFields):
+    enabled: bool = True
+    num_train_epochs: float = Field(1.0, gt=0)
+    max_steps: int | None = Field(None, ge=1, description="Overrides num_train_epochs when set.")
+    max_length: int = Field(512, ge=8)
+    use_lora: bool = Field(True, description="Train model.lora adapters (merged into the checkpoint) or all weights.")
+    completion_only_loss: bool = True
+
+
+ScaleRewards = Literal["group", "batch", "none"]
+
+
+class GRPOConfig(_OptimFields):
+    """GRPO settings, with TRL GRPOConfig names and defaults (see ../shared/GRPO-REFERENCE.md)."""
+
+    learning_rate: float = Field(1e-6, gt=0)
+    max_steps: int = Field(100, ge=1, description="Optimizer steps.")
+    num_generations: int = Field(8, description="Completions per prompt (G).")
+    steps_per_generation: int | None = Field(None, ge=1)
+    generation_batch_size: int | None = Field(None, ge=1)
+    num_iterations: int = Field(1, ge=1, description="PPO epochs over each generation round (mu).")
+    beta: float = Field(0.0, ge=0, description="KL coefficient (k3). 0 loads no reference model.")
+    epsilon: float = Field(0.2, gt=0, lt=1)
+    epsilon_high: float | None = Field(None, gt=0, description="Upper clip; defaults to epsilon.")
+    delta: float | None = Field(None, gt=1, description="Two-sided GRPO: cap on the unclipped ratio.")
+    importance_sampling_level: Literal["token", "sequence"] = "token"
+    loss_type: Literal["grpo", "bnpo", "dr_grpo", "dapo", "gspo"] = "dapo"
+    scale_rewards: ScaleRewards = "group"
+    reward_funcs: list[str] = Field(
+        default_factory=lambda: ["correctness", "strict_format", "soft_format", "int", "xmlcount"],
+        min_length=1,
+        description="Built-in names or 'module:function' import paths.",
+    )
+    reward_weights: list[float] | None = None
+    mask_truncated_completions: bool = False
+    use_bias_correction_kl: bool = True
+    vllm_importance_sampling_correction: bool = True
+    vllm_importance_sampling_mode: Literal["token_truncate", "token_mask", "sequence_truncate", "sequence_mask"] = (
+        "token_truncate"
+    )
+    vllm_importance_sampling_cap: float = Field(2.0, gt=0)
+    temperature: float = Field(1.0, gt=0)
+    top_p: float = Field(1.0, gt=0, le=1)
+    top_k: int | None = Field(None, ge=0)
+    min_p: float | None = Field(None, ge=0, le=1)
+    repetition_penalty: float = Field(1.0, gt=0)
+    max_prompt_length: int | None = Field(512, ge=1)
+    max_completion_length: int = Field(256, ge=1)
+    shuffle_dataset: bool = True
+    save_steps: int = Field(50, ge=1, description="Checkpoint every N optimizer steps.")
+    log_completions_steps: int = Field(
+        25, ge=1, description="Log a table of sample completions every N steps (and at the last step)."
+    )
+
+    @field_validator("scale_rewards", mode="before")
+    @classmethod
+    def _scale_alias(cls, v: Any) -> Any:
+        return {True: "group", False: "none"}.get(v, v) if isinstance(v, bool) else v
+
+    @field_validator("num_generations")
+    @classmethod
+    def _g(cls, v: int) -> int:
+        if v < 2:
+            raise ValueError(f"must be >= 2: group-relative advantages need at least 2 completions (got {v})")
+        return v
+
+    @model_validator(mode="after")
+    def _batching(self) -> GRPOConfig:
+        if self.steps_per_generation is not None and self.generation_batch_size is not None:
+            raise ValueError(
+                "steps_per_generation and generation_batch_size are mutually exclusive "
+                "(generation_batch_size = per_device_train_batch_size * num_processes * steps_per_generation)"
+            )
+        self.batching()  # raises with the formula
+        if self.reward_weights is not None and len(self.reward_weights) != len(self.reward_funcs):
+            raise ValueError(
+                f"reward_weights has {len(self.reward_weights)} values for {len(self.reward_funcs)} reward_funcs"
+            )
+        return self
+
+    def batching(self, num_processes: int = 1) -> Batching:
+        """Resolve the generation-round layout exactly as TRL's GRPOConfig.__post_init__."""
+        pdb, ga = self.per_device_train_batch_size, self.gradient_accumulation_steps
+        if self.generation_batch_size is None:
+            spg = self.steps_per_generation or ga
+            gbs = pdb * num_processes * spg
+        else:
+            gbs = self.generation_batch_size
+            if gbs % (pdb * num_processes):
+                raise ValueError(
+                    f"generation_batch_size ({gbs}) must be divisible by per_device_train_batch_size * "
+                    f"num_processes ({pdb} * {num_processes} = {pdb * num_processes})"
+                )
+            spg = gbs // (pdb * num_processes)
+        if gbs % self.num_generations:
+            raise ValueError(
+                f"generation_batch_size = per_device_train_batch_size * num_processes * steps_per_generation "
+                f"= {pdb} * {num_processes} * {spg} = {gbs} must be divisible by num_generations "
+                f"({self.num_generations})"
+            )
+        return Batching(
+            generation_batch_size=gbs,
+            steps_per_generation=spg,
+            unique_prompts=gbs // self.num_generations,
+            micro_batch_size=pdb,
+            gradient_accumulation_steps=ga,
+            num_iterations=self.num_iterations,
+        )
+
+    @property
+    def effective_epsilon_high(self) -> float:
+        return self.epsilon if self.epsilon_high is None else self.epsilon_high
+
+
+class Batching(BaseModel):
+    """The resolved layout of one generation round (per process)."""
+
+    model_config = ConfigDict(frozen=True)
+    generation_batch_size: int
+    steps_per_generation: int
+    unique_prompts: int
+    micro_batch_size: int
+    gradient_accumulation_steps: int
+    num_iterations: int
+
+    @property
+    def micro_steps_per_round(self) -> int:
+        return self.steps_per_generation * self.num_iterations
+
+    @property
+    def optimizer_steps_per_round(self) -> float:
+        return self.micro_steps_per_round / self.gradient_accumulation_steps
+
+
+class GenerationConfig(_Section):
+    backend: Literal["auto", "transformers"] = Field(
+        "auto", description="auto: the fastest backend installed that supports the model; transformers generate."
+    )
+    batch_size: int = Field(64, ge=1, description="Sequences per transformers generate call.")
+
+
+class EvalConfig(_Section):
+    enabled: bool = True
+    max_samples: int | None = Field(None, ge=1, description="Evaluate at most this many held-out rows.")
+    batch_size: int = Field(64, ge=1)
+    max_new_tokens: int | None = Field(None, ge=1, description="Defaults to grpo.max_completion_length.")
+
+
+class ExportConfig(_Section):
+    enabled: bool = True
+    adapter: bool = True
+    merged: bool = True
+    merged_dtype: Literal["float16", "bfloat16", "float32"] = "float16"
+    verify_prompts: int = Field(4, ge=0, description="Check the merged model's greedy tokens on N eval prompts.")
+
+
+class TrackingConfig(_Section):
+    uri: str | None = Field(
+        None, description="MLflow tracking URI; default: $MLFLOW_TRACKING_URI, else sqlite:///<output_dir>/mlflow.db"
+    )
+    experiment: str = "grpoflow"
+
+
+class PipelineConfig(_Section):
+    run: RunConfig = Field(default_factory=RunConfig)
+    data: DataConfig = Field(default_factory=DataConfig)
+    model: ModelConfig = Field(default_factory=ModelConfig)
+    sft: SFTConfig = Field(default_factory=SFTConfig)
+    grpo: GRPOConfig = Field(default_factory=GRPOConfig)
+    generation: GenerationConfig = Field(default_factory=GenerationConfig)
+    eval: EvalConfig = Field(default_factory=EvalConfig)
+    export: ExportConfig = Field(default_factory=ExportConfig)
+    tracking: TrackingConfig = Field(default_factory=TrackingConfig)
+
+    @model_validator(mode="after")
+    def _cross(self) -> PipelineConfig:
+        if self.export.enabled and self.export.adapter and not self.model.lora.enabled:
+            raise ValueError("export.adapter needs model.lora.enabled (full fine-tuning has no adapter)")
+        return self
+
+    def to_dict(self) -> dict[str, Any]:
+        return self.model_dump(mode="json")
+
+
+# --------------------------------------------------------------------------------------------
+# loading
+# --------------------------------------------------------------------------------------------
+def parse_override(item: str) -> tuple[list[str], Any]:
+    """'grpo.beta=0.04' -> (['grpo', 'beta'], 0.04); the value is parsed as YAML."""
+    if "=" not in item:
+        raise ConfigError(f"override {item!r}: expected key=value, e.g. grpo.beta=0.04")
+    key, raw = item.split("=", 1)
+    path = [p for p in key.strip().split(".") if p]
+    if not path:
+        raise ConfigError(f"override {item!r}: empty key")
+    try:
+        value = yaml.safe_load(raw) if raw.strip() else ""
+    except yaml.YAMLError as e:
+        raise ConfigError(f"override {key}: cannot parse value {raw!r}: {e}") from None
+    return path, value
+
+
+def apply_overrides(raw: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
+    for item in overrides:
+        path, value = parse_override(item)
+        node = raw
+        for i, part in enumerate(path[:-1]):
+            nxt = node.setdefault(part, {})
+            if not isinstance(nxt, dict):
+                raise ConfigError(f"override {item!r}: {'.'.join(path[: i + 1])} is not a section")
+            node = nxt
+        node[path[-1]] = value
+    return raw
+
+
+def _format_error(err: ValidationError) -> str:
+    lines = []
+    for e in err.errors():
+        key = ".".join(str(p) for p in e["loc"]) or "<root>"
+        msg = e["msg"].removeprefix("Value error, ")
+        if e["type"] == "extra_forbidden":
+            msg = "unknown key"
+        elif "input" in e and e["type"] not in ("missing",) and not isinstance(e["input"], dict):
+            msg = f"{msg} (got {e['input']!r})"
+        lines.append(f"  {key}: {msg}")
+    return "invalid config:\n" + "\n".join(lines)
+
+
+def config_from_dict(raw: dict[str, Any]) -> PipelineConfig:
+    try:
+        return PipelineConfig.model_validate(raw)
+    except ValidationError as err:
+        raise ConfigError(_format_error(err)) from None
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> PipelineConfig:
+    """Read a YAML config (the embedded default when path is None), apply key=value overrides, validate."""
+    path = Path(path) if path is not None else DEFAULT_CONFIG
+    if not path.is_file():
+        raise ConfigError(f"config file not found: {path}")
+    try:
+        raw = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as e:
+        raise ConfigError(f"{path}: not valid YAML: {e}") from None
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{path}: the top level must be a mapping of sections")
+    return config_from_dict(apply_overrides(raw, list(overrides or [])))
+
+
+def resolve_eval_size(eval_size: float, n_rows: int) -> int:
+    """A fraction (<1) of n_rows, at least 1, or an absolute count (>=1)."""
+    n = max(1, math.floor(eval_size * n_rows)) if eval_size < 1 else int(eval_size)
+    return min(n, n_rows - 1) if n_rows > 1 else 0

@@ -1,0 +1,110 @@
+"""Export stage: the LoRA adapter and merged 16-bit safetensors weights, verified.
+
+    export/adapter/   the peft adapter (adapter_config.json + adapter_model.safetensors)
+    export/merged/    base + adapter merged, cast to export.merged_dtype, with the tokenizer
+
+Verification: the merged folder is loaded back with plain transformers and must produce the
+same greedy tokens as the trained model (base + adapter, in the training dtype) on
+``export.verify_prompts`` eval prompts; the match count is in the summary and a mismatch fails
+the stage. GGUF comes with the evaluation-and-export issue.
+"""
+
+from __future__ import annotations
+
+import logging
+import shutil
+import time
+
+from prefect import task
+
+from tasks.config import PipelineConfig
+from tasks.data import load_split
+from tasks.generation import SamplingParams, TransformersGenerator
+from tasks.modeling import DTYPES, load_causal_lm, load_tokenizer, load_with_adapter
+from tasks.sft import prompt_ids
+from tasks.stage import run_stage
+from tasks.tracking import RunLogger
+from tasks.workspace import Workspace
+
+log = logging.getLogger(__name__)
+
+
+def greedy_tokens(model, tokenizer, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
+    gen = TransformersGenerator(model, tokenizer, batch_size=len(prompts) or 1)
+    return gen.generate(prompts, 1, SamplingParams(max_new_tokens=max_new_tokens, greedy=True)).completion_ids
+
+
+def run_export(
+    cfg: PipelineConfig, ws: Workspace, tracker: RunLogger, base_model: str, trained_model: str, is_adapter: bool
+) -> dict:
+    x = cfg.export
+    t0 = time.perf_counter()
+    out = ws.stage_dir("export")
+    tokenizer = load_tokenizer(trained_model, cfg.model)
+    trained = (
+        load_with_adapter(base_model, trained_model, cfg.model)
+        if is_adapter
+        else load_causal_lm(trained_model, cfg.model).eval()
+    )
+    rows = list(load_split(ws, "eval"))[: x.verify_prompts]
+    prompts = [prompt_ids(tokenizer, r["prompt"], cfg.grpo.max_prompt_length) for r in rows]
+    max_new = cfg.eval.max_new_tokens or cfg.grpo.max_completion_length
+    expected = greedy_tokens(trained, tokenizer, prompts, max_new) if prompts else []
+    summary: dict = {"seconds": 0.0}
+
+    if x.adapter and is_adapter:
+        adapter_dir = out / "adapter"
+        shutil.rmtree(adapter_dir, ignore_errors=True)
+        trained.save_pretrained(adapter_dir)
+        tokenizer.save_pretrained(adapter_dir)
+        summary["adapter_path"] = str(adapter_dir)
+        tracker.log_artifact(adapter_dir, "adapter")
+
+    if x.merged:
+        merged_dir = out / "merged"
+        shutil.rmtree(merged_dir, ignore_errors=True)
+        merged = trained.merge_and_unload() if is_adapter else trained
+        merged = merged.to(DTYPES[x.merged_dtype])
+        merged.save_pretrained(merged_dir, safe_serialization=True)
+        tokenizer.save_pretrained(merged_dir)
+        summary["merged_path"] = str(merged_dir)
+        summary["merged_dtype"] = x.merged_dtype
+        if prompts:
+            from transformers import AutoModelForCausalLM
+
+            reloaded = AutoModelForCausalLM.from_pretrained(merged_dir, dtype=DTYPES[x.merged_dtype]).eval()
+            got = greedy_tokens(reloaded, tokenizer, prompts, max_new)
+            matches = sum(a == b for a, b in zip(expected, got))
+            summary["verify_prompts"] = len(prompts)
+            summary["verify_matches"] = matches
+            if matches != len(prompts):
+                bad = [i for i, (a, b) in enumerate(zip(expected, got)) if a != b]
+                raise RuntimeError(
+                    f"export: merged {x.merged_dtype} model at {merged_dir} differs from the trained model in greedy "
+                    f"tokens on eval prompts {bad} ({matches}/{len(prompts)} match)"
+                )
+        tracker.log_artifact(merged_dir, "merged")
+    summary["seconds"] = time.perf_counter() - t0
+    ws.write_manifest("export", summary)
+    return summary
+
+
+@task(name="export")
+def export_task(
+    cfg_dict: dict,
+    workspace_root: str,
+    parent_run_id: str | None,
+    base_model: str,
+    trained_model: str,
+    is_adapter: bool,
+) -> dict:
+    return run_stage(
+        "export",
+        run_export,
+        cfg_dict,
+        workspace_root,
+        parent_run_id,
+        base_model=base_model,
+        trained_model=trained_model,
+        is_adapter=is_adapter,
+    )

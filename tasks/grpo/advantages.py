@@ -1,0 +1,63 @@
+"""Rewards -> group-relative advantages (TRL GRPOTrainer semantics, ../shared/GRPO-REFERENCE.md).
+
+    r[b]  = nansum_k w_k * r_k[b]          (a row where every function gave NaN stays NaN)
+    A[b]  = r[b] - mean_group(r)           (NaN-aware over the G completions of one prompt)
+    scale_rewards = group: A /= std_group(r) + 1e-4
+                    batch: A /= std over the whole generation batch + 1e-4
+                    none : no division
+    NaN advantages -> 0.
+
+Completions of one prompt are consecutive: rows [g*G, (g+1)*G) form group g. TRL uses the
+unbiased (n-1) std from torch.std; so do we (nanstd with correction 1).
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def combine_rewards(per_func: torch.Tensor, weights: torch.Tensor | None = None) -> torch.Tensor:
+    """[B, K] rewards (NaN = not applicable) -> [B] weighted NaN-aware sum; all-NaN rows stay NaN."""
+    if weights is None:
+        weights = torch.ones(per_func.shape[1], dtype=per_func.dtype)
+    weighted = per_func * weights.to(per_func.dtype).unsqueeze(0)
+    total = torch.nansum(weighted, dim=1)
+    all_nan = torch.isnan(per_func).all(dim=1)
+    return torch.where(all_nan, torch.full_like(total, float("nan")), total)
+
+
+def nanstd(x: torch.Tensor, dim: int | None = None) -> torch.Tensor:
+    """Unbiased std ignoring NaNs (NaN when fewer than 2 values)."""
+    mask = ~torch.isnan(x)
+    n = mask.sum(dim) if dim is not None else mask.sum()
+    mean = torch.nanmean(x, dim=dim, keepdim=dim is not None)
+    sq = torch.where(mask, (x - mean) ** 2, torch.zeros_like(x))
+    var = sq.sum(dim) if dim is not None else sq.sum()
+    var = var / (n - 1).clamp(min=1)
+    return torch.where(n > 1, var.sqrt(), torch.full_like(var, float("nan")))
+
+
+def group_advantages(
+    rewards: torch.Tensor, num_generations: int, scale_rewards: str = "group", eps: float = 1e-4
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """[B] total rewards -> [B] advantages, plus the group statistics TRL logs."""
+    if rewards.numel() % num_generations:
+        raise ValueError(f"{rewards.numel()} rewards do not split into groups of {num_generations}")
+    grouped = rewards.view(-1, num_generations)  # [P, G]
+    mean_g = torch.nanmean(grouped, dim=1)  # [P]
+    std_g = nanstd(grouped, dim=1)  # [P]
+    adv = rewards - mean_g.repeat_interleave(num_generations)
+    if scale_rewards == "group":
+        adv = adv / (std_g.repeat_interleave(num_generations) + eps)
+    elif scale_rewards == "batch":
+        adv = adv / (nanstd(rewards) + eps)
+    elif scale_rewards != "none":
+        raise ValueError(f"scale_rewards must be group, batch or none (got {scale_rewards!r})")
+    adv = torch.nan_to_num(adv, nan=0.0)
+    zero_std = torch.isclose(torch.nan_to_num(std_g, nan=0.0), torch.zeros_like(mean_g))
+    stats = {
+        "reward": torch.nanmean(rewards).item(),
+        "reward_std": torch.nanmean(std_g).item() if (~torch.isnan(std_g)).any() else 0.0,
+        "frac_reward_zero_std": zero_std.float().mean().item(),
+    }
+    return adv, stats

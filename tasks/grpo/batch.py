@@ -1,0 +1,72 @@
+"""Tensors of one generation round and the policy log-prob forward pass.
+
+Layout: the prompt is left-padded to P, the completion right-padded to C, so the hidden state
+at position P-1+t predicts completion token t for every row:
+
+    input_ids = [pad.. prompt | completion ..pad]          # [B, P+C]
+    logp[b, t] = log p(completion[b, t] | prefix)         # [B, C], from hidden[:, P-1 : P+C-1]
+
+The lm_head is never applied to the whole sequence: the hidden states of the completion
+positions go through kernels.token_logprobs (chunked, checkpointed) with the head weight.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from kernels.logprobs import token_logprobs
+from tasks.generation import left_pad
+from tasks.modeling import backbone_and_head
+
+
+@dataclass
+class RoundTensors:
+    prompt_ids: torch.Tensor  # [B, P] left-padded
+    prompt_mask: torch.Tensor  # [B, P]
+    completion_ids: torch.Tensor  # [B, C] right-padded
+    completion_mask: torch.Tensor  # [B, C] 1 on real tokens (EOS included); 0 rows when masked out
+    sampler_logp: torch.Tensor  # [B, C] the sampler's log-probs (NaN on padding)
+    truncated: torch.Tensor  # [B] bool: no EOS within max_completion_length
+
+    def select(self, idx: torch.Tensor) -> RoundTensors:
+        return RoundTensors(*(getattr(self, f)[idx] for f in self.__dataclass_fields__))
+
+
+def build_round(
+    prompts: list[list[int]],
+    completions: list[list[int]],
+    sampler_logps: list[list[float]],
+    finish_reasons: list[str],
+    pad_id: int,
+    mask_truncated: bool,
+) -> RoundTensors:
+    p_ids, p_mask = left_pad(prompts, pad_id)
+    width = max(1, max(len(c) for c in completions))
+    c_ids = torch.full((len(completions), width), pad_id, dtype=torch.long)
+    c_mask = torch.zeros((len(completions), width), dtype=torch.long)
+    s_lp = torch.full((len(completions), width), float("nan"))
+    for i, (c, lp) in enumerate(zip(completions, sampler_logps)):
+        c_ids[i, : len(c)] = torch.tensor(c, dtype=torch.long)
+        c_mask[i, : len(c)] = 1
+        s_lp[i, : len(lp)] = torch.tensor(lp)
+    truncated = torch.tensor([r != "stop" for r in finish_reasons])
+    if mask_truncated:
+        c_mask = c_mask * (~truncated).long().unsqueeze(1)
+    return RoundTensors(p_ids, p_mask, c_ids, c_mask, s_lp, truncated)
+
+
+def policy_logprobs(
+    model, batch: RoundTensors, temperature: float, compute_entropy: bool = False
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Per-token log-probs [B, C] (and entropy) of the completion tokens under ``model``."""
+    backbone, head = backbone_and_head(model)
+    input_ids = torch.cat([batch.prompt_ids, batch.completion_ids], dim=1)
+    attn = torch.cat([batch.prompt_mask, torch.ones_like(batch.completion_mask)], dim=1)
+    hidden = backbone(input_ids=input_ids, attention_mask=attn, use_cache=False).last_hidden_state  # [B, P+C, D]
+    P, C = batch.prompt_ids.shape[1], batch.completion_ids.shape[1]
+    h = hidden[:, P - 1 : P + C - 1]  # [B, C, D]
+    return token_logprobs(
+        h, head.weight, batch.completion_ids, temperature, getattr(head, "bias", None), compute_entropy=compute_entropy
+    )

@@ -1,0 +1,113 @@
+"""The GRPO policy loss for one micro-batch (TRL GRPOTrainer._compute_loss semantics).
+
+Notation (../shared/GRPO-REFERENCE.md): logp, old_logp, ref_logp [B, T]; mask m [B, T];
+advantages A [B].
+
+    log_w = logp - old_logp                           (token level)
+          = sum_t m*(logp-old_logp) / max(1, sum_t m) (sequence level, GSPO; broadcast over t)
+    w      = exp(log_w);  w_clip = clamp(w, 1-eps, 1+eps_high);  w = min(w, delta) if delta
+    l      = -min(w*A, w_clip*A)
+    l     *= is_ratio                                  (sampler correction, when given)
+    kl     = exp(ref-logp) - (ref-logp) - 1            (k3; *= w when use_bias_correction_kl)
+    l     += beta * kl
+    loss   = aggregate(l, m) by loss_type:
+      grpo/gspo : mean_b( sum_t m*l / max(1, sum_t m) ) / GA
+      bnpo      : sum(m*l) / max(1, sum(m)) / GA
+      dr_grpo   : sum(m*l) / (B * max_completion_length) / GA
+      dapo      : sum(m*l) / (max(1, N_round) / world * GA / steps_per_generation)
+
+The returned loss is what one micro-batch contributes to the gradient of an optimizer step
+(the division by GA is inside), so the caller just sums backward() calls.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class LossSettings:
+    loss_type: str = "dapo"
+    importance_sampling_level: str = "token"
+    epsilon: float = 0.2
+    epsilon_high: float = 0.2
+    delta: float | None = None
+    beta: float = 0.0
+    use_bias_correction_kl: bool = True
+    max_completion_length: int = 256
+    gradient_accumulation_steps: int = 1
+    steps_per_generation: int = 1
+    world_size: int = 1
+
+
+def grpo_loss(
+    logp: torch.Tensor,
+    old_logp: torch.Tensor | None,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    s: LossSettings,
+    *,
+    ref_logp: torch.Tensor | None = None,
+    is_ratio: torch.Tensor | None = None,
+    num_items_in_round: float | None = None,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Loss of one micro-batch and detached per-token tensors for metrics."""
+    mask = mask.to(logp.dtype)
+    old = logp.detach() if old_logp is None else old_logp
+    log_ratio = logp - old  # [B, T]
+    if s.importance_sampling_level == "sequence" or s.loss_type == "gspo":
+        log_w = ((log_ratio * mask).sum(-1) / mask.sum(-1).clamp(min=1.0)).unsqueeze(-1)  # [B, 1]
+    else:
+        log_w = log_ratio
+    coef_1 = torch.exp(log_w)
+    adv = advantages.unsqueeze(1)  # [B, 1]
+
+    kl = None
+    if s.beta != 0.0:
+        if ref_logp is None:
+            raise ValueError("beta > 0 needs ref_logp")
+        d = ref_logp - logp
+        kl = torch.exp(d) - d - 1
+        if s.use_bias_correction_kl:
+            kl = kl * coef_1
+
+    coef_2 = torch.clamp(coef_1, 1 - s.epsilon, 1 + s.epsilon_high)
+    if s.delta is not None:
+        coef_1 = torch.clamp(coef_1, max=s.delta)
+    per_token = -torch.min(coef_1 * adv, coef_2 * adv)
+    if is_ratio is not None:
+        per_token = per_token * is_ratio
+    if kl is not None:
+        per_token = per_token + s.beta * kl
+    per_token = per_token.expand_as(mask) if per_token.shape != mask.shape else per_token
+
+    ga = s.gradient_accumulation_steps
+    if s.loss_type in ("grpo", "gspo"):
+        loss = ((per_token * mask).sum(-1) / mask.sum(-1).clamp(min=1.0)).mean() / ga
+    elif s.loss_type == "bnpo":
+        loss = (per_token * mask).sum() / mask.sum().clamp(min=1.0) / ga
+    elif s.loss_type == "dr_grpo":
+        loss = (per_token * mask).sum() / (per_token.shape[0] * s.max_completion_length) / ga
+    elif s.loss_type == "dapo":
+        if num_items_in_round is None:
+            raise ValueError("loss_type=dapo needs num_items_in_round (active tokens of the generation round)")
+        normalizer = max(1.0, float(num_items_in_round)) / s.world_size * ga / s.steps_per_generation
+        loss = (per_token * mask).sum() / normalizer
+    else:
+        raise ValueError(f"unknown loss_type {s.loss_type!r}")
+
+    with torch.no_grad():
+        w = coef_1.expand_as(mask)  # delta-capped ratio, as TRL's clip metrics use
+        low = (w < 1 - s.epsilon) & (adv < 0)
+        high = (w > 1 + s.epsilon_high) & (adv > 0)
+        extras = {"is_low_clipped": low, "is_high_clipped": high, "is_region_clipped": low | high}
+        if kl is not None:
+            extras["kl"] = kl.detach().expand_as(mask)
+    return loss, extras
+
+
+def masked_mean(x: torch.Tensor, mask: torch.Tensor) -> float:
+    m = mask.to(torch.float32)
+    return float((x.float() * m).sum() / m.sum().clamp(min=1.0))

@@ -1,0 +1,98 @@
+"""GRPO stage: load the policy (the SFT checkpoint, else the base model), train, save.
+
+With LoRA the stage trains a fresh adapter on top of its starting model and saves only the
+adapter (``grpo/final``); the reference for beta > 0 is the same model with adapters disabled.
+Full fine-tuning saves the whole model and, for beta > 0, loads a frozen reference copy.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+
+import torch
+from prefect import task
+
+from tasks.config import PipelineConfig
+from tasks.data import load_split
+from tasks.generation import make_generator
+from tasks.grpo.trainer import GRPOTrainer
+from tasks.modeling import count_parameters, load_causal_lm, load_tokenizer, load_trainable
+from tasks.rewards import resolve_reward_funcs
+from tasks.sft import base_model_path, prompt_ids
+from tasks.stage import run_stage
+from tasks.tracking import RunLogger
+from tasks.workspace import Workspace
+
+log = logging.getLogger(__name__)
+
+
+def run_grpo(cfg: PipelineConfig, ws: Workspace, tracker: RunLogger, init_model: str | None = None) -> dict:
+    g = cfg.grpo
+    torch.manual_seed(cfg.run.seed)
+    reward_funcs = resolve_reward_funcs(g.reward_funcs)  # fail on a bad import path before loading anything
+    start = init_model or base_model_path(cfg, ws)
+    tokenizer = load_tokenizer(start, cfg.model)
+    use_lora = cfg.model.lora.enabled
+    model = load_trainable(start, cfg.model, use_lora)
+    ref_model = None
+    if g.beta > 0 and not use_lora:
+        ref_model = load_causal_lm(start, cfg.model).eval().requires_grad_(False)
+    trainable, total = count_parameters(model)
+    rows = list(load_split(ws, "train"))
+    prompts = [prompt_ids(tokenizer, r["prompt"], g.max_prompt_length) for r in rows]
+    generator = make_generator(cfg.generation.backend, model, tokenizer, cfg.generation.batch_size)
+    b = g.batching()
+    tracker.log_params(
+        {"trainable_params": trainable, "total_params": total, "generation_backend": generator.name, **b.model_dump()}
+    )
+    log.info(
+        "GRPO: %d prompts, %d per round x %d generations, %d micro-batches of %d per round, %d optimizer steps",
+        len(rows),
+        b.unique_prompts,
+        g.num_generations,
+        b.steps_per_generation,
+        b.micro_batch_size,
+        g.max_steps,
+    )
+    out_dir = ws.stage_dir("grpo")
+    trainer = GRPOTrainer(
+        g,
+        model,
+        tokenizer,
+        rows,
+        prompts,
+        reward_funcs,
+        generator,
+        tracker,
+        out_dir / "checkpoints",
+        seed=cfg.run.seed,
+        ref_model=ref_model,
+    )
+    t0 = time.perf_counter()
+    result = trainer.train()
+    final_dir = out_dir / "final"
+    model.save_pretrained(final_dir)
+    tokenizer.save_pretrained(final_dir)
+    history_path = out_dir / "history.jsonl"
+    history_path.write_text("".join(json.dumps(h) + "\n" for h in trainer.history))
+    tracker.log_artifact(history_path)
+    final = result["final"]
+    summary = {
+        "model_path": str(final_dir),
+        "base_model": start,
+        "adapter": use_lora,
+        "steps": result["steps"],
+        "final_reward": final.get("reward"),
+        "first_reward": trainer.history[0]["reward"] if trainer.history else None,
+        "seconds": time.perf_counter() - t0,
+        "generation_backend": generator.name,
+    }
+    ws.write_manifest("grpo", summary)
+    return summary
+
+
+@task(name="grpo")
+def grpo_task(cfg_dict: dict, workspace_root: str, parent_run_id: str | None, init_model: str | None) -> dict:
+    return run_stage("grpo", run_grpo, cfg_dict, workspace_root, parent_run_id, init_model=init_model)

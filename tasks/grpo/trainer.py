@@ -1,0 +1,312 @@
+"""The GRPO loop: generate a round, score it, then replay it as micro-batches.
+
+One generation round (TRL's buffering, ../shared/GRPO-REFERENCE.md):
+  1. take ``unique_prompts`` prompts, sample ``num_generations`` completions for each;
+  2. score every completion with every reward function, weight, sum, group-normalize -> A;
+  3. shuffle the round and split it into ``steps_per_generation`` micro-batches of
+     ``per_device_train_batch_size``; replay them ``num_iterations`` times;
+  4. step the optimizer every ``gradient_accumulation_steps`` micro-batches (windows may span
+     rounds, as in TRL).
+old log-probs are computed once per round when they differ from the current ones
+(num_iterations > 1 or steps_per_generation > gradient_accumulation_steps); otherwise
+old_logp = logp.detach() and the ratio is exactly 1.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import random
+import shutil
+import time
+from collections import defaultdict
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from tasks.config import GRPOConfig
+from tasks.generation import SamplingParams
+from tasks.grpo.advantages import combine_rewards, group_advantages
+from tasks.grpo.batch import RoundTensors, build_round, policy_logprobs
+from tasks.grpo.loss import LossSettings, grpo_loss, masked_mean
+from tasks.optim import build_optimizer, build_scheduler, clip_and_step
+from tasks.progress import progress_bar
+from tasks.rewards import score_completions
+from tasks.tracking import RunLogger
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class PromptSampler:
+    """Shuffled passes over the dataset; its position is part of a checkpoint."""
+
+    n_rows: int
+    seed: int
+    shuffle: bool = True
+    epoch: int = 0
+    cursor: int = 0
+    _order: list[int] = field(default_factory=list)
+
+    def _fill(self) -> None:
+        self._order = list(range(self.n_rows))
+        if self.shuffle:
+            random.Random(self.seed + self.epoch).shuffle(self._order)
+
+    def take(self, k: int) -> list[int]:
+        out = []
+        while len(out) < k:
+            if not self._order:
+                self._fill()
+            if self.cursor >= self.n_rows:
+                self.epoch, self.cursor = self.epoch + 1, 0
+                self._fill()
+            out.append(self._order[self.cursor])
+            self.cursor += 1
+        return out
+
+    def state(self) -> dict:
+        return {"epoch": self.epoch, "cursor": self.cursor}
+
+    def load(self, state: dict) -> None:
+        self.epoch, self.cursor = state["epoch"], state["cursor"]
+        self._fill()
+
+
+def loss_settings(g: GRPOConfig, spg: int) -> LossSettings:
+    return LossSettings(
+        loss_type=g.loss_type,
+        importance_sampling_level="sequence" if g.loss_type == "gspo" else g.importance_sampling_level,
+        epsilon=g.epsilon,
+        epsilon_high=g.effective_epsilon_high,
+        delta=g.delta,
+        beta=g.beta,
+        use_bias_correction_kl=g.use_bias_correction_kl,
+        max_completion_length=g.max_completion_length,
+        gradient_accumulation_steps=g.gradient_accumulation_steps,
+        steps_per_generation=spg,
+    )
+
+
+class GRPOTrainer:
+    def __init__(
+        self,
+        cfg: GRPOConfig,
+        model,
+        tokenizer,
+        rows: list[dict],
+        prompt_ids: list[list[int]],
+        reward_funcs: list,
+        generator,
+        tracker: RunLogger,
+        checkpoint_dir: Path,
+        seed: int = 42,
+        ref_model=None,
+    ):
+        self.cfg = cfg
+        self.model = model
+        self.tokenizer = tokenizer
+        self.rows = rows
+        self.prompt_ids = prompt_ids
+        self.reward_funcs = reward_funcs
+        self.generator = generator
+        self.tracker = tracker
+        self.checkpoint_dir = checkpoint_dir
+        self.seed = seed
+        self.ref_model = ref_model
+        self.batching = cfg.batching()
+        self.settings = loss_settings(cfg, self.batching.steps_per_generation)
+        self.sampler = PromptSampler(len(rows), seed, cfg.shuffle_dataset)
+        self.optimizer = build_optimizer(model.parameters(), cfg)
+        self.scheduler = build_scheduler(self.optimizer, cfg, cfg.max_steps)
+        self.params = SamplingParams.from_grpo(cfg)
+        self.weights = torch.tensor(cfg.reward_weights) if cfg.reward_weights else None
+        self.step = 0
+        self.micro_step = 0
+        self.num_tokens = 0
+        self.history: list[dict] = []
+
+    # ---------------------------------------------------------------- generation round
+    def generate_round(self) -> tuple[RoundTensors, torch.Tensor, dict, list[dict]]:
+        g, b = self.cfg, self.batching
+        idx = self.sampler.take(b.unique_prompts)
+        prompts = [self.prompt_ids[i] for i in idx]
+        gen = self.generator.generate(prompts, g.num_generations, self.params)
+        rows = [self.rows[i] for i in idx for _ in range(g.num_generations)]
+        texts = self.tokenizer.batch_decode(gen.completion_ids, skip_special_tokens=True)
+        conversational = isinstance(rows[0]["prompt"], list)
+        completions = [[{"role": "assistant", "content": t}] for t in texts] if conversational else texts
+        columns = {k: [r[k] for r in rows] for k in rows[0] if k != "prompt"}
+        scores = score_completions(self.reward_funcs, [r["prompt"] for r in rows], completions, columns)
+        per_func = torch.tensor([scores[name] for name, _ in self.reward_funcs], dtype=torch.float32).t()  # [B, K]
+        total = combine_rewards(per_func, self.weights)
+        adv, stats = group_advantages(total, g.num_generations, g.scale_rewards)
+        for k, (name, _) in enumerate(self.reward_funcs):
+            col = per_func[:, k]
+            stats[f"rewards/{name}/mean"] = torch.nanmean(col).item()
+            std = col[~torch.isnan(col)].std().item() if (~torch.isnan(col)).sum() > 1 else 0.0
+            stats[f"rewards/{name}/std"] = std
+        batch = build_round(
+            [self.prompt_ids[i] for i in idx for _ in range(g.num_generations)],
+            gen.completion_ids,
+            gen.logprobs,
+            gen.finish_reasons,
+            self.tokenizer.pad_token_id,
+            g.mask_truncated_completions,
+        )
+        lengths = torch.tensor([len(c) for c in gen.completion_ids], dtype=torch.float32)
+        term = lengths[~batch.truncated]
+        self.num_tokens += int(batch.prompt_mask.sum() + lengths.sum())
+        stats.update(
+            {
+                "completions/mean_length": lengths.mean().item(),
+                "completions/min_length": lengths.min().item(),
+                "completions/max_length": lengths.max().item(),
+                "completions/clipped_ratio": batch.truncated.float().mean().item(),
+                "completions/mean_terminated_length": term.mean().item() if term.numel() else 0.0,
+                "completions/min_terminated_length": term.min().item() if term.numel() else 0.0,
+                "completions/max_terminated_length": term.max().item() if term.numel() else 0.0,
+                "num_tokens": float(self.num_tokens),
+            }
+        )
+        samples = [
+            {
+                "question": r.get("question", ""),
+                "answer": r.get("answer", ""),
+                "completion": t,
+                "reward": float(tr),
+                "advantage": float(a),
+            }
+            for r, t, tr, a in zip(rows, texts, total.tolist(), adv.tolist())
+        ]
+        return batch, adv, stats, samples
+
+    def _logprobs_no_grad(self, batch: RoundTensors, model=None) -> torch.Tensor:
+        out = []
+        mb = self.batching.micro_batch_size
+        with torch.no_grad():
+            for s in range(0, batch.completion_ids.shape[0], mb):
+                sub = batch.select(torch.arange(s, min(s + mb, batch.completion_ids.shape[0])))
+                out.append(policy_logprobs(model or self.model, sub, self.cfg.temperature)[0])
+        width = batch.completion_ids.shape[1]
+        return torch.cat([torch.nn.functional.pad(o, (0, width - o.shape[1])) for o in out])
+
+    def reference_logprobs(self, batch: RoundTensors) -> torch.Tensor:
+        if self.ref_model is not None:
+            return self._logprobs_no_grad(batch, self.ref_model)
+        with self.model.disable_adapter():  # LoRA: the reference is the base, no second copy
+            return self._logprobs_no_grad(batch)
+
+    # ---------------------------------------------------------------- training
+    def train(self) -> dict:
+        g, b = self.cfg, self.batching
+        need_old = g.num_iterations > 1 or b.steps_per_generation > b.gradient_accumulation_steps
+        window: dict[str, list[float]] = defaultdict(list)
+        step_start = time.perf_counter()
+        t_start = step_start
+        rng = torch.Generator().manual_seed(self.seed)
+        last: dict = {}
+        with progress_bar("grpo", g.max_steps) as advance:
+            while self.step < g.max_steps:
+                t_gen = time.perf_counter()
+                batch, adv, stats, samples = self.generate_round()
+                gen_time = time.perf_counter() - t_gen
+                old_logp = self._logprobs_no_grad(batch) if need_old else None
+                ref_logp = self.reference_logprobs(batch) if g.beta > 0 else None
+                n_round = float(batch.completion_mask.sum())
+                if n_round == 0:
+                    log.warning("every completion of this round is masked (truncated): its loss is 0")
+                perm = torch.randperm(adv.numel(), generator=rng)
+                for it in range(b.num_iterations):
+                    for k in range(b.steps_per_generation):
+                        idx = perm[k * b.micro_batch_size : (k + 1) * b.micro_batch_size]
+                        self._micro_step(batch.select(idx), adv[idx], old_logp, ref_logp, idx, n_round, it, window)
+                        if self.micro_step % b.gradient_accumulation_steps:
+                            continue
+                        grad_norm = clip_and_step(self.model, self.optimizer, self.scheduler, g.max_grad_norm)
+                        self.step += 1
+                        elapsed = time.perf_counter() - step_start
+                        step_start = time.perf_counter()
+                        metrics = {k2: sum(v) / len(v) for k2, v in window.items() if v}
+                        metrics.update(stats)
+                        metrics.update(
+                            {
+                                "grad_norm": grad_norm,
+                                "learning_rate": self.scheduler.get_last_lr()[0],
+                                "step_time": elapsed,
+                                "generation_time": gen_time,
+                                "tokens_per_second": self.num_tokens / max(time.perf_counter() - t_start, 1e-9),
+                            }
+                        )
+                        window.clear()
+                        last = metrics
+                        self.history.append({"step": self.step, **metrics})
+                        if self.step % g.logging_steps == 0 or self.step == g.max_steps:
+                            self.tracker.log_metrics(metrics, step=self.step)
+                        if self.step % g.log_completions_steps == 0 or self.step == g.max_steps:
+                            self._log_samples(samples)
+                        if self.step % g.save_steps == 0 and self.step < g.max_steps:
+                            self.save_checkpoint()
+                        advance(reward=metrics["reward"], loss=metrics.get("loss", 0.0))
+                        if self.step >= g.max_steps:
+                            break
+                    if self.step >= g.max_steps:
+                        break
+        return {"steps": self.step, "final": last, "seconds": time.perf_counter() - t_start}
+
+    def _micro_step(self, mb, adv, old_round, ref_round, idx, n_round, iteration, window) -> None:
+        g = self.cfg
+        logp, entropy = policy_logprobs(self.model, mb, g.temperature, compute_entropy=True)
+        old = old_round[idx] if old_round is not None else None
+        ref = ref_round[idx] if ref_round is not None else None
+        loss, extras = grpo_loss(
+            logp, old, adv, mb.completion_mask, self.settings, ref_logp=ref, num_items_in_round=n_round
+        )
+        loss.backward()
+        self.micro_step += 1
+        m = mb.completion_mask
+        window["loss"].append(loss.item() * g.gradient_accumulation_steps)
+        window["entropy"].append(masked_mean(entropy.detach(), m))
+        for name in ("low", "high", "region"):
+            window[f"clip_ratio/{name}_mean"].append(masked_mean(extras[f"is_{name}_clipped"], m))
+        if "kl" in extras:
+            window["kl"].append(masked_mean(extras["kl"], m))
+        if iteration == 0:
+            base = old if old is not None else logp.detach()
+            real = m.bool() & ~torch.isnan(mb.sampler_logp)
+            if real.any():
+                diff = (base - mb.sampler_logp).abs()[real]
+                window["sampling/sampling_logp_difference/mean"].append(diff.mean().item())
+                window["sampling/sampling_logp_difference/max"].append(diff.max().item())
+
+    def _log_samples(self, samples: list[dict]) -> None:
+        table = {k: [s[k] for s in samples] for k in samples[0]}
+        self.tracker.log_table(table, f"completions/step_{self.step:05d}.json")
+
+    # ---------------------------------------------------------------- checkpoints
+    def save_checkpoint(self) -> Path:
+        """Model/adapter, optimizer, scheduler, RNG states and data position; keeps the newest two."""
+        path = self.checkpoint_dir / f"checkpoint-{self.step}"
+        path.mkdir(parents=True, exist_ok=True)
+        self.model.save_pretrained(path)
+        torch.save(
+            {
+                "optimizer": self.optimizer.state_dict(),
+                "scheduler": self.scheduler.state_dict(),
+                "torch_rng": torch.get_rng_state(),
+                "python_rng": random.getstate(),
+            },
+            path / "trainer_state.pt",
+        )
+        state = {
+            "step": self.step,
+            "micro_step": self.micro_step,
+            "num_tokens": self.num_tokens,
+            "sampler": self.sampler.state(),
+        }
+        (path / "trainer_state.json").write_text(json.dumps(state))
+        old = sorted(self.checkpoint_dir.glob("checkpoint-*"), key=lambda p: int(p.name.split("-")[1]))
+        for stale in old[:-2]:
+            shutil.rmtree(stale, ignore_errors=True)
+        return path

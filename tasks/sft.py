@@ -1,0 +1,144 @@
+"""SFT stage: teach the output format (and, for the tiny model, the task) before GRPO.
+
+Each training example is the chat-templated prompt followed by the reference completion
+("<reasoning>...</reasoning><answer>...</answer>") and EOS; with ``completion_only_loss`` the
+prompt tokens carry label -100. Cross-entropy is the token mean over the accumulated batch.
+With LoRA the adapter is merged before saving, so the checkpoint is always a plain model that
+GRPO (or evaluation) loads as its base.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import random
+import time
+
+import torch
+from prefect import task
+
+from tasks.config import PipelineConfig
+from tasks.data import corpus_text, load_split
+from tasks.modeling import count_parameters, ensure_base_model, load_tokenizer, load_trainable
+from tasks.optim import build_optimizer, build_scheduler, clip_and_step
+from tasks.progress import progress_bar
+from tasks.stage import run_stage
+from tasks.tracking import RunLogger
+from tasks.workspace import Workspace
+
+log = logging.getLogger(__name__)
+
+
+def base_model_path(cfg: PipelineConfig, ws: Workspace) -> str:
+    """The configured base model; for ``tiny`` it is built (once) from the training text."""
+    texts = corpus_text(load_split(ws, "train")) if cfg.model.name == "tiny" else None
+    return ensure_base_model(cfg.model, texts, ws.stage_dir("base_model"), cfg.run.seed)
+
+
+def prompt_ids(tokenizer, prompt_messages: list[dict], max_prompt_length: int | None = None) -> list[int]:
+    """Chat-templated prompt token ids, left-truncated to max_prompt_length (as TRL does)."""
+    text = tokenizer.apply_chat_template(prompt_messages, tokenize=False, add_generation_prompt=True)
+    ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+    if max_prompt_length is not None and len(ids) > max_prompt_length:
+        ids = ids[-max_prompt_length:]
+    return ids
+
+
+def tokenize_sft(rows, tokenizer, max_length: int, completion_only: bool) -> list[tuple[list[int], list[int]]]:
+    examples = []
+    for row in rows:
+        p = prompt_ids(tokenizer, row["prompt"])
+        c = tokenizer(row["reference"], add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
+        ids = (p + c)[:max_length]
+        labels = ([-100] * len(p) if completion_only else p) + c
+        examples.append((ids, labels[:max_length]))
+    return examples
+
+
+def collate(batch: list[tuple[list[int], list[int]]], pad_id: int):
+    width = max(len(ids) for ids, _ in batch)
+    ids = torch.full((len(batch), width), pad_id, dtype=torch.long)
+    labels = torch.full((len(batch), width), -100, dtype=torch.long)
+    mask = torch.zeros((len(batch), width), dtype=torch.long)
+    for i, (x, y) in enumerate(batch):
+        ids[i, : len(x)] = torch.tensor(x)
+        labels[i, : len(y)] = torch.tensor(y)
+        mask[i, : len(x)] = 1
+    return ids, labels, mask
+
+
+def run_sft(cfg: PipelineConfig, ws: Workspace, tracker: RunLogger) -> dict:
+    s = cfg.sft
+    torch.manual_seed(cfg.run.seed)
+    base = base_model_path(cfg, ws)
+    tokenizer = load_tokenizer(base, cfg.model)
+    use_lora = s.use_lora and cfg.model.lora.enabled
+    model = load_trainable(base, cfg.model, use_lora)
+    trainable, total = count_parameters(model)
+    examples = tokenize_sft(load_split(ws, "train"), tokenizer, s.max_length, s.completion_only_loss)
+    per_step = s.per_device_train_batch_size * s.gradient_accumulation_steps
+    steps_per_epoch = max(1, math.ceil(len(examples) / per_step))
+    total_steps = s.max_steps or max(1, math.ceil(s.num_train_epochs * steps_per_epoch))
+    tracker.log_params({"trainable_params": trainable, "total_params": total, "total_steps": total_steps})
+    log.info("SFT: %d examples, %d steps, %d/%d trainable parameters", len(examples), total_steps, trainable, total)
+
+    optimizer = build_optimizer(model.parameters(), s)
+    scheduler = build_scheduler(optimizer, s, total_steps)
+    rng = random.Random(cfg.run.seed)
+    order: list[int] = []
+    loss_val, t0, tokens = float("nan"), time.perf_counter(), 0
+    with progress_bar("sft", total_steps) as advance:
+        for step in range(1, total_steps + 1):
+            micro = []
+            for _ in range(per_step):
+                if not order:
+                    order = list(range(len(examples)))
+                    rng.shuffle(order)
+                micro.append(examples[order.pop()])
+            n_label = sum(sum(1 for t in y[1:] if t != -100) for _, y in micro)
+            step_loss = 0.0
+            for k in range(0, per_step, s.per_device_train_batch_size):
+                ids, labels, mask = collate(micro[k : k + s.per_device_train_batch_size], tokenizer.pad_token_id)
+                logits = model(input_ids=ids, attention_mask=mask).logits[:, :-1].float()
+                loss = torch.nn.functional.cross_entropy(
+                    logits.reshape(-1, logits.shape[-1]), labels[:, 1:].reshape(-1), ignore_index=-100, reduction="sum"
+                ) / max(1, n_label)
+                loss.backward()
+                step_loss += loss.item()
+                tokens += int(mask.sum())
+            grad_norm = clip_and_step(model, optimizer, scheduler, s.max_grad_norm)
+            loss_val = step_loss
+            if step % s.logging_steps == 0 or step == total_steps:
+                elapsed = time.perf_counter() - t0
+                tracker.log_metrics(
+                    {
+                        "loss": loss_val,
+                        "grad_norm": grad_norm,
+                        "learning_rate": scheduler.get_last_lr()[0],
+                        "tokens_per_second": tokens / max(elapsed, 1e-9),
+                        "epoch": step * per_step / len(examples),
+                    },
+                    step=step,
+                )
+            advance(loss=loss_val)
+
+    out = ws.stage_dir("sft") / "model"
+    if use_lora:
+        model = model.merge_and_unload()
+    model.save_pretrained(out)
+    tokenizer.save_pretrained(out)
+    summary = {
+        "model_path": str(out),
+        "base_model": base,
+        "steps": total_steps,
+        "final_loss": loss_val,
+        "train_examples": len(examples),
+        "seconds": time.perf_counter() - t0,
+    }
+    ws.write_manifest("sft", summary)
+    return summary
+
+
+@task(name="sft")
+def sft_task(cfg_dict: dict, workspace_root: str, parent_run_id: str | None) -> dict:
+    return run_stage("sft", run_sft, cfg_dict, workspace_root, parent_run_id)

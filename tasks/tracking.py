@@ -1,0 +1,173 @@
+"""MLflow tracking: one parent run per pipeline run, one nested run per stage.
+
+Everything goes through ``MlflowClient`` with explicit run ids (no global active-run stack), so
+logging is correct whichever thread Prefect runs a task on. Default store: a SQLite file in the
+output folder (``sqlite:///<output_dir>/mlflow.db``) with artifacts beside it in
+``<output_dir>/mlartifacts``; ``tracking.uri`` or $MLFLOW_TRACKING_URI point elsewhere.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import subprocess
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+from mlflow.entities import Metric, Param, RunTag
+from mlflow.tracking import MlflowClient
+
+from tasks.config import PipelineConfig
+
+log = logging.getLogger(__name__)
+PARENT_TAG = "mlflow.parentRunId"
+
+
+def tracking_uri(cfg: PipelineConfig) -> str:
+    if cfg.tracking.uri:
+        return cfg.tracking.uri
+    if os.environ.get("MLFLOW_TRACKING_URI"):
+        return os.environ["MLFLOW_TRACKING_URI"]
+    return f"sqlite:///{Path(cfg.run.output_dir).resolve() / 'mlflow.db'}"
+
+
+def experiment_id(client: MlflowClient, cfg: PipelineConfig) -> str:
+    exp = client.get_experiment_by_name(cfg.tracking.experiment)
+    if exp is not None:
+        return exp.experiment_id
+    artifact_location = None
+    if client.tracking_uri.startswith("sqlite:"):
+        artifact_location = (Path(cfg.run.output_dir).resolve() / "mlartifacts").as_uri()
+    return client.create_experiment(cfg.tracking.experiment, artifact_location=artifact_location)
+
+
+def flatten(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for k, v in d.items():
+        key = f"{prefix}{k}"
+        if isinstance(v, dict):
+            out.update(flatten(v, key + "."))
+        else:
+            out[key] = v
+    return out
+
+
+def git_commit() -> str | None:
+    try:
+        here = Path(__file__).resolve().parent
+        res = subprocess.run(["git", "rev-parse", "HEAD"], cwd=here, capture_output=True, text=True, timeout=5)
+        return res.stdout.strip() or None if res.returncode == 0 else None
+    except (OSError, subprocess.SubprocessError):
+        return None
+
+
+class RunLogger:
+    """Logs to one MLflow run by id; ``RunLogger.disabled()`` logs nothing (plain function use, tests)."""
+
+    def __init__(self, client: MlflowClient | None, run_id: str | None):
+        self.client = client
+        self.run_id = run_id
+
+    @classmethod
+    def disabled(cls) -> RunLogger:
+        return cls(None, None)
+
+    def __bool__(self) -> bool:
+        return self.client is not None
+
+    def log_metrics(self, metrics: dict[str, float], step: int | None = None) -> None:
+        if self.client is None:
+            return
+        ts = int(time.time() * 1000)
+        items = [Metric(k, float(v), ts, step or 0) for k, v in metrics.items() if v is not None and v == v]
+        for i in range(0, len(items), 500):
+            self.client.log_batch(self.run_id, metrics=items[i : i + 500])
+
+    def log_params(self, params: dict[str, Any]) -> None:
+        if self.client is None:
+            return
+        items = [Param(k, str(v)[:6000]) for k, v in flatten(params).items()]
+        for i in range(0, len(items), 100):
+            self.client.log_batch(self.run_id, params=items[i : i + 100])
+
+    def set_tags(self, tags: dict[str, Any]) -> None:
+        if self.client is None:
+            return
+        items = [RunTag(k, str(v)) for k, v in tags.items() if v is not None]
+        if items:
+            self.client.log_batch(self.run_id, tags=items)
+
+    def log_dict(self, obj: Any, artifact_file: str) -> None:
+        if self.client is None:
+            return
+        self.client.log_dict(self.run_id, obj, artifact_file)
+
+    def log_text(self, text: str, artifact_file: str) -> None:
+        if self.client is None:
+            return
+        self.client.log_text(self.run_id, text, artifact_file)
+
+    def log_table(self, data: dict[str, list], artifact_file: str) -> None:
+        if self.client is None:
+            return
+        self.client.log_table(self.run_id, data=data, artifact_file=artifact_file)
+
+    def log_artifact(self, path: str | Path, artifact_path: str | None = None) -> None:
+        if self.client is None:
+            return
+        path = Path(path)
+        if path.is_dir():
+            self.client.log_artifacts(self.run_id, str(path), artifact_path)
+        else:
+            self.client.log_artifact(self.run_id, str(path), artifact_path)
+
+
+def start_pipeline_run(cfg: PipelineConfig, tags: dict[str, Any] | None = None) -> RunLogger:
+    """Create the parent run, log the resolved config (params + config.yaml artifact)."""
+    import yaml
+
+    client = MlflowClient(tracking_uri(cfg))
+    exp = experiment_id(client, cfg)
+    run = client.create_run(exp, run_name=cfg.run.name)
+    parent = RunLogger(client, run.info.run_id)
+    parent.set_tags(
+        {
+            "git_commit": git_commit(),
+            "model": cfg.model.name,
+            "dataset": cfg.data.source,
+            "grpoflow.stage": "pipeline",
+            **(tags or {}),
+        }
+    )
+    parent.log_params(cfg.to_dict())
+    parent.log_text(yaml.safe_dump(cfg.to_dict(), sort_keys=False), "config.yaml")
+    return parent
+
+
+def end_run(logger: RunLogger, ok: bool) -> None:
+    logger.client.set_terminated(logger.run_id, "FINISHED" if ok else "FAILED")
+
+
+@contextlib.contextmanager
+def stage_run(cfg: PipelineConfig, parent_run_id: str | None, stage: str) -> Iterator[RunLogger]:
+    """A nested MLflow run for one stage; a disabled logger when there is no parent run."""
+    if parent_run_id is None:
+        yield RunLogger.disabled()
+        return
+    client = MlflowClient(tracking_uri(cfg))
+    parent = client.get_run(parent_run_id)
+    run = client.create_run(
+        parent.info.experiment_id,
+        run_name=stage,
+        tags={PARENT_TAG: parent_run_id, "grpoflow.stage": stage},
+    )
+    logger = RunLogger(client, run.info.run_id)
+    ok = False
+    try:
+        yield logger
+        ok = True
+    finally:
+        end_run(logger, ok)

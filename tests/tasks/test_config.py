@@ -1,0 +1,78 @@
+import pytest
+
+from tasks.config import ConfigError, config_from_dict, load_config, resolve_eval_size
+
+
+def test_default_config_loads_and_resolves_batching():
+    cfg = load_config()
+    b = cfg.grpo.batching()
+    assert b.generation_batch_size == cfg.grpo.per_device_train_batch_size * b.steps_per_generation
+    assert b.unique_prompts * cfg.grpo.num_generations == b.generation_batch_size
+    assert cfg.grpo.loss_type == "dapo" and cfg.grpo.beta == 0.0
+
+
+@pytest.mark.parametrize(
+    "overrides, key",
+    [
+        (["grpo.bogus=1"], "grpo.bogus: unknown key"),
+        (["nosection.x=1"], "nosection: unknown key"),
+        (["grpo.beta=abc"], "grpo.beta"),
+        (["grpo.num_generations=1"], "grpo.num_generations: must be >= 2"),
+        (["grpo.per_device_train_batch_size=6", "grpo.gradient_accumulation_steps=1", "grpo.num_generations=4"],
+         "grpo: generation_batch_size"),
+        (["grpo.steps_per_generation=2", "grpo.generation_batch_size=64"], "mutually exclusive"),
+        (["grpo.generation_batch_size=60"], "divisible by per_device_train_batch_size"),
+        (["grpo.loss_type=ppo"], "grpo.loss_type"),
+        (["grpo.reward_weights=[1.0]"], "reward_weights has 1 values"),
+        (["model.tiny.hidden_size=130"], "model.tiny: Value error, hidden_size must be divisible"),
+        (["model.load_in_4bit=true", "model.lora.enabled=false", "export.adapter=false"], "load_in_4bit needs"),
+    ],
+)
+def test_bad_config_names_the_key(overrides, key):
+    with pytest.raises(ConfigError) as err:
+        load_config(None, overrides)
+    assert key.split(": Value error")[0] in str(err.value)
+
+
+def test_batch_formula_in_message():
+    with pytest.raises(ConfigError, match=r"= 6 \* 1 \* 1 = 6 must be divisible by num_generations \(4\)"):
+        load_config(None, ["grpo.per_device_train_batch_size=6", "grpo.gradient_accumulation_steps=1",
+                           "grpo.num_generations=4"])
+
+
+def test_overrides_parse_yaml_values_and_aliases():
+    cfg = load_config(None, ["grpo.beta=0.04", "grpo.scale_rewards=false", "grpo.reward_funcs=[correctness]"])
+    assert cfg.grpo.beta == 0.04
+    assert cfg.grpo.scale_rewards == "none"
+    assert cfg.grpo.reward_funcs == ["correctness"]
+    with pytest.raises(ConfigError, match="expected key=value"):
+        load_config(None, ["grpo.beta"])
+
+
+def test_generation_batch_size_sets_steps_per_generation():
+    cfg = config_from_dict({"grpo": {"per_device_train_batch_size": 4, "generation_batch_size": 16,
+                                     "num_generations": 4, "gradient_accumulation_steps": 2}})
+    b = cfg.grpo.batching()
+    assert (b.steps_per_generation, b.unique_prompts, b.optimizer_steps_per_round) == (4, 4, 2)
+
+
+def test_config_is_frozen():
+    cfg = load_config()
+    with pytest.raises(Exception):
+        cfg.grpo.beta = 1.0
+
+
+def test_missing_file_and_bad_yaml(tmp_path):
+    with pytest.raises(ConfigError, match="not found"):
+        load_config(tmp_path / "nope.yaml")
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("grpo: [unclosed")
+    with pytest.raises(ConfigError, match="not valid YAML"):
+        load_config(bad)
+
+
+def test_resolve_eval_size():
+    assert resolve_eval_size(0.1, 100) == 10
+    assert resolve_eval_size(25, 100) == 25
+    assert resolve_eval_size(0.001, 100) == 1
+    assert resolve_eval_size(500, 100) == 99

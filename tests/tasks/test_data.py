@@ -1,0 +1,335 @@
+"""Tests for tasks/data.py: sources, row formats, invalid rows, splits, the saved stage outputs."""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+
+import pandas as pd
+import pytest
+
+from tasks.config import GSM8K_SYSTEM_PROMPT, config_from_dict
+from tasks.data import (
+    corpus_text,
+    data_task,
+    generate_arithmetic,
+    load_source,
+    load_split,
+    parse_row,
+    prepare_data,
+)
+from tasks.rewards import correctness, strict_format
+from tasks.workspace import Workspace
+
+FIXTURES = Path(__file__).parents[1] / "fixtures"
+GSM8K_SAMPLE = FIXTURES / "gsm8k_sample.jsonl"
+GSM8K_FULL = Path(__file__).parents[2].parent / "shared/data/gsm8k"
+
+
+def make_cfg(tmp_path: Path, **data):
+    return config_from_dict({"run": {"output_dir": str(tmp_path), "seed": 7}, "data": data})
+
+
+def run(tmp_path: Path, **data):
+    ws = Workspace(tmp_path / "ws")
+    return prepare_data(make_cfg(tmp_path, **data), ws), ws
+
+
+def read_jsonl(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def write_rows(path: Path, rows: list[dict]) -> Path:
+    """Write rows in the format the suffix says."""
+    if path.suffix == ".jsonl":
+        path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    elif path.suffix == ".json":
+        path.write_text(json.dumps(rows))
+    elif path.suffix == ".csv":
+        pd.DataFrame(rows).to_csv(path, index=False)
+    elif path.suffix == ".parquet":
+        pd.DataFrame(rows).to_parquet(path)
+    return path
+
+
+QA_ROWS = [{"question": f"Capital number {i}?", "answer": f"City{i}"} for i in range(10)]
+
+
+# ---------------------------------------------------------------------------- arithmetic
+def test_arithmetic_is_deterministic_correct_and_disjoint():
+    acfg = config_from_dict(
+        {"data": {"arithmetic": {"train_size": 300, "eval_size": 50, "operations": ["+", "-", "*"]}}}
+    )
+    train, eval_ = generate_arithmetic(acfg.data.arithmetic, seed=3)
+    assert (train, eval_) == generate_arithmetic(acfg.data.arithmetic, seed=3)
+    assert train != generate_arithmetic(acfg.data.arithmetic, seed=4)[0]
+    assert len(train) == 300 and len(eval_) == 50
+    questions = [r["question"] for r in train + eval_]
+    assert len(set(questions)) == 350  # distinct, so no question in both splits
+    for row in train + eval_:
+        expr = row["question"].removeprefix("What is ").removesuffix("?")
+        assert int(row["answer"]) == eval(expr)  # our own generated "a op b"
+        a, _, b = expr.split(" ")
+        assert 0 <= int(a) <= 99 and 0 <= int(b) <= 99
+    assert {r["question"].split(" ")[3] for r in train} == {"+", "-", "*"}
+
+
+def test_arithmetic_small_space_uses_every_question():
+    acfg = config_from_dict(
+        {
+            "data": {
+                "arithmetic": {"train_size": 6, "eval_size": 3, "min_operand": 1, "max_operand": 3, "operations": ["+"]}
+            }
+        }
+    ).data.arithmetic
+    train, eval_ = generate_arithmetic(acfg, seed=0)
+    assert sorted(r["question"] for r in train + eval_) == sorted(
+        f"What is {a} + {b}?" for a in (1, 2, 3) for b in (1, 2, 3)
+    )
+
+
+def test_arithmetic_space_too_small():
+    acfg = config_from_dict(
+        {
+            "data": {
+                "arithmetic": {"train_size": 9, "eval_size": 1, "min_operand": 1, "max_operand": 3, "operations": ["+"]}
+            }
+        }
+    ).data.arithmetic
+    with pytest.raises(ValueError, match="only 9"):
+        generate_arithmetic(acfg, seed=0)
+
+
+def test_prepare_arithmetic(tmp_path):
+    summary, ws = run(tmp_path, arithmetic={"train_size": 40, "eval_size": 10})
+    assert summary["format"] == "arithmetic"
+    assert (summary["train_rows"], summary["eval_rows"], summary["skipped_rows"]) == (40, 10, 0)
+    train, eval_ = load_split(ws, "train"), load_split(ws.root, "eval")
+    assert train.column_names == ["prompt", "question", "answer", "reference"]
+    assert not set(train["question"]) & set(eval_["question"])
+    assert len(set(train["question"])) == 40
+    row = train[0]
+    a, op, b = row["question"].removeprefix("What is ").removesuffix("?").split(" ")
+    assert (
+        row["reference"]
+        == f"<reasoning>\n{a} {op} {b} = {row['answer']}\n</reasoning>\n<answer>\n{row['answer']}\n</answer>"
+    )
+    assert row["prompt"] == [
+        {"role": "system", "content": GSM8K_SYSTEM_PROMPT},
+        {"role": "user", "content": row["question"]},
+    ]
+
+
+def test_arithmetic_rejects_gsm8k_format(tmp_path):
+    with pytest.raises(ValueError, match="gsm8k"):
+        run(tmp_path, format="gsm8k")
+
+
+# ---------------------------------------------------------------------------- GSM8K
+def test_gsm8k_fixture(tmp_path):
+    summary, ws = run(tmp_path, source=str(GSM8K_SAMPLE), eval_size=0.25)
+    assert summary["format"] == "gsm8k"
+    assert (summary["train_rows"], summary["eval_rows"], summary["skipped_rows"]) == (30, 10, 0)
+
+    raw = read_jsonl(GSM8K_SAMPLE)
+    gold = {r["question"]: r["answer"].split("####")[-1].strip().replace(",", "") for r in raw}
+    rows = list(load_split(ws, "train")) + list(load_split(ws, "eval"))
+    assert sorted(r["question"] for r in rows) == sorted(gold)
+    for r in rows:
+        assert r["answer"] == gold[r["question"]]
+        assert "<<" not in r["reference"] and "####" not in r["reference"]
+        # the SFT targets earn the full format and correctness rewards
+        assert correctness([r["prompt"]], [r["reference"]], answer=[r["answer"]]) == [2.0]
+        assert strict_format([r["prompt"]], [r["reference"]]) == [0.5]
+
+    natalia = next(r for r in rows if r["question"].startswith("Natalia"))
+    assert natalia["answer"] == "72"
+    assert natalia["reference"] == (
+        "<reasoning>\nNatalia sold 48/2 = 24 clips in May.\n"
+        "Natalia sold 48+24 = 72 clips altogether in April and May.\n</reasoning>\n<answer>\n72\n</answer>"
+    )
+
+
+def test_gsm8k_parse_row():
+    q, gold, reasoning = parse_row(" Q? ", "a <<1+1=2>>2 then\nb\n#### 1,234 ", "gsm8k")
+    assert (q, gold, reasoning) == ("Q?", "1234", "a 2 then\nb")
+
+
+def test_held_out_split_is_seeded(tmp_path):
+    a, ws_a = run(tmp_path / "a", source=str(GSM8K_SAMPLE), eval_size=5)
+    _, ws_b = run(tmp_path / "b", source=str(GSM8K_SAMPLE), eval_size=5)
+    assert a["eval_rows"] == 5
+    assert list(load_split(ws_a, "eval")["question"]) == list(load_split(ws_b, "eval")["question"])
+
+
+def test_max_rows(tmp_path):
+    summary, _ = run(tmp_path, source=str(GSM8K_SAMPLE), max_train_rows=7, max_eval_rows=2)
+    assert (summary["train_rows"], summary["eval_rows"]) == (7, 2)
+
+
+# ---------------------------------------------------------------------------- local files
+@pytest.mark.parametrize("suffix", [".jsonl", ".json", ".csv", ".parquet"])
+def test_local_file_formats(tmp_path, suffix):
+    path = write_rows(tmp_path / f"qa{suffix}", QA_ROWS)
+    summary, ws = run(tmp_path, source=str(path), eval_size=2, system_prompt=None)
+    assert summary["format"] == "qa"
+    assert (summary["train_rows"], summary["eval_rows"]) == (8, 2)
+    row = load_split(ws, "train")[0]
+    assert row["answer"] == "City" + row["question"].removeprefix("Capital number ").removesuffix("?")
+    assert row["reference"] == f"<reasoning>\n\n</reasoning>\n<answer>\n{row['answer']}\n</answer>"
+    assert row["prompt"] == [{"role": "user", "content": row["question"]}]
+
+
+def test_custom_fields_and_numeric_answers(tmp_path):
+    rows = [{"problem": f"What is {i} + 1?", "solution": i + 1} for i in range(6)]
+    path = write_rows(tmp_path / "nums.csv", rows)
+    summary, ws = run(tmp_path, source=str(path), question_field="problem", answer_field="solution", eval_size=1)
+    assert summary["format"] == "qa"
+    assert sorted(list(load_split(ws, "train")["answer"]) + list(load_split(ws, "eval")["answer"])) == [
+        "1",
+        "2",
+        "3",
+        "4",
+        "5",
+        "6",
+    ]
+
+
+def test_arithmetic_format_on_a_file(tmp_path):
+    path = write_rows(tmp_path / "arith.jsonl", [{"question": "What is 3 * -4?", "answer": "-12"}] * 3)
+    _, ws = run(tmp_path, source=str(path), format="arithmetic", eval_size=1)
+    assert "3 * -4 = -12" in load_split(ws, "train")[0]["reference"]
+
+
+def test_eval_source_file(tmp_path):
+    train = write_rows(tmp_path / "train.jsonl", QA_ROWS)
+    eval_ = write_rows(tmp_path / "eval.jsonl", [{"question": "Held out?", "answer": "yes"}])
+    summary, ws = run(tmp_path, source=str(train), eval_source=str(eval_))
+    assert (summary["train_rows"], summary["eval_rows"]) == (10, 1)
+    assert list(load_split(ws, "eval")["question"]) == ["Held out?"]
+
+
+def test_arithmetic_with_eval_source_file(tmp_path):
+    acfg = make_cfg(tmp_path, arithmetic={"train_size": 30, "eval_size": 5}).data.arithmetic
+    in_train = generate_arithmetic(acfg, seed=7)[0][0]  # run() uses seed 7
+    path = write_rows(tmp_path / "arith_eval.jsonl", [in_train, {"question": "What is 500 + 1?", "answer": "501"}])
+    summary, ws = run(tmp_path, arithmetic={"train_size": 30, "eval_size": 5}, eval_source=str(path))
+    assert (summary["train_rows"], summary["eval_rows"]) == (29, 2)
+    assert in_train["question"] not in set(load_split(ws, "train")["question"])
+
+
+def test_eval_source_split_name_needs_hf_source(tmp_path):
+    train = write_rows(tmp_path / "train.jsonl", QA_ROWS)
+    with pytest.raises(ValueError, match="split name only applies"):
+        run(tmp_path, source=str(train), eval_source="test")
+
+
+def test_missing_file(tmp_path):
+    with pytest.raises(FileNotFoundError, match="nope.jsonl"):
+        run(tmp_path, source=str(tmp_path / "nope.jsonl"))
+    with pytest.raises(FileNotFoundError, match="data/dir/x"):
+        load_source("data/dir/x")
+
+
+def test_unsupported_suffix(tmp_path):
+    (tmp_path / "rows.txt").write_text("hello\n")
+    with pytest.raises(ValueError, match=r"rows.txt.*unsupported suffix '.txt'"):
+        run(tmp_path, source=str(tmp_path / "rows.txt"))
+
+
+def test_unreachable_hf_id(tmp_path, monkeypatch):
+    import datasets.config
+    import huggingface_hub.constants
+
+    monkeypatch.setattr(datasets.config, "HF_HUB_OFFLINE", True)
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
+    with pytest.raises(ValueError, match=r"'no-such-owner/no-such-dataset'.*neither a local .*reachable Hugging Face"):
+        run(tmp_path, source="no-such-owner/no-such-dataset")
+
+
+# ---------------------------------------------------------------------------- invalid rows
+def _bad_gsm8k(tmp_path: Path) -> Path:
+    rows = read_jsonl(GSM8K_SAMPLE)[:20]
+    rows[3]["answer"] = rows[3]["answer"].replace("####", "answer:")
+    rows[11]["question"] = ""
+    rows[17]["answer"] = None
+    return write_rows(tmp_path / "bad_gsm8k.jsonl", rows)
+
+
+def test_invalid_row_errors_with_index(tmp_path):
+    path = _bad_gsm8k(tmp_path)
+    with pytest.raises(ValueError, match=r"bad_gsm8k.jsonl row 3: answer has no '####'"):
+        run(tmp_path, source=str(path), format="gsm8k")
+
+
+def test_invalid_rows_skipped_and_counted(tmp_path, caplog):
+    path = _bad_gsm8k(tmp_path)
+    with caplog.at_level(logging.WARNING, logger="tasks.data"):
+        summary, ws = run(tmp_path, source=str(path), format="gsm8k", on_invalid_row="skip", eval_size=2)
+    assert summary["skipped_rows"] == 3
+    assert (summary["train_rows"], summary["eval_rows"]) == (15, 2)
+    assert "skipped 3 invalid rows" in caplog.text and "row 3: answer has no '####'" in caplog.text
+    assert "row 11: question is empty" in caplog.text and "row 17: answer is missing" in caplog.text
+    assert ws.read_manifest("data")["skipped_row_indices"] == {str(path): [3, 11, 17]}
+
+
+def test_non_string_question(tmp_path):
+    path = write_rows(tmp_path / "q.json", [{"question": 5, "answer": "x"}, {"question": "ok?", "answer": "y"}])
+    with pytest.raises(ValueError, match="row 0: question is not a string"):
+        run(tmp_path, source=str(path))
+
+
+def test_missing_column_lists_columns(tmp_path):
+    path = write_rows(tmp_path / "cols.jsonl", [{"prompt_text": "q", "answer": "a"}])
+    with pytest.raises(ValueError, match=r"data.question_field 'question'.*\['prompt_text', 'answer'\]"):
+        run(tmp_path, source=str(path))
+
+
+# ---------------------------------------------------------------------------- outputs
+def test_manifest_outputs_and_round_trip(tmp_path):
+    summary, ws = run(tmp_path, source=str(GSM8K_SAMPLE), eval_size=4)
+    manifest = ws.read_manifest("data")
+    assert manifest is not None
+    assert {k: manifest[k] for k in summary} == summary
+    assert manifest["source"] == str(GSM8K_SAMPLE) and manifest["format"] == "gsm8k"
+    assert Path(summary["train_path"]) == ws.root / "data" / "train"
+
+    train = load_split(ws, "train")
+    samples = read_jsonl(ws.root / "data" / "samples.jsonl")
+    assert len(samples) == 5 and samples == list(train.select(range(5)))
+
+    texts = list(corpus_text(train))
+    assert len(texts) == 3 * len(train)
+    assert texts[:3] == [GSM8K_SYSTEM_PROMPT, train[0]["question"], train[0]["reference"]]
+
+
+def test_rerun_overwrites(tmp_path):
+    _, ws = run(tmp_path, source=str(GSM8K_SAMPLE), eval_size=4)
+    _, ws = run(tmp_path, source=str(GSM8K_SAMPLE), eval_size=4, max_train_rows=3)
+    assert len(load_split(ws, "train")) == 3 == ws.read_manifest("data")["train_rows"]
+
+
+def test_failed_rerun_leaves_no_manifest(tmp_path):
+    _, ws = run(tmp_path, source=str(GSM8K_SAMPLE), eval_size=4)
+    with pytest.raises(FileNotFoundError):
+        run(tmp_path, source=str(tmp_path / "missing.jsonl"))
+    assert ws.read_manifest("data") is None
+
+
+def test_load_split_missing(tmp_path):
+    with pytest.raises(FileNotFoundError, match="run the data stage"):
+        load_split(tmp_path, "train")
+
+
+def test_data_task_fn(tmp_path):
+    cfg = make_cfg(tmp_path, arithmetic={"train_size": 8, "eval_size": 2})
+    summary = data_task.fn(cfg.to_dict(), str(tmp_path / "ws"))
+    assert (summary["train_rows"], summary["eval_rows"], summary["format"]) == (8, 2, "arithmetic")
+
+
+@pytest.mark.skipif(not (GSM8K_FULL / "train.jsonl").is_file(), reason="full GSM8K not present (../shared/data)")
+def test_full_gsm8k_train_parses(tmp_path):
+    summary, _ = run(tmp_path, source=str(GSM8K_FULL / "train.jsonl"), eval_size=0.1)
+    assert summary["format"] == "gsm8k" and summary["skipped_rows"] == 0
+    assert summary["train_rows"] + summary["eval_rows"] == 7473
