@@ -143,7 +143,9 @@ def load_causal_lm(name_or_path: str, cfg: ModelConfig, *, quantize: bool | None
     try:
         model = AutoModelForCausalLM.from_pretrained(name_or_path, **kwargs)
     except OSError as e:
-        raise ValueError(f"model.name: cannot load {name_or_path!r} (not a local model folder or reachable id): {e}") from e
+        raise ValueError(
+            f"model.name: cannot load {name_or_path!r} (not a local model folder or reachable id): {e}"
+        ) from e
     return model
 
 

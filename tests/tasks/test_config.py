@@ -1,3 +1,5 @@
+from pathlib import Path
+
 import pytest
 
 from tasks.config import ConfigError, config_from_dict, load_config, resolve_eval_size
@@ -18,8 +20,10 @@ def test_default_config_loads_and_resolves_batching():
         (["nosection.x=1"], "nosection: unknown key"),
         (["grpo.beta=abc"], "grpo.beta"),
         (["grpo.num_generations=1"], "grpo.num_generations: must be >= 2"),
-        (["grpo.per_device_train_batch_size=6", "grpo.gradient_accumulation_steps=1", "grpo.num_generations=4"],
-         "grpo: generation_batch_size"),
+        (
+            ["grpo.per_device_train_batch_size=6", "grpo.gradient_accumulation_steps=1", "grpo.num_generations=4"],
+            "grpo: generation_batch_size",
+        ),
         (["grpo.steps_per_generation=2", "grpo.generation_batch_size=64"], "mutually exclusive"),
         (["grpo.generation_batch_size=60"], "divisible by per_device_train_batch_size"),
         (["grpo.loss_type=ppo"], "grpo.loss_type"),
@@ -36,8 +40,9 @@ def test_bad_config_names_the_key(overrides, key):
 
 def test_batch_formula_in_message():
     with pytest.raises(ConfigError, match=r"= 6 \* 1 \* 1 = 6 must be divisible by num_generations \(4\)"):
-        load_config(None, ["grpo.per_device_train_batch_size=6", "grpo.gradient_accumulation_steps=1",
-                           "grpo.num_generations=4"])
+        load_config(
+            None, ["grpo.per_device_train_batch_size=6", "grpo.gradient_accumulation_steps=1", "grpo.num_generations=4"]
+        )
 
 
 def test_overrides_parse_yaml_values_and_aliases():
@@ -50,8 +55,16 @@ def test_overrides_parse_yaml_values_and_aliases():
 
 
 def test_generation_batch_size_sets_steps_per_generation():
-    cfg = config_from_dict({"grpo": {"per_device_train_batch_size": 4, "generation_batch_size": 16,
-                                     "num_generations": 4, "gradient_accumulation_steps": 2}})
+    cfg = config_from_dict(
+        {
+            "grpo": {
+                "per_device_train_batch_size": 4,
+                "generation_batch_size": 16,
+                "num_generations": 4,
+                "gradient_accumulation_steps": 2,
+            }
+        }
+    )
     b = cfg.grpo.batching()
     assert (b.steps_per_generation, b.unique_prompts, b.optimizer_steps_per_round) == (4, 4, 2)
 
@@ -76,3 +89,9 @@ def test_resolve_eval_size():
     assert resolve_eval_size(25, 100) == 25
     assert resolve_eval_size(0.001, 100) == 1
     assert resolve_eval_size(500, 100) == 99
+
+
+@pytest.mark.parametrize("path", sorted((Path(__file__).parents[2] / "configs").glob("*.yaml")), ids=lambda p: p.name)
+def test_shipped_configs_validate(path):
+    cfg = load_config(path)
+    assert cfg.grpo.batching().generation_batch_size % cfg.grpo.num_generations == 0
