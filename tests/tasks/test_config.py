@@ -1,6 +1,7 @@
 from pathlib import Path
 
 import pytest
+from pydantic import ValidationError
 
 from tasks.config import ConfigError, config_from_dict, load_config, resolve_eval_size
 
@@ -71,7 +72,7 @@ def test_generation_batch_size_sets_steps_per_generation():
 
 def test_config_is_frozen():
     cfg = load_config()
-    with pytest.raises(Exception):
+    with pytest.raises(ValidationError, match="frozen"):
         cfg.grpo.beta = 1.0
 
 

@@ -1,0 +1,140 @@
+"""The generation backend and the GRPO loop on a tiny model: shapes, log-prob consistency, a real step."""
+
+import torch
+
+from tasks.config import GRPOConfig, ModelConfig, TinyModelConfig
+from tasks.generation import SamplingParams, TransformersGenerator
+from tasks.grpo.batch import build_round, policy_logprobs
+from tasks.grpo.trainer import GRPOTrainer, PromptSampler
+from tasks.modeling import add_lora, build_tiny_model, train_tiny_tokenizer
+from tasks.rewards import resolve_reward_funcs
+from tasks.tracking import RunLogger
+
+TEXTS = ["What is 3 + 4?", "<reasoning>\n3 + 4 = 7\n</reasoning>\n<answer>\n7\n</answer>"] * 20
+
+
+def make(lora=True):
+    tok = train_tiny_tokenizer(TEXTS, 280)
+    model = build_tiny_model(
+        TinyModelConfig(
+            hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1
+        ),
+        tok,
+        seed=0,
+    )
+    if lora:
+        model = add_lora(model, ModelConfig().lora.model_copy(update={"r": 4, "target_modules": "all-linear"}))
+    return tok, model
+
+
+def test_generation_is_prompt_major_and_logprobs_match_the_trainer():
+    tok, model = make()
+    prompts = [tok("What is 3 + 4?")["input_ids"], tok("What is 10 + 20 + 30?")["input_ids"]]
+    torch.manual_seed(0)
+    gen = TransformersGenerator(model, tok, batch_size=3).generate(
+        prompts, 3, SamplingParams(max_new_tokens=6, temperature=0.9)
+    )
+    assert len(gen.completion_ids) == 6
+    for ids, lps, reason in zip(gen.completion_ids, gen.logprobs, gen.finish_reasons):
+        assert len(ids) == len(lps) and 1 <= len(ids) <= 6
+        assert reason == ("stop" if ids[-1] == tok.eos_token_id else "length")
+    batch = build_round(
+        [p for p in prompts for _ in range(3)],
+        gen.completion_ids,
+        gen.logprobs,
+        gen.finish_reasons,
+        tok.pad_token_id,
+        mask_truncated=False,
+    )
+    with torch.no_grad():
+        logp, _ = policy_logprobs(model, batch, temperature=0.9)
+    m = batch.completion_mask.bool()
+    torch.testing.assert_close(logp[m], batch.sampler_logp[m], atol=1e-4, rtol=1e-4)
+
+
+def test_greedy_generation_is_deterministic():
+    tok, model = make()
+    prompts = [tok("What is 3 + 4?")["input_ids"]]
+    g = TransformersGenerator(model, tok)
+    p = SamplingParams(max_new_tokens=5, greedy=True)
+    assert g.generate(prompts, 1, p).completion_ids == g.generate(prompts, 1, p).completion_ids
+
+
+def test_mask_truncated_completions_zeroes_their_rows():
+    batch = build_round([[1, 2], [1]], [[5, 6, 9], [5, 6]], [[-1.0] * 3, [-1.0] * 2], ["stop", "length"], 0, True)
+    assert batch.completion_mask.tolist() == [[1, 1, 1], [0, 0, 0]]
+    assert batch.prompt_ids.tolist() == [[1, 2], [0, 1]]
+
+
+def test_prompt_sampler_covers_every_row_each_epoch_and_resumes():
+    s = PromptSampler(5, seed=1)
+    first = s.take(5)
+    assert sorted(first) == [0, 1, 2, 3, 4]
+    state = s.state()
+    nxt = s.take(3)
+    t = PromptSampler(5, seed=1)
+    t.load(state)
+    assert t.take(3) == nxt
+
+
+def test_grpo_steps_update_lora_and_log_metrics(tmp_path):
+    tok, model = make()
+    rows = [
+        {"prompt": [{"role": "user", "content": f"What is {a} + {a}?"}], "question": f"{a}+{a}", "answer": str(2 * a)}
+        for a in range(8)
+    ]
+    prompts = [
+        tok(tok.apply_chat_template(r["prompt"], tokenize=False, add_generation_prompt=True))["input_ids"] for r in rows
+    ]
+    cfg = GRPOConfig(
+        max_steps=2,
+        per_device_train_batch_size=4,
+        gradient_accumulation_steps=2,
+        num_generations=4,
+        max_completion_length=6,
+        learning_rate=1e-2,
+        save_steps=1,
+        reward_funcs=["proximity", "length"],
+        num_iterations=2,
+        beta=0.1,
+    )
+    before = {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
+    frozen = {n: p.detach().clone() for n, p in model.named_parameters() if not p.requires_grad}
+
+    def length(prompts, completions, **columns):  # a reward with spread, so the random model gets a gradient
+        return [float(len(c[0]["content"])) for c in completions]
+
+    funcs = resolve_reward_funcs(["proximity"]) + [("length", length)]
+    trainer = GRPOTrainer(
+        cfg,
+        model,
+        tok,
+        rows,
+        prompts,
+        funcs,
+        TransformersGenerator(model, tok),
+        RunLogger.disabled(),
+        tmp_path / "ckpt",
+        seed=0,
+    )
+    result = trainer.train()
+    assert result["steps"] == 2 and len(trainer.history) == 2
+    h = trainer.history[-1]
+    for key in (
+        "loss",
+        "reward",
+        "reward_std",
+        "rewards/proximity/mean",
+        "rewards/length/std",
+        "kl",
+        "entropy",
+        "clip_ratio/region_mean",
+        "completions/mean_length",
+        "grad_norm",
+        "frac_reward_zero_std",
+    ):
+        assert key in h and h[key] == h[key], key
+    assert any(not torch.equal(before[n], p) for n, p in model.named_parameters() if p.requires_grad)
+    assert all(torch.equal(frozen[n], p) for n, p in model.named_parameters() if not p.requires_grad)
+    assert (tmp_path / "ckpt" / "checkpoint-1" / "adapter_model.safetensors").is_file()
+    assert (tmp_path / "ckpt" / "checkpoint-1" / "trainer_state.json").is_file()
