@@ -19,6 +19,7 @@ from tasks.data import load_split
 from tasks.generation import make_generator
 from tasks.grpo.trainer import GRPOTrainer
 from tasks.modeling import count_parameters, load_causal_lm, load_tokenizer, load_trainable
+from tasks.plots import plot_learning_curves
 from tasks.rewards import resolve_reward_funcs
 from tasks.sft import base_model_path, prompt_ids
 from tasks.stage import run_stage
@@ -78,6 +79,8 @@ def run_grpo(cfg: PipelineConfig, ws: Workspace, tracker: RunLogger, init_model:
     history_path = out_dir / "history.jsonl"
     history_path.write_text("".join(json.dumps(h) + "\n" for h in trainer.history))
     tracker.log_artifact(history_path)
+    if trainer.history:
+        tracker.log_artifact(plot_learning_curves(trainer.history, out_dir / "learning_curves.png"))
     final = result["final"]
     summary = {
         "model_path": str(final_dir),

@@ -62,6 +62,9 @@ def test_mlflow_layout(finished_run):
         history = client.get_metric_history(grpo, key)
         assert [m.step for m in history] == [1, 2, 3], key
     assert [m.step for m in client.get_metric_history(children["sft"].info.run_id, "loss")] == list(range(1, 21))
+    grpo_art = {a.path for a in client.list_artifacts(grpo)}
+    assert {"learning_curves.png", "history.jsonl", "completions"} <= grpo_art
+    assert len(client.list_artifacts(grpo, "completions")) == 2  # steps 2 and 3 (log_completions_steps=2, last)
     artifacts = {a.path for a in client.list_artifacts(parent.info.run_id)}
     assert "config.yaml" in artifacts
     assert "report.json" in {a.path for a in client.list_artifacts(children["eval"].info.run_id)}
