@@ -215,6 +215,9 @@ class GRPOConfig(_OptimFields):
     max_completion_length: int = Field(256, ge=1)
     shuffle_dataset: bool = True
     save_steps: int = Field(50, ge=1, description="Checkpoint every N optimizer steps.")
+    resume: Literal["auto", "never"] = Field(
+        "auto", description="auto: continue from the newest complete checkpoint of this run's GRPO stage."
+    )
     log_completions_steps: int = Field(
         25, ge=1, description="Log a table of sample completions every N steps (and at the last step)."
     )

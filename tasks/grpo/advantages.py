@@ -40,24 +40,25 @@ def nanstd(x: torch.Tensor, dim: int | None = None) -> torch.Tensor:
 def group_advantages(
     rewards: torch.Tensor, num_generations: int, scale_rewards: str = "group", eps: float = 1e-4
 ) -> tuple[torch.Tensor, dict[str, float]]:
-    """[B] total rewards -> [B] advantages, plus the group statistics TRL logs."""
+    """[B] total rewards -> [B] advantages, plus the statistics TRL logs (reward, reward_std over the
+    batch, frac_reward_zero_std over the std used: the group's, or the batch's for "batch")."""
     if rewards.numel() % num_generations:
         raise ValueError(f"{rewards.numel()} rewards do not split into groups of {num_generations}")
     grouped = rewards.view(-1, num_generations)  # [P, G]
-    mean_g = torch.nanmean(grouped, dim=1)  # [P]
-    std_g = nanstd(grouped, dim=1)  # [P]
-    adv = rewards - mean_g.repeat_interleave(num_generations)
-    if scale_rewards == "group":
-        adv = adv / (std_g.repeat_interleave(num_generations) + eps)
+    mean = torch.nanmean(grouped, dim=1).repeat_interleave(num_generations)  # [B]
+    if scale_rewards in ("group", "none"):
+        std = nanstd(grouped, dim=1).repeat_interleave(num_generations)  # [B]
     elif scale_rewards == "batch":
-        adv = adv / (nanstd(rewards) + eps)
-    elif scale_rewards != "none":
+        std = nanstd(rewards).expand_as(rewards)
+    else:
         raise ValueError(f"scale_rewards must be group, batch or none (got {scale_rewards!r})")
+    adv = rewards - mean
+    if scale_rewards != "none":
+        adv = adv / (std + eps)
     adv = torch.nan_to_num(adv, nan=0.0)
-    zero_std = torch.isclose(torch.nan_to_num(std_g, nan=0.0), torch.zeros_like(mean_g))
     stats = {
         "reward": torch.nanmean(rewards).item(),
-        "reward_std": torch.nanmean(std_g).item() if (~torch.isnan(std_g)).any() else 0.0,
-        "frac_reward_zero_std": zero_std.float().mean().item(),
+        "reward_std": nanstd(rewards).item(),
+        "frac_reward_zero_std": torch.isclose(std, torch.zeros_like(std)).float().mean().item(),
     }
     return adv, stats

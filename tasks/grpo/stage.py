@@ -17,7 +17,7 @@ from prefect import task
 from tasks.config import PipelineConfig
 from tasks.data import load_split
 from tasks.generation import make_generator
-from tasks.grpo.trainer import GRPOTrainer
+from tasks.grpo.trainer import GRPOTrainer, list_checkpoints
 from tasks.modeling import count_parameters, load_causal_lm, load_tokenizer, load_trainable
 from tasks.plots import plot_learning_curves
 from tasks.rewards import resolve_reward_funcs
@@ -71,6 +71,9 @@ def run_grpo(cfg: PipelineConfig, ws: Workspace, tracker: RunLogger, init_model:
         seed=cfg.run.seed,
         ref_model=ref_model,
     )
+    checkpoints = list_checkpoints(trainer.checkpoint_dir)
+    if g.resume == "auto" and checkpoints:
+        trainer.load_checkpoint(checkpoints[-1])
     t0 = time.perf_counter()
     result = trainer.train()
     final_dir = out_dir / "final"

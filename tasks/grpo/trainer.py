@@ -14,15 +14,19 @@ old_logp = logp.detach() and the ratio is exactly 1.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
+import os
 import random
+import re
 import shutil
 import time
 from collections import defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from tasks.config import GRPOConfig
@@ -74,6 +78,21 @@ class PromptSampler:
         self._fill()
 
 
+@dataclass
+class Round:
+    """One scored generation round and how far its micro-batches have been consumed."""
+
+    batch: RoundTensors
+    advantages: torch.Tensor  # [B]
+    stats: dict
+    samples: list[dict]
+    old_logp: torch.Tensor | None
+    ref_logp: torch.Tensor | None
+    n_tokens: float  # active completion tokens of the round (dapo normalizer)
+    perm: torch.Tensor  # shuffled order of the round's rows
+    position: int = 0  # micro-batches done, over all num_iterations
+
+
 def loss_settings(g: GRPOConfig, spg: int) -> LossSettings:
     return LossSettings(
         loss_type=g.loss_type,
@@ -122,6 +141,13 @@ class GRPOTrainer:
         self.scheduler = build_scheduler(self.optimizer, cfg, cfg.max_steps)
         self.params = SamplingParams.from_grpo(cfg)
         self.weights = torch.tensor(cfg.reward_weights) if cfg.reward_weights else None
+        self.perm_rng = torch.Generator().manual_seed(seed)
+        self.round: Round | None = None
+        # what a checkpoint must agree with to be resumed (run length and logging may change)
+        hashed = cfg.model_dump(
+            mode="json", exclude={"max_steps", "save_steps", "logging_steps", "log_completions_steps", "resume"}
+        )
+        self.config_hash = hashlib.sha256(json.dumps(hashed, sort_keys=True).encode()).hexdigest()[:16]
         self.step = 0
         self.micro_step = 0
         self.num_tokens = 0
@@ -199,69 +225,86 @@ class GRPOTrainer:
             return self._logprobs_no_grad(batch)
 
     # ---------------------------------------------------------------- training
-    def train(self) -> dict:
+    def new_round(self) -> Round:
         g, b = self.cfg, self.batching
+        t_gen = time.perf_counter()
+        batch, adv, stats, samples = self.generate_round()
+        stats["generation_time"] = time.perf_counter() - t_gen
         need_old = g.num_iterations > 1 or b.steps_per_generation > b.gradient_accumulation_steps
+        n_round = float(batch.completion_mask.sum())
+        if n_round == 0:
+            log.warning("every completion of this round is masked (truncated): its loss is 0")
+        return Round(
+            batch=batch,
+            advantages=adv,
+            stats=stats,
+            samples=samples,
+            old_logp=self._logprobs_no_grad(batch) if need_old else None,
+            ref_logp=self.reference_logprobs(batch) if g.beta > 0 else None,
+            n_tokens=n_round,
+            perm=torch.randperm(adv.numel(), generator=self.perm_rng),
+        )
+
+    def train(self) -> dict:
+        """Run until max_steps optimizer steps; resumable at any optimizer step (see save_checkpoint)."""
+        g, b = self.cfg, self.batching
         window: dict[str, list[float]] = defaultdict(list)
-        step_start = time.perf_counter()
-        t_start = step_start
-        rng = torch.Generator().manual_seed(self.seed)
-        last: dict = {}
+        t_start = step_start = time.perf_counter()
+        micro_per_round = b.steps_per_generation * b.num_iterations
         with progress_bar("grpo", g.max_steps) as advance:
+            advance(self.step)
             while self.step < g.max_steps:
-                t_gen = time.perf_counter()
-                batch, adv, stats, samples = self.generate_round()
-                gen_time = time.perf_counter() - t_gen
-                old_logp = self._logprobs_no_grad(batch) if need_old else None
-                ref_logp = self.reference_logprobs(batch) if g.beta > 0 else None
-                n_round = float(batch.completion_mask.sum())
-                if n_round == 0:
-                    log.warning("every completion of this round is masked (truncated): its loss is 0")
-                perm = torch.randperm(adv.numel(), generator=rng)
-                for it in range(b.num_iterations):
-                    for k in range(b.steps_per_generation):
-                        idx = perm[k * b.micro_batch_size : (k + 1) * b.micro_batch_size]
-                        self._micro_step(batch.select(idx), adv[idx], old_logp, ref_logp, idx, n_round, it, window)
-                        if self.micro_step % b.gradient_accumulation_steps:
-                            continue
-                        grad_norm = clip_and_step(self.model, self.optimizer, self.scheduler, g.max_grad_norm)
-                        self.step += 1
-                        elapsed = time.perf_counter() - step_start
-                        step_start = time.perf_counter()
-                        metrics = {k2: sum(v) / len(v) for k2, v in window.items() if v}
-                        metrics.update(stats)
-                        metrics.update(
-                            {
-                                "grad_norm": grad_norm,
-                                "learning_rate": self.scheduler.get_last_lr()[0],
-                                "step_time": elapsed,
-                                "generation_time": gen_time,
-                                "tokens_per_second": self.num_tokens / max(time.perf_counter() - t_start, 1e-9),
-                            }
-                        )
-                        window.clear()
-                        last = metrics
-                        self.history.append({"step": self.step, **metrics})
-                        if self.step % g.logging_steps == 0 or self.step == g.max_steps:
-                            self.tracker.log_metrics(metrics, step=self.step)
-                        if self.step % g.log_completions_steps == 0 or self.step == g.max_steps:
-                            self._log_samples(samples)
-                        if self.step % g.save_steps == 0 and self.step < g.max_steps:
-                            self.save_checkpoint()
-                        advance(reward=metrics["reward"], loss=metrics.get("loss", 0.0))
-                        if self.step >= g.max_steps:
-                            break
-                    if self.step >= g.max_steps:
-                        break
+                if self.round is None:
+                    self.round = self.new_round()
+                r = self.round
+                it, k = divmod(r.position, b.steps_per_generation)
+                idx = r.perm[k * b.micro_batch_size : (k + 1) * b.micro_batch_size]
+                self._micro_step(r, idx, it, window)
+                r.position += 1
+                if r.position == micro_per_round:
+                    self.round = None
+                if self.micro_step % b.gradient_accumulation_steps:
+                    continue
+                grad_norm = clip_and_step(self.model, self.optimizer, self.scheduler, g.max_grad_norm)
+                self.step += 1
+                now = time.perf_counter()
+                metrics = {key: sum(v) / len(v) for key, v in window.items() if v}
+                metrics.update(r.stats)
+                metrics.update(
+                    {
+                        "grad_norm": grad_norm,
+                        "learning_rate": self.scheduler.get_last_lr()[0],
+                        "step_time": now - step_start,
+                        "tokens_per_second": self.num_tokens / max(now - t_start, 1e-9),
+                    }
+                )
+                step_start = now
+                window.clear()
+                self.history.append({"step": self.step, **metrics})
+                if self.step % g.logging_steps == 0 or self.step == g.max_steps:
+                    self.tracker.log_metrics(metrics, step=self.step)
+                if self.step % g.log_completions_steps == 0 or self.step == g.max_steps:
+                    self._log_samples(r.samples)
+                if self.step % g.save_steps == 0 and self.step < g.max_steps:
+                    self.save_checkpoint()
+                advance(reward=metrics["reward"], loss=metrics.get("loss", 0.0))
+        last = self.history[-1] if self.history else {}
         return {"steps": self.step, "final": last, "seconds": time.perf_counter() - t_start}
 
-    def _micro_step(self, mb, adv, old_round, ref_round, idx, n_round, iteration, window) -> None:
+    def _micro_step(self, r: Round, idx: torch.Tensor, iteration: int, window: dict) -> None:
         g = self.cfg
+        mb = r.batch.select(idx)
         logp, entropy = policy_logprobs(self.model, mb, g.temperature, compute_entropy=True)
-        old = old_round[idx] if old_round is not None else None
-        ref = ref_round[idx] if ref_round is not None else None
+        old = r.old_logp[idx] if r.old_logp is not None else None
+        ref = r.ref_logp[idx] if r.ref_logp is not None else None
         loss, extras = grpo_loss(
-            logp, old, adv, mb.completion_mask, self.settings, ref_logp=ref, num_items_in_round=n_round
+            logp,
+            old,
+            r.advantages[idx],
+            mb.completion_mask,
+            self.settings,
+            ref_logp=ref,
+            num_items_in_round=r.n_tokens,
         )
         loss.backward()
         self.micro_step += 1
@@ -286,27 +329,71 @@ class GRPOTrainer:
 
     # ---------------------------------------------------------------- checkpoints
     def save_checkpoint(self) -> Path:
-        """Model/adapter, optimizer, scheduler, RNG states and data position; keeps the newest two."""
-        path = self.checkpoint_dir / f"checkpoint-{self.step}"
-        path.mkdir(parents=True, exist_ok=True)
-        self.model.save_pretrained(path)
+        """Everything needed to continue exactly: trainable weights, optimizer, scheduler, RNG states
+        (python, numpy, torch, the round shuffler), data position, step counters, history and the
+        round in progress. Written to checkpoint-N.tmp and renamed, so a half-written checkpoint is
+        never picked up; the newest two are kept. The folder also holds save_pretrained() output."""
+        final = self.checkpoint_dir / f"checkpoint-{self.step}"
+        tmp = final.with_name(final.name + ".tmp")
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+        self.model.save_pretrained(tmp)
+        trainable = {n: p.detach().clone() for n, p in self.model.named_parameters() if p.requires_grad}
         torch.save(
             {
+                "trainable": trainable,
                 "optimizer": self.optimizer.state_dict(),
                 "scheduler": self.scheduler.state_dict(),
                 "torch_rng": torch.get_rng_state(),
+                "perm_rng": self.perm_rng.get_state(),
                 "python_rng": random.getstate(),
+                "numpy_rng": np.random.get_state(),
+                "round": self.round,
             },
-            path / "trainer_state.pt",
+            tmp / "trainer_state.pt",
         )
         state = {
             "step": self.step,
             "micro_step": self.micro_step,
             "num_tokens": self.num_tokens,
             "sampler": self.sampler.state(),
+            "config_hash": self.config_hash,
+            "history": self.history,
         }
-        (path / "trainer_state.json").write_text(json.dumps(state))
-        old = sorted(self.checkpoint_dir.glob("checkpoint-*"), key=lambda p: int(p.name.split("-")[1]))
-        for stale in old[:-2]:
+        (tmp / "trainer_state.json").write_text(json.dumps(state))
+        shutil.rmtree(final, ignore_errors=True)
+        os.replace(tmp, final)
+        for stale in list_checkpoints(self.checkpoint_dir)[:-2]:
             shutil.rmtree(stale, ignore_errors=True)
-        return path
+        return final
+
+    def load_checkpoint(self, path: Path) -> None:
+        state = json.loads((path / "trainer_state.json").read_text())
+        if state["config_hash"] != self.config_hash:
+            raise ValueError(
+                f"checkpoint {path} was written with other grpo settings; remove {path.parent} or set "
+                "grpo.resume=never to start over"
+            )
+        blob = torch.load(path / "trainer_state.pt", weights_only=False)
+        params = dict(self.model.named_parameters())
+        with torch.no_grad():
+            for name, value in blob["trainable"].items():
+                params[name].copy_(value)
+        self.optimizer.load_state_dict(blob["optimizer"])
+        self.scheduler.load_state_dict(blob["scheduler"])
+        torch.set_rng_state(blob["torch_rng"])
+        self.perm_rng.set_state(blob["perm_rng"])
+        random.setstate(blob["python_rng"])
+        np.random.set_state(blob["numpy_rng"])
+        self.round = blob["round"]
+        self.step, self.micro_step, self.num_tokens = state["step"], state["micro_step"], state["num_tokens"]
+        self.sampler.load(state["sampler"])
+        self.history = state["history"]
+        log.info("resumed GRPO from %s (step %d)", path, self.step)
+
+
+def list_checkpoints(folder: Path) -> list[Path]:
+    """Complete checkpoints (no .tmp), oldest first."""
+    found = [p for p in folder.glob("checkpoint-*") if re.fullmatch(r"checkpoint-\d+", p.name)]
+    found = [p for p in found if (p / "trainer_state.json").is_file()]
+    return sorted(found, key=lambda p: int(p.name.split("-")[1]))

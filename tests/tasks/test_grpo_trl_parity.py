@@ -1,0 +1,146 @@
+"""Our GRPO loss against TRL's own GRPOTrainer._compute_loss on identical inputs.
+
+TRL's method is called unbound on a stand-in object that carries just the attributes it reads
+(single process, train mode, no entropy bonus), with its log-prob forward replaced by our tensor, so
+the loss and the gradient w.r.t. the log-probs come from TRL's code path itself.
+"""
+
+import zlib
+from collections import defaultdict
+from types import SimpleNamespace
+
+import pytest
+import torch
+from trl.trainer.grpo_trainer import GRPOTrainer as TRLGRPOTrainer
+
+from tasks.grpo.loss import LossSettings, grpo_loss
+
+
+class _Accelerator:
+    num_processes = 1
+    sync_gradients = True
+
+    def gather(self, x):
+        return x
+
+    gather_for_metrics = gather
+
+    def reduce(self, x, reduction="sum"):
+        return x
+
+
+def trl_loss(logp, inputs, *, loss_type, level, beta, delta, eps, eps_high, ga, spg, max_len, is_correction):
+    entropies = torch.zeros_like(logp)
+    stub = SimpleNamespace(
+        top_entropy_quantile=1.0,
+        off_policy_mask_threshold=None,
+        importance_sampling_level=level,
+        beta=beta,
+        loss_type=loss_type,
+        epsilon_low=eps,
+        epsilon_high=eps_high,
+        use_vllm=is_correction,
+        vllm_importance_sampling_correction=is_correction,
+        model=SimpleNamespace(training=True),
+        current_gradient_accumulation_steps=ga,
+        max_completion_length=max_len,
+        accelerator=_Accelerator(),
+        _entropy_bonus_enabled=False,
+        aux_loss_enabled=False,
+        _metrics={"train": defaultdict(list), "eval": defaultdict(list)},
+        args=SimpleNamespace(use_bias_correction_kl=True, delta=delta, steps_per_generation=spg),
+        _get_per_token_logps_and_entropies=lambda *a, **k: (logp, entropies, None),
+    )
+    return TRLGRPOTrainer._compute_loss(stub, None, inputs)
+
+
+def make_inputs(seed: int, truncate: bool):
+    g = torch.Generator().manual_seed(seed)
+    B, T = 6, 7
+    lengths = torch.tensor([7, 3, 5, 7, 1, 6])
+    mask = (torch.arange(T)[None, :] < lengths[:, None]).long()
+    if truncate:  # rows that hit max length without EOS leave the loss (mask_truncated_completions)
+        mask[lengths == T] = 0
+    logp = -torch.rand(B, T, generator=g) * 3
+    old = logp + 0.3 * torch.randn(B, T, generator=g)
+    ref = logp + 0.5 * torch.randn(B, T, generator=g)
+    adv = torch.randn(B, generator=g)
+    is_ratio = torch.rand(B, T, generator=g) * 2
+    return logp, old, ref, adv, mask, is_ratio
+
+
+CASES = [
+    (lt, level, beta, delta, trunc)
+    for lt in ("grpo", "bnpo", "dr_grpo", "dapo", "gspo")
+    for level in (("sequence",) if lt == "gspo" else ("token", "sequence"))
+    for beta in (0.0, 0.04)
+    for delta in (None, 1.5)
+    for trunc in (False, True)
+]
+
+
+@pytest.mark.parametrize("loss_type, level, beta, delta, truncate", CASES)
+@pytest.mark.parametrize("is_correction", [False, True])
+def test_loss_and_gradient_match_trl(loss_type, level, beta, delta, truncate, is_correction):
+    logp0, old, ref, adv, mask, is_ratio = make_inputs(zlib.crc32(f"{loss_type}-{level}".encode()), truncate)
+    ga, spg, max_len, eps, eps_high = 2, 4, 7, 0.2, 0.28
+    n_round = float(mask.sum() * 3 + 5)  # active tokens of the whole round, not just this micro-batch
+
+    ours_logp = logp0.clone().requires_grad_()
+    s = LossSettings(loss_type=loss_type, importance_sampling_level=level, epsilon=eps, epsilon_high=eps_high,
+                     delta=delta, beta=beta, max_completion_length=max_len, gradient_accumulation_steps=ga,
+                     steps_per_generation=spg)
+    ours, _ = grpo_loss(ours_logp, old, adv, mask, s, ref_logp=ref if beta else None,
+                        is_ratio=is_ratio if is_correction else None, num_items_in_round=n_round)
+    ours.backward()
+
+    trl_logp = logp0.clone().requires_grad_()
+    inputs = {
+        "prompt_ids": torch.zeros(6, 2, dtype=torch.long), "prompt_mask": torch.ones(6, 2, dtype=torch.long),
+        "completion_ids": torch.zeros(6, 7, dtype=torch.long), "completion_mask": mask,
+        "advantages": adv, "old_per_token_logps": old, "ref_per_token_logps": ref,
+        "num_items_in_batch": torch.tensor(n_round), "importance_sampling_ratio": is_ratio,
+    }
+    theirs = trl_loss(trl_logp, inputs, loss_type="grpo" if loss_type == "gspo" else loss_type, level=level,
+                      beta=beta, delta=delta, eps=eps, eps_high=eps_high, ga=ga, spg=spg, max_len=max_len,
+                      is_correction=is_correction)
+    theirs.backward()
+
+    torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-7)
+    torch.testing.assert_close(ours_logp.grad, trl_logp.grad, rtol=1e-5, atol=1e-7)
+
+
+@pytest.mark.parametrize("scale", ["group", "batch", "none"])
+def test_advantages_match_trl_formulas_with_nan_rewards(scale):
+    """TRL computes advantages inline in _generate_and_score_completions; this restates those lines with
+    TRL's own nanstd and compares (NaN = a reward function that did not score the sample)."""
+    from trl.trainer.utils import nanstd as trl_nanstd
+
+    from tasks.grpo.advantages import combine_rewards, group_advantages
+
+    G = 4
+    per_func = torch.tensor(
+        [[1.0, float("nan")], [0.0, 0.5], [2.0, 0.25], [float("nan"), float("nan")],
+         [1.0, 1.0], [1.0, 1.0], [1.0, 1.0], [1.0, 1.0],
+         [float("nan"), 0.1], [float("nan"), float("nan")], [float("nan"), float("nan")], [float("nan"), float("nan")]]
+    )
+    weights = torch.tensor([1.0, 0.5])
+    rewards = (per_func * weights.unsqueeze(0)).nansum(dim=1)
+    rewards[torch.isnan(per_func).all(dim=1)] = torch.nan
+    mean = torch.nanmean(rewards.view(-1, G), dim=1).repeat_interleave(G)
+    if scale == "batch":
+        std = trl_nanstd(rewards).expand_as(rewards)
+    else:
+        std = trl_nanstd(rewards.view(-1, G), dim=1).repeat_interleave(G)
+    expected = rewards - mean
+    if scale != "none":
+        expected = expected / (std + 1e-4)
+    expected = torch.nan_to_num(expected, nan=0.0)
+
+    total = combine_rewards(per_func, weights)
+    ours, stats = group_advantages(total, G, scale)
+    torch.testing.assert_close(ours, expected)
+    assert stats["reward"] == pytest.approx(torch.nanmean(rewards).item())
+    assert stats["reward_std"] == pytest.approx(trl_nanstd(rewards).item())
+    frac = torch.isclose(std, torch.zeros_like(std)).float().mean().item()
+    assert stats["frac_reward_zero_std"] == pytest.approx(frac)
