@@ -57,6 +57,11 @@ class ArithmeticConfig(_Section):
     min_operand: int = 0
     max_operand: int = 99
     operations: list[Literal["+", "-", "*"]] = Field(default_factory=lambda: ["+", "-"], min_length=1)
+    reasoning: Literal["direct", "steps", "mixed"] = Field(
+        "direct",
+        description="Reference reasoning: direct '37 + 58 = 95'; steps '37 + 58 = 37 + 50 + 8 = 87 + 8 = 95'; "
+        "mixed: half of each (GRPO then finds which style earns more reward).",
+    )
 
     @model_validator(mode="after")
     def _range(self) -> ArithmeticConfig:
@@ -205,7 +210,8 @@ class GRPOConfig(_OptimFields):
     vllm_importance_sampling_mode: Literal["token_truncate", "token_mask", "sequence_truncate", "sequence_mask"] = (
         "token_truncate"
     )
-    vllm_importance_sampling_cap: float = Field(2.0, gt=0)
+    vllm_importance_sampling_cap: float = Field(2.0, gt=0, description="Upper bound of the correction ratio.")
+    vllm_importance_sampling_clip_min: float | None = Field(None, ge=0, description="Lower bound (none by default).")
     temperature: float = Field(1.0, gt=0)
     top_p: float = Field(1.0, gt=0, le=1)
     top_k: int | None = Field(None, ge=0)

@@ -26,6 +26,7 @@ import os
 import random
 import re
 import shutil
+import zlib
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -144,7 +145,19 @@ def detect_format(answers: list[Any]) -> str:
     return "gsm8k" if head and all("####" in a for a in head) else "qa"
 
 
-def parse_row(question: Any, answer: Any, fmt: str) -> tuple[str, str, str]:
+def arithmetic_reasoning(a: int, op: str, b: int, result: str, style: str, question: str) -> str:
+    """The worked reasoning of 'a op b'. direct: "37 + 58 = 95"; steps (for + and - with b >= 10):
+    "37 + 58 = 37 + 50 + 8 = 87 + 8 = 95"; mixed: steps or direct, chosen by a hash of the question."""
+    if style == "mixed":
+        style = "steps" if zlib.crc32(question.encode()) % 2 else "direct"
+    tens, ones = divmod(b, 10)
+    if style == "direct" or op not in "+-" or b < 10 or ones == 0:
+        return f"{a} {op} {b} = {result}"
+    partial = a + tens * 10 if op == "+" else a - tens * 10
+    return f"{a} {op} {b} = {a} {op} {tens * 10} {op} {ones} = {partial} {op} {ones} = {result}"
+
+
+def parse_row(question: Any, answer: Any, fmt: str, reasoning_style: str = "direct") -> tuple[str, str, str]:
     """(question, gold answer, reasoning) of one raw row; raises InvalidRowError saying what is wrong."""
     if question is None:
         raise InvalidRowError("question is missing")
@@ -173,7 +186,7 @@ def parse_row(question: Any, answer: Any, fmt: str) -> tuple[str, str, str]:
         m = _ARITHMETIC_QUESTION.match(question)
         if m is None:
             raise InvalidRowError("question is not of the form 'What is <a> <op> <b>?'")
-        return question, gold, f"{m[1]} {m[2]} {m[3]} = {gold}"
+        return question, gold, arithmetic_reasoning(int(m[1]), m[2], int(m[3]), gold, reasoning_style, question)
     raise ValueError(f"unknown data.format {fmt!r}")
 
 
@@ -198,7 +211,7 @@ def map_rows(
     skipped: list[tuple[int, str]] = []
     for i, (q, a) in enumerate(zip(questions, answers, strict=True)):
         try:
-            question, gold, reasoning = parse_row(q, a, fmt)
+            question, gold, reasoning = parse_row(q, a, fmt, d.arithmetic.reasoning)
         except InvalidRowError as e:
             if d.on_invalid_row == "error":
                 raise ValueError(

@@ -72,6 +72,7 @@ class TransformersGenerator:
     """Samples with ``model.generate`` in chunks of ``batch_size`` sequences."""
 
     name = "transformers"
+    separate_engine = False  # samples with the training weights themselves: no off-policy drift to correct
 
     def __init__(self, model, tokenizer, batch_size: int = 64):
         self.model = model

@@ -22,6 +22,7 @@ The returned loss is what one micro-batch contributes to the gradient of an opti
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -111,3 +112,32 @@ def grpo_loss(
 def masked_mean(x: torch.Tensor, mask: torch.Tensor) -> float:
     m = mask.to(torch.float32)
     return float((x.float() * m).sum() / m.sum().clamp(min=1.0))
+
+
+def importance_sampling_ratio(
+    old_logp: torch.Tensor,
+    sampler_logp: torch.Tensor,
+    mask: torch.Tensor,
+    mode: str = "token_truncate",
+    cap: float | None = 2.0,
+    floor: float | None = None,
+) -> torch.Tensor:
+    """Truncated / masked importance sampling against the sampler's log-probs (TRL's vLLM correction).
+
+    d[b,t] = m * (old_logp - sampler_logp), NaN (sampler could not score) -> 0, i.e. rho = 1
+    token_*    : rho = exp(d)                      [B, T]
+    sequence_* : rho = exp(sum_t d)                [B, 1]  (0.01 nats/token over 200 tokens is e^2)
+    *_truncate : rho = clamp(rho, floor, cap)
+    *_mask     : rho = 0 where rho < floor or rho > cap (no lower bound unless floor is set)
+    """
+    d = torch.nan_to_num((old_logp - sampler_logp) * mask.to(old_logp.dtype), nan=0.0)
+    if mode.startswith("sequence"):
+        d = d.sum(-1, keepdim=True)
+    rho = torch.exp(d)
+    if mode.endswith("truncate"):
+        return torch.clamp(rho, min=floor, max=cap)
+    if mode.endswith("mask"):
+        lo = -math.inf if floor is None else floor
+        hi = math.inf if cap is None else cap
+        return rho.masked_fill((rho < lo) | (rho > hi), 0.0)
+    raise ValueError(f"unknown importance sampling mode {mode!r}")

@@ -70,6 +70,7 @@ def run_grpo(cfg: PipelineConfig, ws: Workspace, tracker: RunLogger, init_model:
         out_dir / "checkpoints",
         seed=cfg.run.seed,
         ref_model=ref_model,
+        is_correction=g.vllm_importance_sampling_correction and generator.separate_engine,
     )
     checkpoints = list_checkpoints(trainer.checkpoint_dir)
     if g.resume == "auto" and checkpoints:

@@ -33,7 +33,7 @@ from tasks.config import GRPOConfig
 from tasks.generation import SamplingParams
 from tasks.grpo.advantages import combine_rewards, group_advantages
 from tasks.grpo.batch import RoundTensors, build_round, policy_logprobs
-from tasks.grpo.loss import LossSettings, grpo_loss, masked_mean
+from tasks.grpo.loss import LossSettings, grpo_loss, importance_sampling_ratio, masked_mean
 from tasks.optim import build_optimizer, build_scheduler, clip_and_step
 from tasks.progress import progress_bar
 from tasks.rewards import score_completions
@@ -88,6 +88,7 @@ class Round:
     samples: list[dict]
     old_logp: torch.Tensor | None
     ref_logp: torch.Tensor | None
+    is_ratio: torch.Tensor | None  # sampler importance-sampling correction, [B, T] or [B, 1]
     n_tokens: float  # active completion tokens of the round (dapo normalizer)
     perm: torch.Tensor  # shuffled order of the round's rows
     position: int = 0  # micro-batches done, over all num_iterations
@@ -122,6 +123,7 @@ class GRPOTrainer:
         checkpoint_dir: Path,
         seed: int = 42,
         ref_model=None,
+        is_correction: bool = False,
     ):
         self.cfg = cfg
         self.model = model
@@ -134,6 +136,7 @@ class GRPOTrainer:
         self.checkpoint_dir = checkpoint_dir
         self.seed = seed
         self.ref_model = ref_model
+        self.is_correction = is_correction  # the sampler is a separate engine: correct for its drift
         self.batching = cfg.batching()
         self.settings = loss_settings(cfg, self.batching.steps_per_generation)
         self.sampler = PromptSampler(len(rows), seed, cfg.shuffle_dataset)
@@ -230,17 +233,42 @@ class GRPOTrainer:
         t_gen = time.perf_counter()
         batch, adv, stats, samples = self.generate_round()
         stats["generation_time"] = time.perf_counter() - t_gen
-        need_old = g.num_iterations > 1 or b.steps_per_generation > b.gradient_accumulation_steps
+        need_old = g.num_iterations > 1 or b.steps_per_generation > b.gradient_accumulation_steps or self.is_correction
         n_round = float(batch.completion_mask.sum())
         if n_round == 0:
             log.warning("every completion of this round is masked (truncated): its loss is 0")
+        old_logp = self._logprobs_no_grad(batch) if need_old else None
+        is_ratio = None
+        if self.is_correction:
+            is_ratio = importance_sampling_ratio(
+                old_logp,
+                batch.sampler_logp,
+                batch.completion_mask,
+                g.vllm_importance_sampling_mode,
+                g.vllm_importance_sampling_cap,
+                g.vllm_importance_sampling_clip_min,
+            )
+            m = batch.completion_mask.bool()
+            flat = is_ratio.flatten() if is_ratio.shape[1] == 1 else is_ratio[m]
+            diff = (old_logp - batch.sampler_logp).abs()[m]
+            diff = diff[~torch.isnan(diff)]
+            stats.update(
+                {
+                    "sampling/importance_sampling_ratio/min": flat.min().item() if flat.numel() else 0.0,
+                    "sampling/importance_sampling_ratio/mean": flat.mean().item() if flat.numel() else 0.0,
+                    "sampling/importance_sampling_ratio/max": flat.max().item() if flat.numel() else 0.0,
+                    "sampling/sampling_logp_difference/mean": diff.mean().item() if diff.numel() else 0.0,
+                    "sampling/sampling_logp_difference/max": diff.max().item() if diff.numel() else 0.0,
+                }
+            )
         return Round(
             batch=batch,
             advantages=adv,
             stats=stats,
             samples=samples,
-            old_logp=self._logprobs_no_grad(batch) if need_old else None,
+            old_logp=old_logp,
             ref_logp=self.reference_logprobs(batch) if g.beta > 0 else None,
+            is_ratio=is_ratio,
             n_tokens=n_round,
             perm=torch.randperm(adv.numel(), generator=self.perm_rng),
         )
@@ -313,9 +341,12 @@ class GRPOTrainer:
         window["entropy"].append(masked_mean(entropy.detach(), m))
         for name in ("low", "high", "region"):
             window[f"clip_ratio/{name}_mean"].append(masked_mean(extras[f"is_{name}_clipped"], m))
+        per_seq = lambda x: (x.float() * m).sum(-1) / m.sum(-1)  # noqa: E731  (NaN for masked rows)
+        window["clip_ratio/low_min"].append(torch.nan_to_num(per_seq(extras["is_low_clipped"]), nan=1.0).min().item())
+        window["clip_ratio/high_max"].append(torch.nan_to_num(per_seq(extras["is_high_clipped"]), nan=0.0).max().item())
         if "kl" in extras:
             window["kl"].append(masked_mean(extras["kl"], m))
-        if iteration == 0:
+        if iteration == 0 and not self.is_correction:  # with the correction on, measured per round
             base = old if old is not None else logp.detach()
             real = m.bool() & ~torch.isnan(mb.sampler_logp)
             if real.any():

@@ -333,3 +333,14 @@ def test_full_gsm8k_train_parses(tmp_path):
     summary, _ = run(tmp_path, source=str(GSM8K_FULL / "train.jsonl"), eval_size=0.1)
     assert summary["format"] == "gsm8k" and summary["skipped_rows"] == 0
     assert summary["train_rows"] + summary["eval_rows"] == 7473
+
+
+def test_arithmetic_reasoning_styles():
+    from tasks.data import arithmetic_reasoning
+
+    assert arithmetic_reasoning(37, "+", 58, "95", "direct", "q") == "37 + 58 = 95"
+    assert arithmetic_reasoning(37, "+", 58, "95", "steps", "q") == "37 + 58 = 37 + 50 + 8 = 87 + 8 = 95"
+    assert arithmetic_reasoning(3, "-", 19, "-16", "steps", "q") == "3 - 19 = 3 - 10 - 9 = -7 - 9 = -16"
+    assert arithmetic_reasoning(7, "+", 5, "12", "steps", "q") == "7 + 5 = 12"  # one step is enough
+    styles = {arithmetic_reasoning(12, "+", 15, "27", "mixed", f"What is {i}?") for i in range(20)}
+    assert styles == {"12 + 15 = 27", "12 + 15 = 12 + 10 + 5 = 22 + 5 = 27"}

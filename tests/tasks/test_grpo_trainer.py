@@ -1,5 +1,6 @@
 """The generation backend and the GRPO loop on a tiny model: shapes, log-prob consistency, a real step."""
 
+import pytest
 import torch
 
 from tasks.config import GRPOConfig, ModelConfig, TinyModelConfig
@@ -138,3 +139,45 @@ def test_grpo_steps_update_lora_and_log_metrics(tmp_path):
     assert all(torch.equal(frozen[n], p) for n, p in model.named_parameters() if not p.requires_grad)
     assert (tmp_path / "ckpt" / "checkpoint-1" / "adapter_model.safetensors").is_file()
     assert (tmp_path / "ckpt" / "checkpoint-1" / "trainer_state.json").is_file()
+
+
+def test_sampler_importance_sampling_path_with_transformers_logprobs(tmp_path):
+    """The correction path runs on the transformers sampler's log-probs: same weights, so rho ~ 1."""
+    tok, model = make()
+    rows = [
+        {"prompt": [{"role": "user", "content": f"What is {a} + 1?"}], "question": str(a), "answer": str(a + 1)}
+        for a in range(4)
+    ]
+    prompts = [
+        tok(tok.apply_chat_template(r["prompt"], tokenize=False, add_generation_prompt=True))["input_ids"] for r in rows
+    ]
+    cfg = GRPOConfig(
+        max_steps=1,
+        per_device_train_batch_size=8,
+        num_generations=4,
+        max_completion_length=5,
+        reward_funcs=["proximity"],
+        vllm_importance_sampling_mode="sequence_truncate",
+    )
+
+    def length(prompts, completions, **columns):
+        return [float(len(c[0]["content"])) for c in completions]
+
+    trainer = GRPOTrainer(
+        cfg,
+        model,
+        tok,
+        rows,
+        prompts,
+        [("length", length)],
+        TransformersGenerator(model, tok),
+        RunLogger.disabled(),
+        tmp_path / "ckpt",
+        seed=0,
+        is_correction=True,
+    )
+    trainer.train()
+    h = trainer.history[-1]
+    assert h["sampling/importance_sampling_ratio/mean"] == pytest.approx(1.0, abs=1e-3)
+    assert h["sampling/sampling_logp_difference/max"] < 1e-3
+    assert 0.0 <= h["clip_ratio/low_min"] <= 1.0 and 0.0 <= h["clip_ratio/high_max"] <= 1.0

@@ -87,23 +87,55 @@ def test_loss_and_gradient_match_trl(loss_type, level, beta, delta, truncate, is
     n_round = float(mask.sum() * 3 + 5)  # active tokens of the whole round, not just this micro-batch
 
     ours_logp = logp0.clone().requires_grad_()
-    s = LossSettings(loss_type=loss_type, importance_sampling_level=level, epsilon=eps, epsilon_high=eps_high,
-                     delta=delta, beta=beta, max_completion_length=max_len, gradient_accumulation_steps=ga,
-                     steps_per_generation=spg)
-    ours, _ = grpo_loss(ours_logp, old, adv, mask, s, ref_logp=ref if beta else None,
-                        is_ratio=is_ratio if is_correction else None, num_items_in_round=n_round)
+    s = LossSettings(
+        loss_type=loss_type,
+        importance_sampling_level=level,
+        epsilon=eps,
+        epsilon_high=eps_high,
+        delta=delta,
+        beta=beta,
+        max_completion_length=max_len,
+        gradient_accumulation_steps=ga,
+        steps_per_generation=spg,
+    )
+    ours, _ = grpo_loss(
+        ours_logp,
+        old,
+        adv,
+        mask,
+        s,
+        ref_logp=ref if beta else None,
+        is_ratio=is_ratio if is_correction else None,
+        num_items_in_round=n_round,
+    )
     ours.backward()
 
     trl_logp = logp0.clone().requires_grad_()
     inputs = {
-        "prompt_ids": torch.zeros(6, 2, dtype=torch.long), "prompt_mask": torch.ones(6, 2, dtype=torch.long),
-        "completion_ids": torch.zeros(6, 7, dtype=torch.long), "completion_mask": mask,
-        "advantages": adv, "old_per_token_logps": old, "ref_per_token_logps": ref,
-        "num_items_in_batch": torch.tensor(n_round), "importance_sampling_ratio": is_ratio,
+        "prompt_ids": torch.zeros(6, 2, dtype=torch.long),
+        "prompt_mask": torch.ones(6, 2, dtype=torch.long),
+        "completion_ids": torch.zeros(6, 7, dtype=torch.long),
+        "completion_mask": mask,
+        "advantages": adv,
+        "old_per_token_logps": old,
+        "ref_per_token_logps": ref,
+        "num_items_in_batch": torch.tensor(n_round),
+        "importance_sampling_ratio": is_ratio,
     }
-    theirs = trl_loss(trl_logp, inputs, loss_type="grpo" if loss_type == "gspo" else loss_type, level=level,
-                      beta=beta, delta=delta, eps=eps, eps_high=eps_high, ga=ga, spg=spg, max_len=max_len,
-                      is_correction=is_correction)
+    theirs = trl_loss(
+        trl_logp,
+        inputs,
+        loss_type="grpo" if loss_type == "gspo" else loss_type,
+        level=level,
+        beta=beta,
+        delta=delta,
+        eps=eps,
+        eps_high=eps_high,
+        ga=ga,
+        spg=spg,
+        max_len=max_len,
+        is_correction=is_correction,
+    )
     theirs.backward()
 
     torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-7)
@@ -120,9 +152,20 @@ def test_advantages_match_trl_formulas_with_nan_rewards(scale):
 
     G = 4
     per_func = torch.tensor(
-        [[1.0, float("nan")], [0.0, 0.5], [2.0, 0.25], [float("nan"), float("nan")],
-         [1.0, 1.0], [1.0, 1.0], [1.0, 1.0], [1.0, 1.0],
-         [float("nan"), 0.1], [float("nan"), float("nan")], [float("nan"), float("nan")], [float("nan"), float("nan")]]
+        [
+            [1.0, float("nan")],
+            [0.0, 0.5],
+            [2.0, 0.25],
+            [float("nan"), float("nan")],
+            [1.0, 1.0],
+            [1.0, 1.0],
+            [1.0, 1.0],
+            [1.0, 1.0],
+            [float("nan"), 0.1],
+            [float("nan"), float("nan")],
+            [float("nan"), float("nan")],
+            [float("nan"), float("nan")],
+        ]
     )
     weights = torch.tensor([1.0, 0.5])
     rewards = (per_func * weights.unsqueeze(0)).nansum(dim=1)
@@ -144,3 +187,33 @@ def test_advantages_match_trl_formulas_with_nan_rewards(scale):
     assert stats["reward_std"] == pytest.approx(trl_nanstd(rewards).item())
     frac = torch.isclose(std, torch.zeros_like(std)).float().mean().item()
     assert stats["frac_reward_zero_std"] == pytest.approx(frac)
+
+
+@pytest.mark.parametrize("mode", ["token_truncate", "token_mask", "sequence_truncate", "sequence_mask"])
+@pytest.mark.parametrize("floor", [None, 0.5])
+def test_importance_sampling_ratio_matches_trl(mode, floor):
+    """Restates TRL 1.16's vLLM correction lines (grpo_trainer._generate_and_score_completions)."""
+    import math
+
+    from tasks.grpo.loss import importance_sampling_ratio
+
+    g = torch.Generator().manual_seed(5)
+    old = -torch.rand(4, 6, generator=g) * 2
+    sampler = old + 0.6 * torch.randn(4, 6, generator=g)
+    sampler[1, 2] = float("nan")  # a token the sampler could not score: ratio 1
+    mask = torch.ones(4, 6)
+    mask[2, 4:] = 0
+    cap = 2.0
+    diff = torch.nan_to_num((old - sampler) * mask, nan=0.0)
+    if mode.startswith("sequence"):
+        diff = diff.sum(dim=-1, keepdim=True)
+    rho = torch.exp(diff)
+    if mode.endswith("truncate"):
+        expected = torch.clamp(rho, min=floor, max=cap)
+    else:
+        lo = floor if floor is not None else -math.inf
+        expected = rho.masked_fill((rho < lo) | (rho > cap), 0.0)
+    ours = importance_sampling_ratio(old, sampler, mask, mode, cap, floor)
+    torch.testing.assert_close(ours, expected)
+    if mode == "token_truncate":
+        assert ours[1, 2] == 1.0
