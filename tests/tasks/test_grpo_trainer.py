@@ -28,6 +28,23 @@ def make(lora=True):
     return tok, model
 
 
+def addition_rows(tok, n):
+    """n 'What is a + a?' rows (TRL conversational prompts) and their chat-templated prompt ids."""
+    rows = [
+        {"prompt": [{"role": "user", "content": f"What is {a} + {a}?"}], "question": f"{a}+{a}", "answer": str(2 * a)}
+        for a in range(n)
+    ]
+    ids = [
+        tok(tok.apply_chat_template(r["prompt"], tokenize=False, add_generation_prompt=True))["input_ids"] for r in rows
+    ]
+    return rows, ids
+
+
+def length(prompts, completions, **columns):
+    """A reward with spread, so even a random model gets a gradient."""
+    return [float(len(c[0]["content"])) for c in completions]
+
+
 def test_generation_is_prompt_major_and_logprobs_match_the_trainer():
     tok, model = make()
     prompts = [tok("What is 3 + 4?")["input_ids"], tok("What is 10 + 20 + 30?")["input_ids"]]
@@ -80,13 +97,7 @@ def test_prompt_sampler_covers_every_row_each_epoch_and_resumes():
 
 def test_grpo_steps_update_lora_and_log_metrics(tmp_path):
     tok, model = make()
-    rows = [
-        {"prompt": [{"role": "user", "content": f"What is {a} + {a}?"}], "question": f"{a}+{a}", "answer": str(2 * a)}
-        for a in range(8)
-    ]
-    prompts = [
-        tok(tok.apply_chat_template(r["prompt"], tokenize=False, add_generation_prompt=True))["input_ids"] for r in rows
-    ]
+    rows, prompts = addition_rows(tok, 8)
     cfg = GRPOConfig(
         max_steps=2,
         per_device_train_batch_size=4,
@@ -101,9 +112,6 @@ def test_grpo_steps_update_lora_and_log_metrics(tmp_path):
     )
     before = {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
     frozen = {n: p.detach().clone() for n, p in model.named_parameters() if not p.requires_grad}
-
-    def length(prompts, completions, **columns):  # a reward with spread, so the random model gets a gradient
-        return [float(len(c[0]["content"])) for c in completions]
 
     funcs = resolve_reward_funcs(["proximity"]) + [("length", length)]
     trainer = GRPOTrainer(
@@ -144,13 +152,7 @@ def test_grpo_steps_update_lora_and_log_metrics(tmp_path):
 def test_sampler_importance_sampling_path_with_transformers_logprobs(tmp_path):
     """The correction path runs on the transformers sampler's log-probs: same weights, so rho ~ 1."""
     tok, model = make()
-    rows = [
-        {"prompt": [{"role": "user", "content": f"What is {a} + 1?"}], "question": str(a), "answer": str(a + 1)}
-        for a in range(4)
-    ]
-    prompts = [
-        tok(tok.apply_chat_template(r["prompt"], tokenize=False, add_generation_prompt=True))["input_ids"] for r in rows
-    ]
+    rows, prompts = addition_rows(tok, 4)
     cfg = GRPOConfig(
         max_steps=1,
         per_device_train_batch_size=8,
@@ -159,9 +161,6 @@ def test_sampler_importance_sampling_path_with_transformers_logprobs(tmp_path):
         reward_funcs=["proximity"],
         vllm_importance_sampling_mode="sequence_truncate",
     )
-
-    def length(prompts, completions, **columns):
-        return [float(len(c[0]["content"])) for c in completions]
 
     trainer = GRPOTrainer(
         cfg,
