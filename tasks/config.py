@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import AliasChoices, BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 DEFAULT_CONFIG = Path(__file__).resolve().parent.parent / "configs" / "default.yaml"
 
@@ -160,6 +160,7 @@ class _OptimFields(_Section):
     learning_rate: float = Field(1e-5, gt=0)
     weight_decay: float = Field(0.0, ge=0)
     warmup_ratio: float = Field(0.0, ge=0, le=1)
+    warmup_steps: int = Field(0, ge=0, description="Warm-up steps; overrides warmup_ratio when > 0 (as in HF).")
     lr_scheduler_type: Literal["linear", "cosine", "constant", "constant_with_warmup"] = "linear"
     max_grad_norm: float | None = Field(1.0, gt=0)
     optim: Literal["adamw_torch", "adamw_8bit", "paged_adamw_8bit"] = "adamw_torch"
@@ -210,7 +211,12 @@ class GRPOConfig(_OptimFields):
     vllm_importance_sampling_mode: Literal["token_truncate", "token_mask", "sequence_truncate", "sequence_mask"] = (
         "token_truncate"
     )
-    vllm_importance_sampling_cap: float = Field(2.0, gt=0, description="Upper bound of the correction ratio.")
+    vllm_importance_sampling_cap: float = Field(
+        2.0,
+        gt=0,
+        validation_alias=AliasChoices("vllm_importance_sampling_cap", "vllm_importance_sampling_clip_max"),
+        description="Upper bound of the correction ratio (TRL 1.16 calls it vllm_importance_sampling_clip_max).",
+    )
     vllm_importance_sampling_clip_min: float | None = Field(None, ge=0, description="Lower bound (none by default).")
     temperature: float = Field(1.0, gt=0)
     top_p: float = Field(1.0, gt=0, le=1)
@@ -220,6 +226,7 @@ class GRPOConfig(_OptimFields):
     max_prompt_length: int | None = Field(512, ge=1)
     max_completion_length: int = Field(256, ge=1)
     shuffle_dataset: bool = True
+    gradient_checkpointing: bool | None = Field(None, description="Overrides model.gradient_checkpointing for GRPO.")
     save_steps: int = Field(50, ge=1, description="Checkpoint every N optimizer steps.")
     resume: Literal["auto", "never"] = Field(
         "auto", description="auto: continue from the newest complete checkpoint of this run's GRPO stage."

@@ -25,7 +25,7 @@ def build_optimizer(params, cfg: _OptimFields) -> torch.optim.Optimizer:
 
 
 def build_scheduler(optimizer: torch.optim.Optimizer, cfg: _OptimFields, total_steps: int):
-    warmup = math.ceil(cfg.warmup_ratio * total_steps)
+    warmup = cfg.warmup_steps or math.ceil(cfg.warmup_ratio * total_steps)
     return get_scheduler(cfg.lr_scheduler_type, optimizer, num_warmup_steps=warmup, num_training_steps=total_steps)
 
 

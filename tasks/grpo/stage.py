@@ -36,7 +36,10 @@ def run_grpo(cfg: PipelineConfig, ws: Workspace, tracker: RunLogger, init_model:
     start = init_model or base_model_path(cfg, ws)
     tokenizer = load_tokenizer(start, cfg.model)
     use_lora = cfg.model.lora.enabled
-    model = load_trainable(start, cfg.model, use_lora)
+    model_cfg = cfg.model
+    if g.gradient_checkpointing is not None:
+        model_cfg = model_cfg.model_copy(update={"gradient_checkpointing": g.gradient_checkpointing})
+    model = load_trainable(start, model_cfg, use_lora)
     ref_model = None
     if g.beta > 0 and not use_lora:
         ref_model = load_causal_lm(start, cfg.model).eval().requires_grad_(False)

@@ -96,3 +96,53 @@ def test_resolve_eval_size():
 def test_shipped_configs_validate(path):
     cfg = load_config(path)
     assert cfg.grpo.batching().generation_batch_size % cfg.grpo.num_generations == 0
+
+
+def test_a_trl_grpo_config_keyword_set_is_accepted_verbatim():
+    """The GRPOConfig keywords a TRL / Unsloth user has in their script, pasted under `grpo:`."""
+    trl_kwargs = dict(
+        learning_rate=5e-6,
+        adam_beta1=0.9,
+        adam_beta2=0.99,
+        weight_decay=0.1,
+        warmup_ratio=0.1,
+        warmup_steps=5,
+        lr_scheduler_type="cosine",
+        optim="paged_adamw_8bit",
+        max_grad_norm=0.1,
+        logging_steps=1,
+        per_device_train_batch_size=6,
+        gradient_accumulation_steps=2,
+        num_generations=6,
+        max_prompt_length=256,
+        max_completion_length=200,
+        max_steps=250,
+        save_steps=250,
+        beta=0.04,
+        epsilon=0.2,
+        epsilon_high=0.28,
+        delta=1.5,
+        num_iterations=2,
+        importance_sampling_level="sequence",
+        loss_type="dr_grpo",
+        scale_rewards=False,
+        reward_weights=[1.0, 0.5],
+        mask_truncated_completions=True,
+        temperature=0.9,
+        top_p=0.95,
+        top_k=50,
+        min_p=0.1,
+        repetition_penalty=1.05,
+        vllm_importance_sampling_correction=True,
+        vllm_importance_sampling_mode="token_mask",
+        vllm_importance_sampling_clip_max=3.0,
+        use_bias_correction_kl=True,
+        gradient_checkpointing=True,
+        reward_funcs=["correctness", "soft_format"],
+    )
+    g = config_from_dict({"grpo": trl_kwargs}).grpo
+    assert g.scale_rewards == "none" and g.vllm_importance_sampling_cap == 3.0 and g.warmup_steps == 5
+    b = g.batching()
+    assert (b.generation_batch_size, b.steps_per_generation, b.unique_prompts) == (12, 2, 2)
+    with_gbs = config_from_dict({"grpo": {**trl_kwargs, "generation_batch_size": 24}}).grpo.batching()
+    assert (with_gbs.steps_per_generation, with_gbs.unique_prompts) == (4, 4)
