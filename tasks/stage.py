@@ -10,7 +10,7 @@ from collections.abc import Callable
 from typing import Any
 
 from tasks.config import PipelineConfig, config_from_dict
-from tasks.tracking import RunLogger, stage_run
+from tasks.tracking import stage_run
 from tasks.workspace import Workspace
 
 StageFn = Callable[..., dict[str, Any]]
@@ -31,5 +31,3 @@ def run_stage(
         summary["mlflow_run_id"] = tracker.run_id
         return summary
 
-
-__all__ = ["run_stage", "RunLogger"]
