@@ -30,4 +30,3 @@ def run_stage(
         tracker.log_metrics(numeric)
         summary["mlflow_run_id"] = tracker.run_id
         return summary
-

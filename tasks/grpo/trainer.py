@@ -7,9 +7,9 @@ One generation round (TRL's buffering, ../shared/GRPO-REFERENCE.md):
      ``per_device_train_batch_size``; replay them ``num_iterations`` times;
   4. step the optimizer every ``gradient_accumulation_steps`` micro-batches (windows may span
      rounds, as in TRL).
-old log-probs are computed once per round when they differ from the current ones
-(num_iterations > 1 or steps_per_generation > gradient_accumulation_steps); otherwise
-old_logp = logp.detach() and the ratio is exactly 1.
+old log-probs are computed once per round when they can differ from the current ones (TRL: when
+gradient_accumulation_steps % (steps_per_generation * num_iterations) != 0, or with the sampler
+correction); otherwise old_logp = logp.detach() and the ratio is exactly 1.
 """
 
 from __future__ import annotations
@@ -233,7 +233,9 @@ class GRPOTrainer:
         t_gen = time.perf_counter()
         batch, adv, stats, samples = self.generate_round()
         stats["generation_time"] = time.perf_counter() - t_gen
-        need_old = g.num_iterations > 1 or b.steps_per_generation > b.gradient_accumulation_steps or self.is_correction
+        # TRL's rule: old log-probs differ from the current ones unless the whole round (all its replays)
+        # falls inside optimizer windows, i.e. unless gradient_accumulation_steps % (spg * mu) == 0
+        need_old = b.gradient_accumulation_steps % b.micro_steps_per_round != 0 or self.is_correction
         n_round = float(batch.completion_mask.sum())
         if n_round == 0:
             log.warning("every completion of this round is masked (truncated): its loss is 0")

@@ -180,3 +180,36 @@ def test_sampler_importance_sampling_path_with_transformers_logprobs(tmp_path):
     assert h["sampling/importance_sampling_ratio/mean"] == pytest.approx(1.0, abs=1e-3)
     assert h["sampling/sampling_logp_difference/max"] < 1e-3
     assert 0.0 <= h["clip_ratio/low_min"] <= 1.0 and 0.0 <= h["clip_ratio/high_max"] <= 1.0
+
+
+@pytest.mark.parametrize(
+    "ga, spg, mu, needs_old",
+    [(1, 1, 1, False), (2, 2, 1, False), (3, 2, 1, True), (2, 4, 1, True), (1, 1, 2, True), (2, 1, 2, False)],
+)
+def test_old_logprobs_computed_exactly_when_a_round_spans_an_optimizer_step(tmp_path, ga, spg, mu, needs_old):
+    """TRL's rule: gradient_accumulation_steps % (steps_per_generation * num_iterations) != 0."""
+    tok, model = make()
+    rows, prompts = addition_rows(tok, 4)
+    cfg = GRPOConfig(
+        max_steps=1,
+        per_device_train_batch_size=2,
+        gradient_accumulation_steps=ga,
+        steps_per_generation=spg,
+        num_iterations=mu,
+        num_generations=2,
+        max_completion_length=3,
+        reward_funcs=["proximity"],
+    )
+    trainer = GRPOTrainer(
+        cfg,
+        model,
+        tok,
+        rows,
+        prompts,
+        [("length", length)],
+        TransformersGenerator(model, tok),
+        RunLogger.disabled(),
+        tmp_path,
+        seed=0,
+    )
+    assert (trainer.new_round().old_logp is not None) == needs_old
