@@ -1,4 +1,4 @@
-"""kill -9 in the middle of GRPO, run again: training continues from the newest complete checkpoint and
+"""kill -9 in the middle of GRPO (after a checkpoint taken mid-round), run again: training continues from the newest complete checkpoint and
 ends with exactly the weights of an uninterrupted run (CPU, one thread, same seed)."""
 
 import os
@@ -17,7 +17,7 @@ SLOW_REWARD = """
 import time
 
 def slow_length(prompts, completions, **columns):
-    time.sleep(0.4)  # keeps each step long enough to be killed in the middle of the run
+    time.sleep(1.0)  # keeps each round long enough to be killed in the middle of the run
     return [float(len(c[0]["content"]) % 7) for c in completions]
 """
 
@@ -35,7 +35,7 @@ def _cmd(out: Path) -> list[str]:
         "eval.enabled=false",
         "export.enabled=false",
         "grpo.max_steps=6",
-        "grpo.save_steps=2",
+        "grpo.save_steps=3",
         "grpo.num_iterations=2",
         "grpo.gradient_accumulation_steps=2",
         "grpo.learning_rate=0.01",
@@ -61,7 +61,8 @@ def test_sigkill_then_resume_matches_uninterrupted_run(tmp_path, env):
     subprocess.run(_cmd(full), env=env, check=True, capture_output=True, timeout=600)
 
     proc = subprocess.Popen(_cmd(killed), env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    ckpt = killed / "r" / "grpo" / "checkpoints" / "checkpoint-2"
+    # 4 micro-batches per round (spg 2 x mu 2), 2 per optimizer step: checkpoint-3 is in the middle of round 2
+    ckpt = killed / "r" / "grpo" / "checkpoints" / "checkpoint-3"
     deadline = time.time() + 300
     while not ckpt.is_dir() and proc.poll() is None and time.time() < deadline:
         time.sleep(0.02)
@@ -69,6 +70,8 @@ def test_sigkill_then_resume_matches_uninterrupted_run(tmp_path, env):
     proc.wait()
     assert proc.returncode == -signal.SIGKILL, "the run finished before it could be killed"
     assert not (killed / "r" / "grpo" / "manifest.json").exists()
+    saved_round = torch.load(ckpt / "trainer_state.pt", weights_only=False)["round"]
+    assert saved_round is not None and saved_round.position == 2  # resumes inside a generation round
 
     res = subprocess.run(_cmd(killed), env=env, capture_output=True, text=True, timeout=600)
     assert res.returncode == 0, res.stderr[-3000:]
