@@ -1,5 +1,6 @@
-"""kill -9 in the middle of GRPO (after a checkpoint taken mid-round), run again: training continues from the newest complete checkpoint and
-ends with exactly the weights of an uninterrupted run (CPU, one thread, same seed)."""
+"""kill -9 in the middle of GRPO (after a checkpoint taken mid-round), run again: training continues
+from the newest complete checkpoint and ends with exactly the weights of an uninterrupted run (CPU, one
+thread, same seed)."""
 
 import os
 import signal
