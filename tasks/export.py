@@ -20,8 +20,7 @@ from prefect import task
 from tasks.config import PipelineConfig
 from tasks.data import load_split
 from tasks.generation import SamplingParams, TransformersGenerator
-from tasks.modeling import DTYPES, load_causal_lm, load_tokenizer, load_with_adapter
-from tasks.sft import prompt_ids
+from tasks.modeling import DTYPES, load_causal_lm, load_tokenizer, load_with_adapter, prompt_ids
 from tasks.stage import run_stage
 from tasks.tracking import RunLogger
 from tasks.workspace import Workspace

@@ -121,13 +121,19 @@ def load_tokenizer(name_or_path: str, cfg: ModelConfig) -> PreTrainedTokenizerBa
     return tok
 
 
+def prompt_ids(tokenizer, prompt_messages: list[dict], max_prompt_length: int | None = None) -> list[int]:
+    """Chat-templated prompt token ids, left-truncated to max_prompt_length (as TRL does)."""
+    text = tokenizer.apply_chat_template(prompt_messages, tokenize=False, add_generation_prompt=True)
+    ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+    if max_prompt_length is not None and len(ids) > max_prompt_length:
+        ids = ids[-max_prompt_length:]
+    return ids
+
+
 def load_causal_lm(name_or_path: str, cfg: ModelConfig, *, quantize: bool | None = None) -> PreTrainedModel:
     """Load a causal LM with the configured dtype, attention and (optionally) 4-bit quantization."""
     kwargs: dict = {"revision": cfg.revision, "trust_remote_code": cfg.trust_remote_code}
-    if cfg.dtype != "auto":
-        kwargs["dtype"] = DTYPES[cfg.dtype]
-    else:
-        kwargs["dtype"] = "auto"
+    kwargs["dtype"] = DTYPES.get(cfg.dtype, "auto")
     if cfg.attn_implementation:
         kwargs["attn_implementation"] = cfg.attn_implementation
     if cfg.load_in_4bit if quantize is None else quantize:

@@ -19,7 +19,7 @@ from prefect import task
 
 from tasks.config import PipelineConfig
 from tasks.data import corpus_text, load_split
-from tasks.modeling import count_parameters, ensure_base_model, load_tokenizer, load_trainable
+from tasks.modeling import count_parameters, ensure_base_model, load_tokenizer, load_trainable, prompt_ids
 from tasks.optim import build_optimizer, build_scheduler, clip_and_step
 from tasks.progress import progress_bar
 from tasks.stage import run_stage
@@ -33,15 +33,6 @@ def base_model_path(cfg: PipelineConfig, ws: Workspace) -> str:
     """The configured base model; for ``tiny`` it is built (once) from the training text."""
     texts = corpus_text(load_split(ws, "train")) if cfg.model.name == "tiny" else None
     return ensure_base_model(cfg.model, texts, ws.stage_dir("base_model"), cfg.run.seed)
-
-
-def prompt_ids(tokenizer, prompt_messages: list[dict], max_prompt_length: int | None = None) -> list[int]:
-    """Chat-templated prompt token ids, left-truncated to max_prompt_length (as TRL does)."""
-    text = tokenizer.apply_chat_template(prompt_messages, tokenize=False, add_generation_prompt=True)
-    ids = tokenizer(text, add_special_tokens=False)["input_ids"]
-    if max_prompt_length is not None and len(ids) > max_prompt_length:
-        ids = ids[-max_prompt_length:]
-    return ids
 
 
 def tokenize_sft(rows, tokenizer, max_length: int, completion_only: bool) -> list[tuple[list[int], list[int]]]:

@@ -18,10 +18,10 @@ from tasks.config import PipelineConfig
 from tasks.data import load_split
 from tasks.generation import make_generator
 from tasks.grpo.trainer import GRPOTrainer, list_checkpoints
-from tasks.modeling import count_parameters, load_causal_lm, load_tokenizer, load_trainable
+from tasks.modeling import count_parameters, load_causal_lm, load_tokenizer, load_trainable, prompt_ids
 from tasks.plots import plot_learning_curves
 from tasks.rewards import resolve_reward_funcs
-from tasks.sft import base_model_path, prompt_ids
+from tasks.sft import base_model_path
 from tasks.stage import run_stage
 from tasks.tracking import RunLogger
 from tasks.workspace import Workspace

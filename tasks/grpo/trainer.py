@@ -31,7 +31,7 @@ import torch
 
 from tasks.config import GRPOConfig
 from tasks.generation import SamplingParams
-from tasks.grpo.advantages import combine_rewards, group_advantages
+from tasks.grpo.advantages import combine_rewards, group_advantages, nanstd
 from tasks.grpo.batch import RoundTensors, build_round, policy_logprobs
 from tasks.grpo.loss import LossSettings, grpo_loss, importance_sampling_ratio, masked_mean
 from tasks.optim import build_optimizer, build_scheduler, clip_and_step
@@ -97,7 +97,7 @@ class Round:
 def loss_settings(g: GRPOConfig, spg: int) -> LossSettings:
     return LossSettings(
         loss_type=g.loss_type,
-        importance_sampling_level="sequence" if g.loss_type == "gspo" else g.importance_sampling_level,
+        importance_sampling_level=g.importance_sampling_level,  # grpo_loss makes gspo sequence-level itself
         epsilon=g.epsilon,
         epsilon_high=g.effective_epsilon_high,
         delta=g.delta,
@@ -174,8 +174,7 @@ class GRPOTrainer:
         for k, (name, _) in enumerate(self.reward_funcs):
             col = per_func[:, k]
             stats[f"rewards/{name}/mean"] = torch.nanmean(col).item()
-            std = col[~torch.isnan(col)].std().item() if (~torch.isnan(col)).sum() > 1 else 0.0
-            stats[f"rewards/{name}/std"] = std
+            stats[f"rewards/{name}/std"] = torch.nan_to_num(nanstd(col), nan=0.0).item()
         batch = build_round(
             [self.prompt_ids[i] for i in idx for _ in range(g.num_generations)],
             gen.completion_ids,
@@ -218,8 +217,7 @@ class GRPOTrainer:
             for s in range(0, batch.completion_ids.shape[0], mb):
                 sub = batch.select(torch.arange(s, min(s + mb, batch.completion_ids.shape[0])))
                 out.append(policy_logprobs(model or self.model, sub, self.cfg.temperature)[0])
-        width = batch.completion_ids.shape[1]
-        return torch.cat([torch.nn.functional.pad(o, (0, width - o.shape[1])) for o in out])
+        return torch.cat(out)  # every slice keeps the round's width
 
     def reference_logprobs(self, batch: RoundTensors) -> torch.Tensor:
         if self.ref_model is not None:

@@ -7,7 +7,7 @@ from tasks.config import GRPOConfig, ModelConfig, TinyModelConfig
 from tasks.generation import SamplingParams, TransformersGenerator
 from tasks.grpo.batch import build_round, policy_logprobs
 from tasks.grpo.trainer import GRPOTrainer, PromptSampler
-from tasks.modeling import add_lora, build_tiny_model, train_tiny_tokenizer
+from tasks.modeling import add_lora, build_tiny_model, prompt_ids, train_tiny_tokenizer
 from tasks.rewards import resolve_reward_funcs
 from tasks.tracking import RunLogger
 
@@ -34,10 +34,25 @@ def addition_rows(tok, n):
         {"prompt": [{"role": "user", "content": f"What is {a} + {a}?"}], "question": f"{a}+{a}", "answer": str(2 * a)}
         for a in range(n)
     ]
-    ids = [
-        tok(tok.apply_chat_template(r["prompt"], tokenize=False, add_generation_prompt=True))["input_ids"] for r in rows
-    ]
-    return rows, ids
+    return rows, [prompt_ids(tok, r["prompt"]) for r in rows]
+
+
+def make_trainer(cfg, tok, model, out_dir, funcs=None, n_rows=4, **kwargs):
+    """A GRPOTrainer on addition_rows, sampling with the training model itself, logging nowhere."""
+    rows, prompts = addition_rows(tok, n_rows)
+    return GRPOTrainer(
+        cfg,
+        model,
+        tok,
+        rows,
+        prompts,
+        funcs or [("length", length)],
+        TransformersGenerator(model, tok),
+        RunLogger.disabled(),
+        out_dir,
+        seed=0,
+        **kwargs,
+    )
 
 
 def length(prompts, completions, **columns):
@@ -97,7 +112,6 @@ def test_prompt_sampler_covers_every_row_each_epoch_and_resumes():
 
 def test_grpo_steps_update_lora_and_log_metrics(tmp_path):
     tok, model = make()
-    rows, prompts = addition_rows(tok, 8)
     cfg = GRPOConfig(
         max_steps=2,
         per_device_train_batch_size=4,
@@ -114,18 +128,7 @@ def test_grpo_steps_update_lora_and_log_metrics(tmp_path):
     frozen = {n: p.detach().clone() for n, p in model.named_parameters() if not p.requires_grad}
 
     funcs = resolve_reward_funcs(["proximity"]) + [("length", length)]
-    trainer = GRPOTrainer(
-        cfg,
-        model,
-        tok,
-        rows,
-        prompts,
-        funcs,
-        TransformersGenerator(model, tok),
-        RunLogger.disabled(),
-        tmp_path / "ckpt",
-        seed=0,
-    )
+    trainer = make_trainer(cfg, tok, model, tmp_path / "ckpt", funcs=funcs, n_rows=8)
     result = trainer.train()
     assert result["steps"] == 2 and len(trainer.history) == 2
     h = trainer.history[-1]
@@ -152,7 +155,6 @@ def test_grpo_steps_update_lora_and_log_metrics(tmp_path):
 def test_sampler_importance_sampling_path_with_transformers_logprobs(tmp_path):
     """The correction path runs on the transformers sampler's log-probs: same weights, so rho ~ 1."""
     tok, model = make()
-    rows, prompts = addition_rows(tok, 4)
     cfg = GRPOConfig(
         max_steps=1,
         per_device_train_batch_size=8,
@@ -162,19 +164,7 @@ def test_sampler_importance_sampling_path_with_transformers_logprobs(tmp_path):
         vllm_importance_sampling_mode="sequence_truncate",
     )
 
-    trainer = GRPOTrainer(
-        cfg,
-        model,
-        tok,
-        rows,
-        prompts,
-        [("length", length)],
-        TransformersGenerator(model, tok),
-        RunLogger.disabled(),
-        tmp_path / "ckpt",
-        seed=0,
-        is_correction=True,
-    )
+    trainer = make_trainer(cfg, tok, model, tmp_path / "ckpt", is_correction=True)
     trainer.train()
     h = trainer.history[-1]
     assert h["sampling/importance_sampling_ratio/mean"] == pytest.approx(1.0, abs=1e-3)
@@ -189,7 +179,6 @@ def test_sampler_importance_sampling_path_with_transformers_logprobs(tmp_path):
 def test_old_logprobs_computed_exactly_when_a_round_spans_an_optimizer_step(tmp_path, ga, spg, mu, needs_old):
     """TRL's rule: gradient_accumulation_steps % (steps_per_generation * num_iterations) != 0."""
     tok, model = make()
-    rows, prompts = addition_rows(tok, 4)
     cfg = GRPOConfig(
         max_steps=1,
         per_device_train_batch_size=2,
@@ -200,16 +189,5 @@ def test_old_logprobs_computed_exactly_when_a_round_spans_an_optimizer_step(tmp_
         max_completion_length=3,
         reward_funcs=["proximity"],
     )
-    trainer = GRPOTrainer(
-        cfg,
-        model,
-        tok,
-        rows,
-        prompts,
-        [("length", length)],
-        TransformersGenerator(model, tok),
-        RunLogger.disabled(),
-        tmp_path,
-        seed=0,
-    )
+    trainer = make_trainer(cfg, tok, model, tmp_path)
     assert (trainer.new_round().old_logp is not None) == needs_old
