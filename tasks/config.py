@@ -226,6 +226,11 @@ class GRPOConfig(_OptimFields):
     max_prompt_length: int | None = Field(512, ge=1)
     max_completion_length: int = Field(256, ge=1)
     shuffle_dataset: bool = True
+    shuffle_generation_batch: bool = Field(
+        True,
+        description="Shuffle a round's completions before splitting it into micro-batches, as TRL always does; "
+        "false keeps them prompt-major (the layout of the seed's batch tables).",
+    )
     gradient_checkpointing: bool | None = Field(None, description="Overrides model.gradient_checkpointing for GRPO.")
     save_steps: int = Field(50, ge=1, description="Checkpoint every N optimizer steps.")
     resume: Literal["auto", "never"] = Field(

@@ -34,6 +34,7 @@ from tasks.generation import SamplingParams
 from tasks.grpo.advantages import combine_rewards, group_advantages, nanstd
 from tasks.grpo.batch import RoundTensors, build_round, policy_logprobs
 from tasks.grpo.loss import LossSettings, grpo_loss, importance_sampling_ratio, masked_mean
+from tasks.grpo.schedule import is_optimizer_step, micro_batch_rows
 from tasks.optim import build_optimizer, build_scheduler, clip_and_step
 from tasks.progress import progress_bar
 from tasks.rewards import score_completions
@@ -90,7 +91,7 @@ class Round:
     ref_logp: torch.Tensor | None
     is_ratio: torch.Tensor | None  # sampler importance-sampling correction, [B, T] or [B, 1]
     n_tokens: float  # active completion tokens of the round (dapo normalizer)
-    perm: torch.Tensor  # shuffled order of the round's rows
+    order: torch.Tensor  # the order its rows are trained in (shuffled, as TRL)
     position: int = 0  # micro-batches done, over all num_iterations
 
 
@@ -270,7 +271,9 @@ class GRPOTrainer:
             ref_logp=self.reference_logprobs(batch) if g.beta > 0 else None,
             is_ratio=is_ratio,
             n_tokens=n_round,
-            perm=torch.randperm(adv.numel(), generator=self.perm_rng),
+            order=torch.randperm(adv.numel(), generator=self.perm_rng)
+            if g.shuffle_generation_batch
+            else torch.arange(adv.numel()),
         )
 
     def train(self) -> dict:
@@ -278,20 +281,18 @@ class GRPOTrainer:
         g, b = self.cfg, self.batching
         window: dict[str, list[float]] = defaultdict(list)
         t_start = step_start = time.perf_counter()
-        micro_per_round = b.steps_per_generation * b.num_iterations
         with progress_bar("grpo", g.max_steps) as advance:
             advance(self.step)
             while self.step < g.max_steps:
                 if self.round is None:
                     self.round = self.new_round()
                 r = self.round
-                it, k = divmod(r.position, b.steps_per_generation)
-                idx = r.perm[k * b.micro_batch_size : (k + 1) * b.micro_batch_size]
+                it, idx = micro_batch_rows(b, r.position, r.order)
                 self._micro_step(r, idx, it, window)
                 r.position += 1
-                if r.position == micro_per_round:
+                if r.position == b.micro_steps_per_round:
                     self.round = None
-                if self.micro_step % b.gradient_accumulation_steps:
+                if not is_optimizer_step(self.micro_step, b):
                     continue
                 grad_norm = clip_and_step(self.model, self.optimizer, self.scheduler, g.max_grad_norm)
                 self.step += 1
