@@ -41,7 +41,8 @@ def run_export(
     out = ws.stage_dir("export")
     tokenizer = load_tokenizer(trained_model, cfg.model)
     trained = (
-        load_with_adapter(base_model, trained_model, cfg.model)
+        # QLoRA too merges into the full-precision base (base + B @ A), never into the 4-bit copy
+        load_with_adapter(base_model, trained_model, cfg.model, quantize=False)
         if is_adapter
         else load_causal_lm(trained_model, cfg.model).eval()
     )

@@ -184,9 +184,9 @@ def load_trainable(name_or_path: str, cfg: ModelConfig, use_lora: bool):
     return model
 
 
-def load_with_adapter(base: str, adapter_dir: str | None, cfg: ModelConfig):
+def load_with_adapter(base: str, adapter_dir: str | None, cfg: ModelConfig, *, quantize: bool | None = None):
     """The base model with a trained adapter applied (or just the base when adapter_dir is None)."""
-    model = load_causal_lm(base, cfg)
+    model = load_causal_lm(base, cfg, quantize=quantize)
     if adapter_dir:
         from peft import PeftModel
 
