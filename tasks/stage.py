@@ -9,6 +9,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+import torch
+
 from tasks.config import PipelineConfig, config_from_dict
 from tasks.tracking import stage_run
 from tasks.workspace import Workspace
@@ -20,6 +22,8 @@ def run_stage(
     name: str, fn: StageFn, cfg_dict: dict, workspace_root: str, parent_run_id: str | None, **inputs: Any
 ) -> dict[str, Any]:
     cfg: PipelineConfig = config_from_dict(cfg_dict)
+    if cfg.run.torch_threads:
+        torch.set_num_threads(cfg.run.torch_threads)
     ws = Workspace(workspace_root)
     with stage_run(cfg, parent_run_id, name) as tracker:
         summary = fn(cfg, ws, tracker, **inputs)
