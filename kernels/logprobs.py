@@ -1,34 +1,32 @@
-"""Per-token log-probabilities (and entropy) of chosen tokens, from hidden states and lm_head.
+"""Per-token log-probabilities (and entropy) of chosen tokens, from hidden states and the lm_head.
 
-    logits = H @ W^T (+ b), scaled by 1/temperature           # [N, V], never built whole here
-    logp[n] = logits[n, y_n] - logsumexp(logits[n, :])
-    entropy[n] = logsumexp(logits[n]) - sum_v softmax(logits[n])_v * logits[n, v]
+    z = (H W^T + b) / T                                   # [N, V], never built whole by the fused paths
+    logp[n] = z[n, y_n] - logsumexp(z[n])
+    entropy[n] = logsumexp(z[n]) - sum_v softmax(z[n])_v z[n, v]
 
-:func:`token_logprobs` is the entry point the trainer uses. On CPU it runs the rows in chunks,
-each under activation checkpointing, so peak memory holds one chunk of logits in forward and
-in backward (recomputed). The Triton kernel that also tiles the vocabulary is the kernels
-issue; :func:`token_logprobs_reference` (materialized logits + log_softmax) is for tests.
-All arithmetic is done in float32 whatever the input dtype.
+:func:`token_logprobs` is the entry point the trainer uses. One function, three implementations of
+the same math, chosen by ``impl``:
+
+- ``"triton"`` (kernels/triton_logprobs.py): the fused kernel, tiled over rows, vocabulary and D;
+- ``"torch"`` (kernels/chunked_logprobs.py): the same algorithm in chunked torch, for CPUs;
+- ``"reference"``: :func:`token_logprobs_reference`, materialized logits + log_softmax (tests, benchmarks);
+- ``"auto"`` (default): triton for CUDA tensors, torch otherwise.
+
+The fused paths stream over the vocabulary in tiles, accumulating the logsumexp tile by tile, and never
+hold more than one [rows, vocab tile] block of logits, in forward or backward. Their forward keeps
+J = W_y - softmax(z) W [N, D] when H needs a gradient, so that backward is dH = (g / T) J; dW and db
+are computed (by recomputing tiles) only when the head is trainable. The entropy is returned without
+a gradient (GRPO uses it as a metric and a mask, as TRL does). Arithmetic is float32 whatever the
+input dtype; logp and entropy are float32, gradients take their input's dtype.
 """
 
 from __future__ import annotations
 
 import torch
-from torch.utils.checkpoint import checkpoint
 
+from kernels.chunked_logprobs import ChunkedTokenLogProbs
 
-def _chunk(h: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, y: torch.Tensor, inv_t: float, entropy: bool):
-    logits = h.float() @ w.float().t()  # [n, V]
-    if b is not None:
-        logits = logits + b.float()
-    logits = logits * inv_t
-    lse = torch.logsumexp(logits, dim=-1)  # [n]
-    logp = logits.gather(-1, y.unsqueeze(-1)).squeeze(-1) - lse
-    if not entropy:
-        return logp, None
-    probs = torch.softmax(logits, dim=-1)
-    ent = lse - (probs * logits).sum(-1)
-    return logp, ent
+IMPLS = ("auto", "triton", "torch", "reference")
 
 
 def token_logprobs(
@@ -39,27 +37,37 @@ def token_logprobs(
     bias: torch.Tensor | None = None,
     *,
     compute_entropy: bool = False,
+    impl: str = "auto",
     chunk_size: int = 1024,
+    vocab_chunk_size: int = 8192,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """log p(targets) [..] and optionally entropy [..] for hidden [.., D], weight [V, D], targets [..]."""
+    """log p(targets) [..] and optionally entropy [..] for hidden [.., D], weight [V, D], targets [..] in [0, V).
+
+    ``chunk_size`` (rows) and ``vocab_chunk_size`` size the tiles of the torch path; the Triton kernel
+    has its own block sizes.
+    """
+    if impl not in IMPLS:
+        raise ValueError(f"impl={impl!r}: expected one of {IMPLS}")
+    if impl == "auto":
+        impl = "triton" if hidden.is_cuda else "torch"
     shape = targets.shape
     h = hidden.reshape(-1, hidden.shape[-1])
     y = targets.reshape(-1)
-    inv_t = 1.0 / temperature
-    need_grad = torch.is_grad_enabled() and (h.requires_grad or weight.requires_grad)
-    logps, ents = [], []
-    for start in range(0, h.shape[0], chunk_size):
-        args = (h[start : start + chunk_size], weight, bias, y[start : start + chunk_size], inv_t, compute_entropy)
-        if need_grad:
-            lp, ent = checkpoint(_chunk, *args, use_reentrant=False)
-        else:
-            lp, ent = _chunk(*args)
-        logps.append(lp)
-        if compute_entropy:
-            ents.append(ent)
-    logp = torch.cat(logps).reshape(shape)
-    ent = torch.cat(ents).reshape(shape) if compute_entropy else None
-    return logp, ent
+    keep_j = torch.is_grad_enabled() and hidden.requires_grad
+    if impl == "reference":
+        logp, ent = token_logprobs_reference(h, weight, y, temperature, bias)
+        ent = ent.detach() if compute_entropy else None
+    elif impl == "torch":
+        args = (temperature, compute_entropy, keep_j, chunk_size, vocab_chunk_size)
+        logp, ent = ChunkedTokenLogProbs.apply(h, weight, bias, y, *args)
+    else:
+        # Imported on first use: triton reads TRITON_INTERPRET when the kernels are defined.
+        from kernels.triton_logprobs import TritonTokenLogProbs
+
+        b = None if bias is None else bias.contiguous()
+        args = (temperature, compute_entropy, keep_j)
+        logp, ent = TritonTokenLogProbs.apply(h.contiguous(), weight.contiguous(), b, y.contiguous(), *args)
+    return logp.reshape(shape), None if ent is None else ent.reshape(shape)
 
 
 def token_logprobs_reference(

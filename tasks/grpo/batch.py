@@ -7,7 +7,7 @@ at position P-1+t predicts completion token t for every row:
     logp[b, t] = log p(completion[b, t] | prefix)         # [B, C], from hidden[:, P-1 : P+C-1]
 
 The lm_head is never applied to the whole sequence: the hidden states of the completion
-positions go through kernels.token_logprobs (chunked, checkpointed) with the head weight.
+positions go through kernels.token_logprobs (fused, tiled over the vocabulary) with the head weight.
 """
 
 from __future__ import annotations
@@ -58,15 +58,18 @@ def build_round(
 
 
 def policy_logprobs(
-    model, batch: RoundTensors, temperature: float, compute_entropy: bool = False
+    model, batch: RoundTensors, temperature: float, compute_entropy: bool = False, impl: str = "auto"
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Per-token log-probs [B, C] (and entropy) of the completion tokens under ``model``."""
+    """Per-token log-probs [B, C] (and entropy, without gradient) of the completion tokens under ``model``.
+
+    ``impl`` picks the kernels.token_logprobs implementation (tests and benchmarks compare them)."""
     backbone, head = backbone_and_head(model)
     input_ids = torch.cat([batch.prompt_ids, batch.completion_ids], dim=1)
     attn = torch.cat([batch.prompt_mask, torch.ones_like(batch.completion_mask)], dim=1)
     hidden = backbone(input_ids=input_ids, attention_mask=attn, use_cache=False).last_hidden_state  # [B, P+C, D]
     P, C = batch.prompt_ids.shape[1], batch.completion_ids.shape[1]
     h = hidden[:, P - 1 : P + C - 1]  # [B, C, D]
+    bias = getattr(head, "bias", None)
     return token_logprobs(
-        h, head.weight, batch.completion_ids, temperature, getattr(head, "bias", None), compute_entropy=compute_entropy
+        h, head.weight, batch.completion_ids, temperature, bias, compute_entropy=compute_entropy, impl=impl
     )
