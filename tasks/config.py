@@ -327,10 +327,38 @@ class Batching(BaseModel):
 
 
 class GenerationConfig(_Section):
-    backend: Literal["auto", "transformers"] = Field(
-        "auto", description="auto: the fastest backend installed that supports the model; transformers generate."
+    """How GRPO samples completions. vllm_* keys apply to the vLLM backend only (see tasks/vllm_engine.py)."""
+
+    backend: Literal["auto", "vllm", "transformers"] = Field(
+        "auto",
+        description="auto: vLLM when it imports and supports the model, else transformers generate; "
+        "vllm: the co-located vLLM engine (fails if unavailable); transformers: model.generate.",
     )
     batch_size: int = Field(64, ge=1, description="Sequences per transformers generate call.")
+    vllm_kv_cache_gib: float | None = Field(
+        None,
+        gt=0,
+        description="KV cache size of the vLLM engine in GiB. Default: on CPU, room for vllm_max_num_seqs "
+        "full-length sequences (at least 32 MiB); on GPU, vllm_gpu_memory_utilization decides.",
+    )
+    vllm_gpu_memory_utilization: float = Field(
+        0.3, gt=0, le=1, description="GPU only: fraction of the device for the engine (weights + KV cache)."
+    )
+    vllm_max_num_seqs: int = Field(256, ge=1, description="Sequences the engine decodes at once.")
+    vllm_enforce_eager: bool | None = Field(
+        None, description="No CUDA graphs / torch.compile. Default: true on CPU (no warm-up), false on GPU."
+    )
+    vllm_enable_prefix_caching: bool = Field(
+        True, description="Share the KV of a prompt's blocks among its samples; reset after every weight sync."
+    )
+    vllm_lora_sync: Literal["merge", "adapter"] = Field(
+        "merge",
+        description="LoRA: stream merged weights W + scale*B@A (merge) or hand the engine the adapter "
+        "(adapter: vLLM's LoRA kernels, a fresh in-memory adapter id per sync).",
+    )
+    vllm_sleep_mode: bool = Field(
+        True, description="GPU only: offload the engine's weights and free its KV cache while training."
+    )
 
 
 class EvalConfig(_Section):

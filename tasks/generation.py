@@ -6,6 +6,10 @@ One small interface (DESIGN.md "Generation backends"):
         completions are prompt-major: prompt 0's n samples, then prompt 1's, ...
     sync_weights(model)   push trained weights into the engine (no-op when it is the model)
 
+Backends: ``TransformersGenerator`` below and ``VLLMGenerator`` (tasks/vllm_engine.py: an in-process
+vLLM engine that streams the trainer's weights in memory). ``make_generator`` picks one for
+``generation.backend`` (auto | vllm | transformers) and logs which and why.
+
 The transformers backend samples with ``model.generate`` on the training model itself. Its
 sampler log-probs are log_softmax(raw_logits / temperature) of the chosen tokens, the same
 definition the trainer uses, so their gap to the trainer's log-probs measures numerical drift
@@ -131,7 +135,44 @@ class TransformersGenerator:
         return gen
 
 
-def make_generator(backend: str, model, tokenizer, batch_size: int):
-    """Pick the generation backend; say which one and why."""
-    log.info("generation backend: transformers (%s)", "requested" if backend == "transformers" else "auto")
-    return TransformersGenerator(model, tokenizer, batch_size)
+def choose_backend(requested: str, vllm_problem: str | None) -> tuple[str, str]:
+    """(backend, why) for generation.backend = auto | vllm | transformers.
+
+    ``vllm_problem`` is why vLLM cannot serve the model here (None: it can). auto takes vLLM when it
+    can; an explicit ``vllm`` that cannot is an error naming the reason, never a silent fallback."""
+    if requested == "transformers":
+        return "transformers", "generation.backend=transformers"
+    if vllm_problem is None:
+        return "vllm", "generation.backend=vllm" if requested == "vllm" else "auto: vLLM imports and supports the model"
+    if requested == "vllm":
+        raise ValueError(f"generation.backend=vllm: {vllm_problem}")
+    return "transformers", f"auto: {vllm_problem}"
+
+
+def make_generator(
+    cfg,
+    model,
+    tokenizer,
+    *,
+    model_path: str,
+    dtype: str = "float32",
+    load_in_4bit: bool = False,
+    max_model_len: int = 1024,
+    seed: int = 0,
+):
+    """Pick the generation backend for ``cfg`` (a GenerationConfig), log which one and why, build it.
+
+    The vLLM engine starts from ``model_path`` (the model as trained from) and then follows
+    ``model``'s weights in memory."""
+    problem = None
+    if cfg.backend != "transformers":
+        from tasks.vllm_engine import model_architectures, model_head_dim, unsupported_reason
+
+        problem = unsupported_reason(model_architectures(model), model_head_dim(model), load_in_4bit)
+    backend, why = choose_backend(cfg.backend, problem)
+    log.info("generation backend: %s (%s)", backend, why)
+    if backend == "transformers":
+        return TransformersGenerator(model, tokenizer, cfg.batch_size)
+    from tasks.vllm_engine import VLLMGenerator
+
+    return VLLMGenerator(model, tokenizer, model_path, cfg, dtype=dtype, max_model_len=max_model_len, seed=seed)

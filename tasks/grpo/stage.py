@@ -46,7 +46,16 @@ def run_grpo(cfg: PipelineConfig, ws: Workspace, tracker: RunLogger, init_model:
     trainable, total = count_parameters(model)
     rows = list(load_split(ws, "train"))
     prompts = [prompt_ids(tokenizer, r["prompt"], g.max_prompt_length) for r in rows]
-    generator = make_generator(cfg.generation.backend, model, tokenizer, cfg.generation.batch_size)
+    generator = make_generator(
+        cfg.generation,
+        model,
+        tokenizer,
+        model_path=start,
+        dtype=cfg.model.dtype,
+        load_in_4bit=cfg.model.load_in_4bit,
+        max_model_len=max(len(p) for p in prompts) + g.max_completion_length,
+        seed=cfg.run.seed,
+    )
     b = g.batching()
     tracker.log_params(
         {"trainable_params": trainable, "total_params": total, "generation_backend": generator.name, **b.model_dump()}
@@ -79,7 +88,11 @@ def run_grpo(cfg: PipelineConfig, ws: Workspace, tracker: RunLogger, init_model:
     if g.resume == "auto" and checkpoints:
         trainer.load_checkpoint(checkpoints[-1])
     t0 = time.perf_counter()
-    result = trainer.train()
+    try:
+        result = trainer.train()  # a vLLM generator syncs the trained weights before each generation round
+    finally:
+        if hasattr(generator, "close"):
+            generator.close()  # free the engine before eval and export
     final_dir = out_dir / "final"
     model.save_pretrained(final_dir)
     tokenizer.save_pretrained(final_dir)

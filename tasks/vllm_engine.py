@@ -1,0 +1,432 @@
+"""vLLM generation, co-located: the engine runs in the trainer's process and gets its weights in memory.
+
+Same interface as the transformers backend (tasks/generation.py): generate(prompt ids, n, params) ->
+Generation; sync_weights(model). What this module adds, and why:
+
+- One process. ``VLLM_ENABLE_V1_MULTIPROCESSING=0`` and the ``uni`` executor keep the engine in
+  the trainer's process, so weights move as tensors, never through files or sockets. Memory is
+  bounded by config: an explicit KV cache size (the only bound on CPU), or a fraction of the GPU.
+- Weight sync. Before a generate whose weights are stale (any trainable parameter changed since
+  the last sync; torch bumps a tensor's version on every in-place update, optimizer steps and
+  checkpoint loads included) the model's state is streamed into the engine with
+  ``collective_rpc("reload_weights", weights_iterator=...)``: vLLM's layer-wise reload, which
+  re-runs each layer's post-load processing (the CPU backend repacks linear weights, so copying
+  into ``model.load_weights`` directly leaves the packed copies stale). Full fine-tuning streams
+  every parameter; LoRA streams W + scale * B @ A for each adapted layer (peft's
+  ``get_delta_weight``; the training model is not touched) and the base weights for the rest.
+  A tied head is streamed as ``lm_head.weight`` too: vLLM keeps its own (packed) head. The
+  prefix cache is reset after every sync: its blocks hold KV computed with the old weights.
+- Sampler log-probs: ``logprobs=0`` with ``logprobs_mode="processed_logprobs"`` (as TRL): the
+  chosen token's log-prob after temperature, i.e. log_softmax(logits / T), the trainer's
+  definition. With top_k / top_p / min_p / repetition_penalty it is the log-prob under the
+  truncated distribution actually sampled from (the transformers backend reports the untruncated
+  one); the importance-sampling correction then sees the real sampler.
+- EOS: the engine stops only on the tokenizer's EOS (``generation_config="vllm"`` ignores extra
+  EOS ids in the model's generation_config, as the transformers backend does) and the completion
+  includes it: finish_reason "stop"; cut at max_tokens: "length".
+- Determinism: vLLM reseeds the global RNGs when it starts and, on CPU, replaces
+  ``torch.set_num_threads`` with a no-op; both are restored. Each generate draws one seed from
+  the trainer's torch RNG and gives every prompt its own seed (vLLM adds the sample index), so
+  completions follow the trainer's RNG state, which GRPO checkpoints: a resumed run samples the
+  same completions.
+- Sleep mode (GPU): between generations the engine's weights are offloaded and its KV cache
+  freed (``LLM.sleep(level=1)``), then woken before the next sync. The CPU backend has no sleep
+  mode (vLLM only logs a warning), so it is skipped there.
+"""
+
+from __future__ import annotations
+
+import gc
+import logging
+import os
+import random
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from tasks.config import GenerationConfig
+from tasks.generation import Generation, SamplingParams
+
+log = logging.getLogger(__name__)
+
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+
+
+# --------------------------------------------------------------------------------------------
+# can vLLM serve this model?
+# --------------------------------------------------------------------------------------------
+def import_vllm():
+    """Import vLLM in-process mode; raises whatever the import raises (ImportError, a broken torchvision...)."""
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the engine lives in this process
+    import vllm
+
+    return vllm
+
+
+def unsupported_reason(architectures: list[str] | None, head_dim: int | None = None, load_in_4bit: bool = False):
+    """Why vLLM cannot generate for this model here (a sentence), or None when it can."""
+    if load_in_4bit:
+        return "model.load_in_4bit: the engine cannot take weights merged into a 4-bit bitsandbytes base"
+    try:
+        import_vllm()
+        from vllm import ModelRegistry
+        from vllm.platforms import current_platform
+    except Exception as e:  # any import failure means "not available", with its reason
+        first_line = str(e).splitlines()[0] if str(e) else ""
+        return f"vllm does not import ({type(e).__name__}: {first_line})"
+    archs = architectures or []
+    if not any(a in ModelRegistry.get_supported_archs() for a in archs):
+        return f"vLLM has no implementation of {archs or 'this architecture'}"
+    if current_platform.is_cpu() and head_dim is not None:
+        from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
+
+        sizes = CPUAttentionBackend.get_supported_head_sizes()
+        if head_dim not in sizes:
+            return f"vLLM's CPU attention has no kernel for head_dim={head_dim} (supported: {sizes})"
+    return None
+
+
+def _base(model):
+    return model.get_base_model() if hasattr(model, "get_base_model") else model
+
+
+def model_architectures(model) -> list[str]:
+    base = _base(model)
+    return list(getattr(base.config, "architectures", None) or [type(base).__name__])
+
+
+def model_head_dim(model) -> int:
+    c = _base(model).config
+    return getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+
+
+# --------------------------------------------------------------------------------------------
+# engine arguments (pure: unit-tested for both the CPU and the GPU branch)
+# --------------------------------------------------------------------------------------------
+def sleep_mode_on(cfg: GenerationConfig, device: str, available: bool) -> bool:
+    """Offload the engine while training: GPU only (vLLM's CPU worker ignores sleep), when asked and available."""
+    return device != "cpu" and cfg.vllm_sleep_mode and available
+
+
+def kv_cache_bytes(hf_config, dtype: str, tokens: int) -> int:
+    """Bytes of K and V for ``tokens`` tokens: 2 * layers * kv_heads * head_dim * dtype size."""
+    heads = hf_config.num_attention_heads
+    kv_heads = getattr(hf_config, "num_key_value_heads", None) or heads
+    head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // heads
+    return 2 * hf_config.num_hidden_layers * kv_heads * head_dim * DTYPE_BYTES.get(dtype, 4) * tokens
+
+
+def engine_kwargs(
+    cfg: GenerationConfig,
+    *,
+    model_path: str,
+    dtype: str,
+    max_model_len: int,
+    seed: int,
+    hf_config,
+    device: str,
+    sleep_available: bool,
+    lora_rank: int | None = None,
+) -> dict:
+    """Arguments of ``vllm.LLM`` for a co-located engine on ``device`` ("cpu" or "cuda").
+
+    KV cache: ``vllm_kv_cache_gib`` when set; else on CPU room for ``vllm_max_num_seqs`` full-length
+    sequences (block-rounded, at least 32 MiB); on GPU ``vllm_gpu_memory_utilization`` of the device."""
+    kw = dict(
+        model=model_path,
+        dtype=dtype,
+        max_model_len=max_model_len,
+        seed=seed,
+        distributed_executor_backend="uni",
+        skip_tokenizer_init=True,  # prompts arrive as ids; completions go back as ids
+        generation_config="vllm",  # stop on the tokenizer's EOS only, no sampling defaults from the model
+        logprobs_mode="processed_logprobs",
+        enable_prefix_caching=cfg.vllm_enable_prefix_caching,
+        max_num_seqs=cfg.vllm_max_num_seqs,
+        enforce_eager=cfg.vllm_enforce_eager if cfg.vllm_enforce_eager is not None else device == "cpu",
+    )
+    if device == "cpu":
+        # No chunked prefill on CPU: vLLM rewinds a seeded request's generator after a partial prefill with
+        # Generator.set_offset, which only CUDA generators have ("CPU Generator does not use offset"). Whole
+        # prompts then share one step's token budget, sized for a generation round's prompts.
+        kw.update(enable_chunked_prefill=False, max_num_batched_tokens=max(max_model_len, 8192))
+    if cfg.vllm_kv_cache_gib is not None:
+        kw["kv_cache_memory_bytes"] = int(cfg.vllm_kv_cache_gib * (1 << 30))
+    elif device == "cpu":
+        block = 128  # the CPU backend's block size
+        tokens = cfg.vllm_max_num_seqs * (-(-max_model_len // block) * block)
+        kw["kv_cache_memory_bytes"] = max(32 << 20, kv_cache_bytes(hf_config, dtype, tokens))
+    else:
+        kw["gpu_memory_utilization"] = cfg.vllm_gpu_memory_utilization
+    if sleep_mode_on(cfg, device, sleep_available):
+        kw["enable_sleep_mode"] = True
+    if lora_rank is not None:  # LoRA sync "adapter": the engine applies the adapter itself
+        rank = min(r for r in LORA_RANKS if r >= lora_rank)
+        kw.update(enable_lora=True, max_lora_rank=rank, max_loras=1, max_cpu_loras=1)
+    return kw
+
+
+LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)  # vLLM's allowed max_lora_rank values
+
+
+def sampling_kwargs(p: SamplingParams, eos_id: int) -> dict:
+    """vllm.SamplingParams arguments equivalent to the transformers backend's generate kwargs."""
+    kw = dict(
+        max_tokens=p.max_new_tokens,
+        logprobs=0,  # the chosen token's log-prob
+        stop_token_ids=[eos_id],
+        detokenize=False,
+        repetition_penalty=p.repetition_penalty,
+    )
+    if p.greedy:
+        kw.update(temperature=0.0)
+    else:
+        kw.update(temperature=p.temperature, top_p=p.top_p, top_k=p.top_k or 0, min_p=p.min_p or 0.0)
+    return kw
+
+
+# --------------------------------------------------------------------------------------------
+# what to stream into the engine
+# --------------------------------------------------------------------------------------------
+def _is_lora_layer(module) -> bool:
+    return hasattr(module, "lora_A") and hasattr(module, "get_delta_weight") and hasattr(module, "base_layer")
+
+
+@torch.no_grad()
+def sync_state(model, merge: bool = True) -> Iterator[tuple[str, torch.Tensor]]:
+    """(checkpoint name, tensor) for every weight of ``model`` as the engine must see it.
+
+    A peft model yields merged weights W + scale * B @ A computed on the side (the training model is
+    not modified) under the base model's names (``merge=False``: the base weights alone); a tied
+    head is also yielded as ``lm_head.weight``."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    lora_layers = {name: m for name, m in base.named_modules() if _is_lora_layer(m)}
+    adapters = {name: [a for a in m.active_adapters if a in m.lora_A] for name, m in lora_layers.items()}
+    for name, param in base.named_parameters():
+        if ".lora_" in name or "lora_magnitude" in name:
+            continue
+        module_name, _, leaf = name.rpartition(".")
+        if module_name.endswith(".base_layer"):
+            owner = module_name[: -len(".base_layer")]
+            layer = lora_layers[owner]
+            tensor = param
+            if merge and leaf == "weight" and not layer.merged and not getattr(layer, "disable_adapters", False):
+                tensor = param.detach().clone()
+                for a in adapters[owner]:
+                    tensor += layer.get_delta_weight(a).to(tensor.dtype)
+            yield f"{owner}.{leaf}", tensor.detach()
+        else:
+            yield name, param.detach()
+    if getattr(base.config, "tie_word_embeddings", False) and base.get_output_embeddings() is not None:
+        yield "lm_head.weight", base.get_output_embeddings().weight.detach()
+
+
+def _install_adapter(worker, lora_id: int, tensors: dict, peft_config: dict) -> None:
+    """Runs inside the engine (collective_rpc): swap the served adapter for these in-memory tensors.
+
+    The caller passes a fresh id per sync: vLLM's own add path skips an id it already holds (so a
+    re-sent adapter under the same id would keep serving the old weights), and vLLM expects one id
+    per distinct adapter. The old adapter is removed first; only one is ever resident."""
+    from vllm.lora.lora_model import LoRAModel
+    from vllm.lora.peft_helper import PEFTHelper
+
+    manager = getattr(worker, "worker", worker).model_runner.lora_manager
+    manager.remove_all_adapters()
+    mapper = getattr(manager._adapter_manager.model, "hf_to_vllm_mapper", None)
+    lora = LoRAModel.from_lora_tensors(
+        lora_id,
+        tensors,
+        PEFTHelper.from_dict({**peft_config, "vllm_max_position_embeddings": None}),
+        device=str(manager.device),
+        dtype=manager.lora_config.lora_dtype,
+        model_vocab_size=manager.vocab_size,
+        weights_mapper=mapper.get_rename_mapper() if mapper is not None else None,
+    )
+    manager._adapter_manager.add_adapter(lora)
+
+
+def weights_version(model) -> int:
+    """Grows whenever a trainable parameter is updated in place (optimizer step, checkpoint load)."""
+    return sum(p._version for p in model.parameters() if p.requires_grad)
+
+
+# --------------------------------------------------------------------------------------------
+# the generator
+# --------------------------------------------------------------------------------------------
+@contextmanager
+def _keep_process_state():
+    """Undo what constructing a vLLM engine does to the process: reseeded RNGs, torch thread count
+    (and, on the CPU backend, a torch.set_num_threads replaced by a no-op)."""
+    set_threads, threads = torch.set_num_threads, torch.get_num_threads()
+    states = random.getstate(), np.random.get_state(), torch.get_rng_state()
+    cuda_states = torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None
+    try:
+        yield
+    finally:
+        torch.set_num_threads = set_threads
+        torch.set_num_threads(threads)
+        random.setstate(states[0])
+        np.random.set_state(states[1])
+        torch.set_rng_state(states[2])
+        if cuda_states is not None:
+            torch.cuda.set_rng_state_all(cuda_states)
+
+
+class VLLMGenerator:
+    """Samples with an in-process vLLM engine that follows the training model's weights."""
+
+    name = "vllm"
+    separate_engine = True  # another implementation samples: the trainer corrects for the drift (TIS)
+
+    def __init__(
+        self,
+        model,
+        tokenizer,
+        model_path: str,
+        cfg: GenerationConfig,
+        *,
+        dtype: str = "float32",
+        max_model_len: int = 1024,
+        seed: int = 0,
+    ):
+        vllm = import_vllm()
+        from vllm.platforms import current_platform
+
+        self.model = model
+        self.eos_id = tokenizer.eos_token_id
+        self.cfg = cfg
+        self.device = "cpu" if current_platform.is_cpu() else "cuda"
+        self.sleep_enabled = sleep_mode_on(cfg, self.device, current_platform.is_sleep_mode_available())
+        base = model.get_base_model() if hasattr(model, "get_base_model") else model
+        self.lora_sync = cfg.vllm_lora_sync if hasattr(model, "peft_config") else None
+        lora_rank = model.peft_config[model.active_adapter].r if self.lora_sync == "adapter" else None
+        kwargs = engine_kwargs(
+            cfg,
+            model_path=str(Path(model_path)),
+            dtype=dtype,
+            max_model_len=max_model_len,
+            seed=seed,
+            hf_config=base.config,
+            device=self.device,
+            sleep_available=current_platform.is_sleep_mode_available(),
+            lora_rank=lora_rank,
+        )
+        t0 = time.perf_counter()
+        with _keep_process_state():
+            self.llm = vllm.LLM(**kwargs)
+        log.info(
+            "vLLM engine up in %.1fs (%s, co-located, KV cache %s, sleep mode %s)",
+            time.perf_counter() - t0,
+            self.device,
+            f"{kwargs['kv_cache_memory_bytes'] / (1 << 20):.0f} MiB"
+            if "kv_cache_memory_bytes" in kwargs
+            else f"{kwargs.get('gpu_memory_utilization')} of the GPU",
+            "on" if self.sleep_enabled else "off (not supported on CPU)" if self.device == "cpu" else "off",
+        )
+        self._synced_version: int | None = None
+        self.lora_request = None  # the adapter served in "adapter" mode
+        self._asleep: set[str] = set()  # engine memory offloaded while training (GPU sleep mode)
+        self.sync_seconds = 0.0  # total time spent streaming weights (reported by the benchmark)
+        self.syncs = 0
+
+    # ------------------------------------------------------------------ weights
+    def sync_weights(self, model=None, force: bool = False) -> bool:
+        """Stream the model's current weights into the engine when they changed; True if it synced."""
+        if model is not None:
+            if model is not self.model:
+                force, self._synced_version = True, None
+            self.model = model
+        version = weights_version(self.model)
+        if not force and version == self._synced_version:
+            return False
+        self._wake(["weights"])
+        t0 = time.perf_counter()
+        if self.lora_sync == "adapter":
+            if self._synced_version is None:  # first sync of this model: its (frozen) base weights once
+                self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": sync_state(self.model, False)})
+            self._sync_adapter()
+        else:
+            self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": sync_state(self.model)})
+        self.llm.reset_prefix_cache()  # cached blocks hold KV of the old weights
+        self.sync_seconds += time.perf_counter() - t0
+        self.syncs += 1
+        self._synced_version = version
+        return True
+
+    def _sync_adapter(self) -> None:
+        from peft import get_peft_model_state_dict
+        from vllm.lora.request import LoRARequest
+
+        name = self.model.active_adapter
+        tensors = {k: v.detach().clone() for k, v in get_peft_model_state_dict(self.model, adapter_name=name).items()}
+        peft_config = self.model.peft_config[name].to_dict()
+        peft_config["target_modules"] = sorted(peft_config["target_modules"] or [])
+        lora_id = self.syncs + 1
+        self.llm.collective_rpc(_install_adapter, args=(lora_id, tensors, peft_config))
+        # lora_path is never read: the adapter is registered above; vLLM only requires a non-empty one
+        self.lora_request = LoRARequest(f"grpo-{lora_id}", lora_id, lora_path="in-memory")
+
+    # ------------------------------------------------------------------ memory around training
+    def _wake(self, tags: list[str]) -> None:
+        tags = [t for t in tags if t in self._asleep]
+        if tags:
+            self.llm.wake_up(tags=tags)
+            self._asleep -= set(tags)
+
+    def release(self) -> None:
+        """Free the engine's memory for training (GPU sleep mode level 1; nothing to do on CPU)."""
+        if self.sleep_enabled and not self._asleep:
+            self.llm.sleep(level=1)  # weights offloaded to host memory, KV cache dropped
+            self._asleep = {"weights", "kv_cache"}
+
+    def resume(self) -> None:
+        self._wake(["weights", "kv_cache"])
+
+    def close(self) -> None:
+        """Shut the engine down and free its memory (the stage ends with this). vLLM's parallel state is
+        process-wide: engines alive at the same time must be closed together, after their last use."""
+        llm, self.llm = getattr(self, "llm", None), None
+        if llm is not None:
+            llm.llm_engine.engine_core.shutdown()
+            del llm
+            gc.collect()
+
+    # ------------------------------------------------------------------ sampling
+    def score(self, prompt: list[int], completion: list[int]) -> list[float]:
+        """The engine's log-probs of a fixed completion (prompt log-probs: raw logits, temperature 1)."""
+        from vllm import SamplingParams as VLLMSamplingParams
+
+        self.sync_weights()
+        self.resume()
+        ids = prompt + completion
+        sp = VLLMSamplingParams(max_tokens=1, prompt_logprobs=0, detokenize=False)
+        with torch.random.fork_rng(devices=[]):
+            out = self.llm.generate([{"prompt_token_ids": ids}], sp, use_tqdm=False, lora_request=self.lora_request)[0]
+        self.release()
+        return [out.prompt_logprobs[len(prompt) + i][t].logprob for i, t in enumerate(completion)]
+
+    def generate(self, prompts: list[list[int]], n: int, params: SamplingParams) -> Generation:
+        from vllm import SamplingParams as VLLMSamplingParams
+
+        self.sync_weights()
+        self.resume()
+        base_seed = int(torch.randint(0, 2**31 - 1, ()).item())  # the trainer's RNG decides the samples
+        kw = sampling_kwargs(params, self.eos_id)
+        per_prompt = [VLLMSamplingParams(n=n, seed=base_seed + i * n, **kw) for i in range(len(prompts))]
+        with torch.random.fork_rng(devices=[]):  # nothing in the engine may move the trainer's CPU RNG
+            outs = self.llm.generate(
+                [{"prompt_token_ids": p} for p in prompts], per_prompt, use_tqdm=False, lora_request=self.lora_request
+            )
+        self.release()
+        gen = Generation()
+        for out in outs:  # in prompt order; samples of a prompt in index order: prompt-major
+            for c in sorted(out.outputs, key=lambda c: c.index):
+                ids = list(c.token_ids)
+                gen.completion_ids.append(ids)
+                gen.logprobs.append([lp[t].logprob for t, lp in zip(ids, c.logprobs)])
+                gen.finish_reasons.append("stop" if c.finish_reason == "stop" else "length")
+        return gen
