@@ -1,12 +1,14 @@
-"""Generation throughput and GRPO step time: vLLM (co-located, in-process) vs transformers generate.
+"""Generation throughput and GRPO step time: vLLM (co-located, in-process) vs the transformers backend.
 
 Two models built from config, both float32 with LoRA (r=16, all-linear) as in configs/default.yaml:
 
     tiny   the default pipeline's model (hidden 128, 4 layers, 0.8M parameters)
     25m    hidden 512, 8 layers, 8 heads (head_dim 64), 4 KV heads, MLP 1408 (~24M parameters)
 
-For each model and backend (transformers; vLLM with LoRA synced as merged weights; vLLM serving the
-adapter itself) the script measures, in one run so that ratios are meaningful on a noisy shared host:
+For each model and backend (transformers: the KV-cached sampling loop with LoRA merged on the side;
+transformers-unmerged: the same loop through peft's LoRA layers; vLLM with LoRA synced as merged
+weights; vLLM serving the adapter itself) the script measures, in one run so that ratios are
+meaningful on a noisy shared host:
 
     gen tok/s   completion tokens per second of one generation round of the default config
                 (16 prompts x 8 samples, up to 32 new tokens, temperature 1), median of --repeats rounds
@@ -39,7 +41,7 @@ MODELS = {
         hidden_size=512, intermediate_size=1408, num_hidden_layers=8, num_attention_heads=8, num_key_value_heads=4
     ),
 }
-BACKENDS = ("transformers", "vllm-merge", "vllm-adapter")
+BACKENDS = ("transformers", "transformers-unmerged", "vllm-merge", "vllm-adapter")
 
 
 def rows_and_texts(n: int = 400):
@@ -70,8 +72,8 @@ def make_generator(backend, model_dir, tok, prompts):
     lora = ModelConfig(lora={"target_modules": "all-linear"}).lora
     model = add_lora(load_causal_lm(str(model_dir), ModelConfig()), lora)
     t0 = time.perf_counter()
-    if backend == "transformers":
-        gen = TransformersGenerator(model, tok, batch_size=64)
+    if backend.startswith("transformers"):  # -unmerged: LoRA applied as three matmuls per layer while decoding
+        gen = TransformersGenerator(model, tok, batch_size=64, merge_lora=backend == "transformers")
     else:
         from tasks.vllm_engine import VLLMGenerator
 

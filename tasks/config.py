@@ -335,6 +335,17 @@ class GenerationConfig(_Section):
         "vllm: the co-located vLLM engine (fails if unavailable); transformers: model.generate.",
     )
     batch_size: int = Field(64, ge=1, description="Sequences per transformers generate call.")
+    merge_lora: bool = Field(
+        True,
+        description="transformers backend: generate with LoRA merged on the side (W + scale*B@A, one matmul per "
+        "layer; a copy of the adapted weights while generating). Skipped for 4-bit bases and DoRA.",
+    )
+    torch_threads: int | None = Field(
+        None,
+        ge=1,
+        description="transformers backend: torch CPU threads while generating (default: run.torch_threads). "
+        "Decoding is many small ops: on a few shared cores 1 thread is faster, while training prefers more.",
+    )
     vllm_kv_cache_gib: float | None = Field(
         None,
         gt=0,

@@ -36,9 +36,10 @@ def evaluate_model(
     batch_size: int,
     label: str = "eval",
     max_prompt_length: int | None = None,
+    threads: int | None = None,
 ) -> tuple[dict, list[dict]]:
-    """Greedy-decode every row once; return metrics and per-row samples."""
-    gen = TransformersGenerator(model, tokenizer, batch_size)
+    """Greedy-decode every row once (``threads``: torch threads while decoding); return metrics and samples."""
+    gen = TransformersGenerator(model, tokenizer, batch_size, threads=threads)
     params = SamplingParams(max_new_tokens=max_new_tokens, greedy=True)
     texts: list[str] = []
     lengths: list[int] = []
@@ -113,7 +114,15 @@ def run_eval(
     out = ws.stage_dir("eval")
     for label, load in models.items():
         metrics, samples = evaluate_model(
-            load(), tokenizer, rows, reward_funcs, max_new, e.batch_size, label, cfg.grpo.max_prompt_length
+            load(),
+            tokenizer,
+            rows,
+            reward_funcs,
+            max_new,
+            e.batch_size,
+            label,
+            cfg.grpo.max_prompt_length,
+            threads=cfg.generation.torch_threads,
         )
         report[label] = metrics
         tracker.log_metrics({f"{label}/{k}": v for k, v in metrics.items()})

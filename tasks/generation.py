@@ -10,19 +10,24 @@ Backends: ``TransformersGenerator`` below and ``VLLMGenerator`` (tasks/vllm_engi
 vLLM engine that streams the trainer's weights in memory). ``make_generator`` picks one for
 ``generation.backend`` (auto | vllm | transformers) and logs which and why.
 
-The transformers backend samples with ``model.generate`` on the training model itself. Its
-sampler log-probs are log_softmax(raw_logits / temperature) of the chosen tokens, the same
-definition the trainer uses, so their gap to the trainer's log-probs measures numerical drift
-(padding, KV cache), not a different distribution. A completion ends at (and includes) the
-first EOS token: finish_reason "stop"; otherwise it was cut at max_new_tokens: "length".
+The transformers backend samples on the training model itself with ``sample`` below: generate's
+sampling without its per-step overhead, and finished rows leave the batch. Its sampler log-probs
+are log_softmax(raw_logits / temperature) of the chosen tokens, the same definition the trainer
+uses, so their gap to the trainer's log-probs measures numerical drift (padding, KV cache), not a
+different distribution. A completion ends at (and includes) the first EOS token: finish_reason
+"stop"; otherwise it was cut at max_new_tokens: "length".
 """
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Iterator
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
 
 import torch
+
+from tasks.modeling import lora_merged
 
 log = logging.getLogger(__name__)
 
@@ -72,16 +77,36 @@ def left_pad(seqs: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Te
     return ids, mask
 
 
+@contextmanager
+def torch_threads(n: int | None) -> Iterator[None]:
+    """torch.set_num_threads(n) inside, the previous count after (None: leave it)."""
+    before = torch.get_num_threads()
+    if n:
+        torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        if n:
+            torch.set_num_threads(before)
+
+
 class TransformersGenerator:
-    """Samples with ``model.generate`` in chunks of ``batch_size`` sequences."""
+    """Samples with ``model.generate`` in chunks of ``batch_size`` sequences.
+
+    ``merge_lora``: a peft model generates with its LoRA layers merged on the side
+    (tasks.modeling.lora_merged: one matmul per layer instead of three; measured 1.36 s -> 0.93 s
+    for 128 x 32 tokens on the default tiny model). ``threads``: torch threads while generating
+    (decoding is many small ops: on 2 cores 1 thread beats 2, while training prefers 2)."""
 
     name = "transformers"
     separate_engine = False  # samples with the training weights themselves: no off-policy drift to correct
 
-    def __init__(self, model, tokenizer, batch_size: int = 64):
+    def __init__(self, model, tokenizer, batch_size: int = 64, *, merge_lora: bool = True, threads: int | None = None):
         self.model = model
         self.tokenizer = tokenizer
         self.batch_size = batch_size
+        self.merge_lora = merge_lora
+        self.threads = threads
         self.eos_id = tokenizer.eos_token_id
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else self.eos_id
 
@@ -94,45 +119,116 @@ class TransformersGenerator:
         out = Generation()
         was_training = self.model.training
         self.model.eval()
+        merged = lora_merged(self.model) if self.merge_lora else nullcontext()
         try:
-            for start in range(0, len(expanded), self.batch_size):
-                out.extend(self._generate_chunk(expanded[start : start + self.batch_size], params))
+            with merged, torch_threads(self.threads):
+                for start in range(0, len(expanded), self.batch_size):
+                    out.extend(self._generate_chunk(expanded[start : start + self.batch_size], params))
         finally:
             self.model.train(was_training)
         return out
 
     def _generate_chunk(self, prompts: list[list[int]], p: SamplingParams) -> Generation:
         ids, mask = left_pad(prompts, self.pad_id)
-        kwargs = dict(max_new_tokens=p.max_new_tokens, repetition_penalty=p.repetition_penalty)
-        if p.greedy:
-            kwargs.update(do_sample=False, temperature=None, top_p=None, top_k=None)
-        else:
-            kwargs.update(do_sample=True, temperature=p.temperature, top_p=p.top_p, top_k=p.top_k or 0, min_p=p.min_p)
-        res = self.model.generate(
-            input_ids=ids,
-            attention_mask=mask,
-            eos_token_id=self.eos_id,
-            pad_token_id=self.pad_id,
-            output_logits=True,
-            return_dict_in_generate=True,
-            use_cache=True,
-            **kwargs,
-        )
-        new = res.sequences[:, ids.shape[1] :]  # [b, steps]
-        temp = 1.0 if p.greedy else p.temperature
-        logits = torch.stack(res.logits, dim=1).float() / temp  # [b, steps, V]
-        lp = torch.log_softmax(logits, dim=-1).gather(-1, new.unsqueeze(-1)).squeeze(-1)  # [b, steps]
+        tokens, logps, lengths, stopped = sample(self.model, ids, mask, p, self.eos_id)
         gen = Generation()
-        for row, row_lp in zip(new.tolist(), lp.tolist()):
-            if self.eos_id in row:
-                end = row.index(self.eos_id) + 1
-                reason = "stop"
-            else:
-                end, reason = len(row), "length"
-            gen.completion_ids.append(row[:end])
-            gen.logprobs.append(row_lp[:end])
-            gen.finish_reasons.append(reason)
+        for row, row_lp, n, stop in zip(tokens.tolist(), logps.tolist(), lengths.tolist(), stopped.tolist()):
+            gen.completion_ids.append(row[:n])
+            gen.logprobs.append(row_lp[:n])
+            gen.finish_reasons.append("stop" if stop else "length")
         return gen
+
+
+def logits_warpers(p: SamplingParams):
+    """transformers' own logits processors for ``p``, in generate's order (repetition penalty, temperature,
+    top-k, top-p, min-p); an empty list for plain sampling or greedy without a penalty."""
+    from transformers import (
+        LogitsProcessorList,
+        MinPLogitsWarper,
+        RepetitionPenaltyLogitsProcessor,
+        TemperatureLogitsWarper,
+        TopKLogitsWarper,
+        TopPLogitsWarper,
+    )
+
+    procs = LogitsProcessorList()
+    if p.repetition_penalty != 1.0:
+        procs.append(RepetitionPenaltyLogitsProcessor(p.repetition_penalty))
+    if not p.greedy:
+        if p.temperature != 1.0:
+            procs.append(TemperatureLogitsWarper(p.temperature))
+        if p.top_k:
+            procs.append(TopKLogitsWarper(p.top_k))
+        if p.top_p < 1.0:
+            procs.append(TopPLogitsWarper(p.top_p))
+        if p.min_p:
+            procs.append(MinPLogitsWarper(p.min_p))
+    return procs
+
+
+@torch.no_grad()
+def sample(
+    model, ids: torch.Tensor, mask: torch.Tensor, p: SamplingParams, eos_id: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Decode up to ``p.max_new_tokens`` tokens for each row of a left-padded batch, with a KV cache.
+
+    Returns tokens [B, T] and their sampler log-probs log_softmax(logits / temperature) [B, T] (valid up
+    to each row's length), lengths [B] (EOS included) and stopped [B] (the row emitted EOS).
+
+    What ``model.generate`` does, minus its per-step machinery, plus one thing it lacks: a row that has
+    emitted EOS leaves the batch and the cache, so the steps after most completions ended cost only the
+    rows still going (generate decodes every row until the last one ends). Sampling is generate's:
+    transformers' logits processors, then softmax and torch.multinomial (argmax when greedy)."""
+    from transformers import DynamicCache
+
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    B, T = ids.shape[0], p.max_new_tokens
+    warp = logits_warpers(p)
+    temp = 1.0 if p.greedy else p.temperature
+    tokens = torch.zeros((B, T), dtype=torch.long)
+    logps = torch.zeros((B, T))
+    lengths = torch.full((B,), T, dtype=torch.long)
+    stopped = torch.zeros(B, dtype=torch.bool)
+    cache = DynamicCache(config=base.config)
+    position = (mask.cumsum(-1) - 1).clamp(min=0)
+    out = model(
+        input_ids=ids,
+        attention_mask=mask,
+        position_ids=position,
+        past_key_values=cache,
+        use_cache=True,
+        logits_to_keep=1,
+    )
+    logits = out.logits[:, -1].float()
+    position = position[:, -1:] + 1
+    rows = torch.arange(B)  # batch row -> output row
+    seqs = ids  # what the repetition penalty looks at
+    compactable = all(hasattr(layer, "batch_select_indices") for layer in getattr(cache, "layers", [None]))
+    for t in range(T):
+        scores = warp(seqs, logits.clone()) if warp else logits
+        token = scores.argmax(-1) if p.greedy else torch.multinomial(torch.softmax(scores, dim=-1), 1).squeeze(1)
+        live = ~stopped[rows]
+        tokens[rows[live], t] = token[live]
+        logps[rows[live], t] = torch.log_softmax(logits[live] / temp, dim=-1).gather(-1, token[live, None]).squeeze(1)
+        ended = live & (token == eos_id)
+        lengths[rows[ended]] = t + 1
+        stopped[rows[ended]] = True
+        if t + 1 == T or bool(stopped[rows].all()):
+            break
+        if warp:
+            seqs = torch.cat([seqs, token[:, None]], dim=1)
+        if compactable and bool(ended.any()):  # finished rows leave the batch and the cache
+            keep = (~stopped[rows]).nonzero().squeeze(1)
+            for layer in cache.layers:
+                layer.batch_select_indices(keep)
+            rows, mask, position, token, seqs = rows[keep], mask[keep], position[keep], token[keep], seqs[keep]
+        mask = torch.cat([mask, mask.new_ones((mask.shape[0], 1))], dim=1)
+        out = model(
+            input_ids=token[:, None], attention_mask=mask, position_ids=position, past_key_values=cache, use_cache=True
+        )
+        logits = out.logits[:, -1].float()
+        position = position + 1
+    return tokens, logps, lengths, stopped
 
 
 def choose_backend(requested: str, vllm_problem: str | None) -> tuple[str, str]:
@@ -172,7 +268,9 @@ def make_generator(
     backend, why = choose_backend(cfg.backend, problem)
     log.info("generation backend: %s (%s)", backend, why)
     if backend == "transformers":
-        return TransformersGenerator(model, tokenizer, cfg.batch_size)
+        return TransformersGenerator(
+            model, tokenizer, cfg.batch_size, merge_lora=cfg.merge_lora, threads=cfg.torch_threads
+        )
     from tasks.vllm_engine import VLLMGenerator
 
     return VLLMGenerator(model, tokenizer, model_path, cfg, dtype=dtype, max_model_len=max_model_len, seed=seed)

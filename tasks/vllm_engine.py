@@ -50,6 +50,7 @@ import torch
 
 from tasks.config import GenerationConfig
 from tasks.generation import Generation, SamplingParams
+from tasks.modeling import lora_layers, merged_weight
 
 log = logging.getLogger(__name__)
 
@@ -67,17 +68,27 @@ def import_vllm():
     return vllm
 
 
+def import_problem() -> str | None:
+    """Why vLLM does not import here (a sentence), or None when it does."""
+    try:
+        import_vllm()
+        from vllm import ModelRegistry  # noqa: F401
+        from vllm.platforms import current_platform  # noqa: F401
+    except Exception as e:  # any import failure means "not available", with its reason
+        first_line = str(e).splitlines()[0] if str(e) else ""
+        return f"vllm does not import ({type(e).__name__}: {first_line})"
+    return None
+
+
 def unsupported_reason(architectures: list[str] | None, head_dim: int | None = None, load_in_4bit: bool = False):
     """Why vLLM cannot generate for this model here (a sentence), or None when it can."""
     if load_in_4bit:
         return "model.load_in_4bit: the engine cannot take weights merged into a 4-bit bitsandbytes base"
-    try:
-        import_vllm()
-        from vllm import ModelRegistry
-        from vllm.platforms import current_platform
-    except Exception as e:  # any import failure means "not available", with its reason
-        first_line = str(e).splitlines()[0] if str(e) else ""
-        return f"vllm does not import ({type(e).__name__}: {first_line})"
+    if problem := import_problem():
+        return problem
+    from vllm import ModelRegistry
+    from vllm.platforms import current_platform
+
     archs = architectures or []
     if not any(a in ModelRegistry.get_supported_archs() for a in archs):
         return f"vLLM has no implementation of {archs or 'this architecture'}"
@@ -88,6 +99,28 @@ def unsupported_reason(architectures: list[str] | None, head_dim: int | None = N
         if head_dim not in sizes:
             return f"vLLM's CPU attention has no kernel for head_dim={head_dim} (supported: {sizes})"
     return None
+
+
+def config_problem(cfg) -> str | None:
+    """Why ``generation.backend=vllm`` cannot work for this PipelineConfig, checked before any stage runs
+    (None: it can, or the backend is not vllm). Reads the model's config only, never its weights; a model
+    config that cannot be read here (a hub id offline) leaves the architecture check to the GRPO stage."""
+    if cfg.generation.backend != "vllm":
+        return None
+    m = cfg.model
+    if m.name == "tiny":
+        archs = ["Qwen2ForCausalLM" if m.tiny.architecture == "qwen2" else "LlamaForCausalLM"]
+        head_dim = m.tiny.hidden_size // m.tiny.num_attention_heads
+    else:
+        try:
+            from transformers import AutoConfig
+
+            hf = AutoConfig.from_pretrained(m.name, revision=m.revision, trust_remote_code=m.trust_remote_code)
+        except Exception:  # noqa: BLE001 - unreadable here: check the import now, the rest at the GRPO stage
+            return import_problem()
+        archs = list(getattr(hf, "architectures", None) or [])
+        head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads
+    return unsupported_reason(archs, head_dim, m.load_in_4bit)
 
 
 def _base(model):
@@ -192,10 +225,6 @@ def sampling_kwargs(p: SamplingParams, eos_id: int) -> dict:
 # --------------------------------------------------------------------------------------------
 # what to stream into the engine
 # --------------------------------------------------------------------------------------------
-def _is_lora_layer(module) -> bool:
-    return hasattr(module, "lora_A") and hasattr(module, "get_delta_weight") and hasattr(module, "base_layer")
-
-
 @torch.no_grad()
 def sync_state(model, merge: bool = True) -> Iterator[tuple[str, torch.Tensor]]:
     """(checkpoint name, tensor) for every weight of ``model`` as the engine must see it.
@@ -204,21 +233,15 @@ def sync_state(model, merge: bool = True) -> Iterator[tuple[str, torch.Tensor]]:
     not modified) under the base model's names (``merge=False``: the base weights alone); a tied
     head is also yielded as ``lm_head.weight``."""
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
-    lora_layers = {name: m for name, m in base.named_modules() if _is_lora_layer(m)}
-    adapters = {name: [a for a in m.active_adapters if a in m.lora_A] for name, m in lora_layers.items()}
+    layers = lora_layers(model)
     for name, param in base.named_parameters():
         if ".lora_" in name or "lora_magnitude" in name:
             continue
         module_name, _, leaf = name.rpartition(".")
         if module_name.endswith(".base_layer"):
             owner = module_name[: -len(".base_layer")]
-            layer = lora_layers[owner]
-            tensor = param
-            if merge and leaf == "weight" and not layer.merged and not getattr(layer, "disable_adapters", False):
-                tensor = param.detach().clone()
-                for a in adapters[owner]:
-                    tensor += layer.get_delta_weight(a).to(tensor.dtype)
-            yield f"{owner}.{leaf}", tensor.detach()
+            tensor = merged_weight(layers[owner]) if merge and leaf == "weight" else param.detach()
+            yield f"{owner}.{leaf}", tensor
         else:
             yield name, param.detach()
     if getattr(base.config, "tie_word_embeddings", False) and base.get_output_embeddings() is not None:

@@ -300,8 +300,9 @@ def test_manifest_outputs_and_round_trip(tmp_path):
     assert len(samples) == 5 and samples == list(train.select(range(5)))
 
     texts = list(corpus_text(train))
-    assert len(texts) == 3 * len(train)
-    assert texts[:3] == [GSM8K_SYSTEM_PROMPT, train[0]["question"], train[0]["reference"]]
+    assert len(texts) == 6 * len(train)
+    first = ["system", GSM8K_SYSTEM_PROMPT, "user", train[0]["question"], "assistant", train[0]["reference"]]
+    assert texts[:6] == first
 
 
 def test_rerun_overwrites(tmp_path):
