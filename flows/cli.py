@@ -1,4 +1,5 @@
-"""Command line: ``grpoflow run [CONFIG] [key=value ...]`` and ``grpoflow validate``.
+"""Command line: ``grpoflow run [CONFIG] [key=value ...]``, ``grpoflow validate`` and
+``grpoflow resume RUN_DIR [--from-stage STAGE] [key=value ...]``.
 
 The config is loaded and validated before anything heavy is imported, so a bad key fails in
 about a second with a message naming it (exit code 2). Prefect runs the flow in-process with
@@ -55,9 +56,40 @@ def cmd_run(args) -> int:
     cfg = _load(args)
     if cfg.run.name is None:
         cfg = cfg.model_copy(update={"run": cfg.run.model_copy(update={"name": time.strftime("run-%Y%m%d-%H%M%S")})})
+    return _run_pipeline(cfg)
+
+
+def cmd_resume(args) -> int:
+    """Rerun the pipeline in RUN_DIR with its config.yaml (+ overrides): complete stages whose key matches are
+    skipped; --from-stage first forgets that stage and every later one (manifest and files), so they rerun."""
+    from tasks.workspace import STAGES, Workspace, stages_from
+
+    if args.from_stage is not None and args.from_stage not in STAGES:
+        raise ConfigError(f"--from-stage: unknown stage {args.from_stage!r}; expected one of {', '.join(STAGES)}")
+    run_dir = Path(args.run_dir).resolve()
+    config = run_dir / "config.yaml"
+    if not config.is_file():
+        raise ConfigError(f"{args.run_dir}: no config.yaml; RUN_DIR must be a run workspace (<output_dir>/<name>)")
+    cfg = load_config(str(config), list(args.overrides))
+    # the workspace is RUN_DIR wherever it now lies (its MLflow store, by default, beside it)
+    cfg = cfg.model_copy(
+        update={"run": cfg.run.model_copy(update={"name": run_dir.name, "output_dir": str(run_dir.parent)})}
+    )
+    forget = stages_from(args.from_stage) if args.from_stage else ()
+    return _run_pipeline(cfg, lambda: Workspace(run_dir).forget(forget, attempts=True))
+
+
+def _run_pipeline(cfg: PipelineConfig, before=None) -> int:
     _setup_env(cfg)
+    if cfg.generation.backend == "vllm":  # fail now, not after data prep and SFT
+        from tasks.vllm_engine import config_problem
+
+        if problem := config_problem(cfg):
+            raise ConfigError(f"generation.backend=vllm: {problem}")
     from flows.pipeline import grpo_pipeline  # heavy imports only after the config is valid
 
+    if before is not None:
+        before()
     workspace = Path(cfg.run.output_dir).resolve() / cfg.run.name
     t0 = time.perf_counter()
     result = grpo_pipeline(config=cfg.to_dict(), workspace=str(workspace))
@@ -109,7 +141,18 @@ def main(argv: list[str] | None = None) -> int:
         p.set_defaults(fn=fn)
         if name == "validate":
             p.add_argument("--show", action="store_true", help="print the resolved config")
-    args = parser.parse_args(argv)
+    p = sub.add_parser("resume", help="rerun a run workspace: skip complete stages, continue GRPO and the MLflow run")
+    p.add_argument("run_dir", metavar="RUN_DIR", help="the run workspace (<output_dir>/<run name>, holds config.yaml)")
+    p.add_argument(
+        "--from-stage", metavar="STAGE", help="recompute this stage and all later ones: data, sft, grpo, eval, export"
+    )
+    p.add_argument("overrides", nargs="*", help="key=value overrides of the run's config.yaml")
+    p.set_defaults(fn=cmd_resume)
+    args, extra = parser.parse_known_args(argv)
+    if extra and args.command == "resume" and all("=" in e and not e.startswith("-") for e in extra):
+        args.overrides = [*args.overrides, *extra]  # overrides on both sides of --from-stage
+    elif extra:
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
     try:
         return args.fn(args)
     except ConfigError as e:

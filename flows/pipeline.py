@@ -6,6 +6,10 @@ Each stage is a Prefect task (tasks/*) that takes the resolved config as a dict 
 workspace path, and returns a small summary with the URIs of what it wrote; the flow passes
 those URIs on. MLflow: the flow opens the parent run (tagged with the Prefect flow-run id),
 each stage task a nested run under it.
+
+Resume: running the flow again on the same workspace skips every stage whose manifest holds its
+current key (tasks/stage.py) and continues the parent run named in <workspace>/run.json
+(tasks/resume.py) instead of opening another one.
 """
 
 from __future__ import annotations
@@ -21,8 +25,9 @@ from tasks.data import data_task
 from tasks.evaluate import eval_task
 from tasks.export import export_task
 from tasks.grpo.stage import grpo_task
+from tasks.resume import open_pipeline_run
 from tasks.sft import sft_task
-from tasks.tracking import end_run, start_pipeline_run
+from tasks.tracking import end_run
 from tasks.workspace import Workspace
 
 log = logging.getLogger(__name__)
@@ -33,7 +38,7 @@ def grpo_pipeline(config: dict, workspace: str) -> dict:
     cfg = config_from_dict(config)
     ws = Workspace(workspace)
     (Path(ws.root) / "config.yaml").write_text(yaml.safe_dump(config, sort_keys=False))
-    parent = start_pipeline_run(cfg, tags={"prefect_flow_run_id": runtime.flow_run.id, "workspace": str(ws.root)})
+    parent = open_pipeline_run(cfg, ws, tags={"prefect_flow_run_id": runtime.flow_run.id, "workspace": str(ws.root)})
     args = (config, str(ws.root), parent.run_id)
     ok = False
     try:
@@ -45,7 +50,9 @@ def grpo_pipeline(config: dict, workspace: str) -> dict:
             result["eval"] = eval_task(
                 *args, before_model=grpo["base_model"], after_model=grpo["model_path"], after_is_adapter=grpo["adapter"]
             )
-            parent.log_metrics({k: result["eval"][k] for k in ("accuracy_before", "accuracy_after")})
+            accuracy = {k: result["eval"][k] for k in ("accuracy_before", "accuracy_after")}
+            if parent.client.get_run(parent.run_id).data.metrics != accuracy:  # a skipped eval logs nothing new
+                parent.log_metrics(accuracy)
         if cfg.export.enabled:
             result["export"] = export_task(
                 *args, base_model=grpo["base_model"], trained_model=grpo["model_path"], is_adapter=grpo["adapter"]

@@ -2,29 +2,49 @@
 
 Stages are plain functions ``fn(cfg, ws, tracker, **inputs) -> dict`` that know nothing of
 Prefect; this wraps one in its nested MLflow run and logs the summary it returns.
+
+Resume: a stage whose manifest holds the stage's current key (tasks/resume.py) is complete: its
+stored summary is returned and nothing runs or is logged. Otherwise its manifest and every later
+stage's are removed, its folder is emptied when its last attempt had another key (a same-key attempt
+that was killed keeps its files: GRPO continues from its newest checkpoint), the stage runs, and its
+manifest gets the key and the returned summary.
 """
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from typing import Any
 
 import torch
 
 from tasks.config import PipelineConfig, config_from_dict
+from tasks.resume import stage_keys
 from tasks.tracking import stage_run
-from tasks.workspace import Workspace
+from tasks.workspace import Workspace, stages_from
 
 StageFn = Callable[..., dict[str, Any]]
+log = logging.getLogger(__name__)
 
 
 def run_stage(
     name: str, fn: StageFn, cfg_dict: dict, workspace_root: str, parent_run_id: str | None, **inputs: Any
 ) -> dict[str, Any]:
     cfg: PipelineConfig = config_from_dict(cfg_dict)
+    ws = Workspace(workspace_root)
+    keys = stage_keys(cfg.to_dict())
+    key = keys[name]
+    stored = ws.completed(name, key)
+    if stored is not None:
+        log.info("stage %s: complete (key %s), skipped", name, key[:12])
+        return stored
+    ws.forget(stages_from(name))
+    ws.begin(name, key)
+    if name in ("sft", "grpo"):  # the stages that may build the tiny base model from the data
+        ws.begin("base_model", keys["base_model"])
+    log.info("stage %s: running (key %s)", name, key[:12])
     if cfg.run.torch_threads:
         torch.set_num_threads(cfg.run.torch_threads)
-    ws = Workspace(workspace_root)
     with stage_run(cfg, parent_run_id, name) as tracker:
         summary = fn(cfg, ws, tracker, **inputs)
         tracker.log_dict(summary, "summary.json")
@@ -33,4 +53,5 @@ def run_stage(
         }
         tracker.log_metrics(numeric)
         summary["mlflow_run_id"] = tracker.run_id
+        ws.seal_manifest(name, key, summary)
         return summary

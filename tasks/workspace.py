@@ -6,7 +6,10 @@
             manifest.json      written last: a stage is complete iff its manifest exists
 
 The manifest is written atomically (temp file + rename) after everything else of the stage,
-so a killed stage leaves no manifest and is recomputed. S3 workspaces come with the operations
+so a killed stage leaves no manifest and is recomputed. Resuming (tasks/stage.py, tasks/resume.py):
+the manifest also holds the stage's ``key`` and the ``summary`` it returned, and ``attempt.json``
+(written when a stage starts) the key of its latest attempt, so that files an attempt with another key
+left behind (GRPO checkpoints) are removed rather than resumed. S3 workspaces come with the operations
 issue; stages only use the methods below, never raw paths outside their own folder.
 """
 
@@ -14,12 +17,21 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import time
 from pathlib import Path
 from typing import Any
 
 STAGES = ("data", "sft", "grpo", "eval", "export")
 MANIFEST = "manifest.json"
+ATTEMPT = "attempt.json"
+
+
+def stages_from(stage: str) -> tuple[str, ...]:
+    """``stage`` and every stage after it."""
+    if stage not in STAGES:
+        raise ValueError(f"unknown stage {stage!r}; expected one of {STAGES}")
+    return STAGES[STAGES.index(stage) :]
 
 
 class Workspace:
@@ -55,3 +67,35 @@ class Workspace:
         if not path.is_file():
             return None
         return json.loads(path.read_text())
+
+    def completed(self, stage: str, key: str) -> dict[str, Any] | None:
+        """The stored summary when the stage is complete with this key, else None."""
+        manifest = self.read_manifest(stage)
+        if manifest is None or manifest.get("key") != key or "summary" not in manifest:
+            return None
+        return manifest["summary"]
+
+    def seal_manifest(self, stage: str, key: str, summary: dict[str, Any]) -> Path:
+        """Add the key and the returned summary to the manifest the stage wrote (atomically)."""
+        manifest = self.read_manifest(stage) or {}  # its finished_at, when there is one, is kept
+        return self.write_manifest(stage, {**manifest, "key": key, "summary": summary})
+
+    def forget(self, stages: tuple[str, ...], attempts: bool = False) -> None:
+        """Remove the manifests (and with ``attempts`` the attempt records) of these stages."""
+        for stage in stages:
+            self.manifest_path(stage).unlink(missing_ok=True)
+            if attempts:
+                (self.root / stage / ATTEMPT).unlink(missing_ok=True)
+
+    def begin(self, stage: str, key: str) -> None:
+        """Record an attempt of ``stage`` with ``key``; a folder last attempted with another key is emptied first."""
+        folder = self.root / stage
+        attempt = folder / ATTEMPT
+        if folder.is_dir() and any(folder.iterdir()):
+            last = json.loads(attempt.read_text()).get("key") if attempt.is_file() else None
+            if last != key:
+                shutil.rmtree(folder)
+        folder.mkdir(parents=True, exist_ok=True)
+        tmp = attempt.with_suffix(".tmp")
+        tmp.write_text(json.dumps({"key": key, "started_at": time.time()}))
+        os.replace(tmp, attempt)

@@ -239,6 +239,24 @@ def test_unsupported_reasons():
         assert "head_dim=16" in unsupported_reason(["Qwen2ForCausalLM"], head_dim=16)  # the CPU kernels start at 32
 
 
+def test_backend_vllm_is_refused_before_any_stage_runs(tmp_path, capsys):
+    """An explicit generation.backend=vllm that cannot serve the model fails at config time (exit 2), naming
+    why, instead of after data prep and SFT; the default tiny model (head_dim 32) passes when vLLM imports."""
+    from flows.cli import main
+    from tasks.config import load_config
+    from tasks.vllm_engine import config_problem
+
+    assert config_problem(load_config(None, ["generation.backend=transformers", "model.tiny.hidden_size=32"])) is None
+    assert config_problem(load_config(None, ["generation.backend=vllm"])) == vllm_problem
+    out = tmp_path / "runs"
+    rc = main(["run", f"run.output_dir={out}", "generation.backend=vllm", "model.tiny.hidden_size=32"])
+    assert rc == 2
+    err = capsys.readouterr().err
+    assert "generation.backend=vllm" in err
+    assert ("head_dim=8" in err) if vllm_problem is None else ("does not import" in err)
+    assert not any(out.glob("*/data"))  # nothing ran
+
+
 class _HF:
     num_attention_heads, num_key_value_heads, hidden_size, num_hidden_layers = 4, 2, 128, 4
 

@@ -1,0 +1,222 @@
+"""`grpoflow resume`: stages whose manifest holds their current key are skipped, GRPO continues from its
+newest checkpoint, a changed setting reruns its stage and every later one, one MLflow parent run throughout."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from mlflow.tracking import MlflowClient
+
+from flows.cli import main
+from tasks.config import load_config
+from tasks.resume import stage_keys
+from tasks.workspace import STAGES, Workspace
+
+MICRO = Path(__file__).parents[1] / "fixtures" / "micro.yaml"
+SLOW_REWARD = """
+import time
+
+def slow_length(prompts, completions, **columns):
+    time.sleep(0.5)  # keeps each GRPO step long enough to be killed after the first checkpoint
+    return [float(len(c[0]["content"]) % 7) for c in completions]
+"""
+RUN = [
+    "run.name=r",
+    "sft.max_steps=4",
+    "grpo.max_steps=4",
+    "grpo.save_steps=1",
+    "grpo.reward_funcs=[slow_reward:slow_length,correctness]",
+    "eval.max_samples=4",
+]
+
+
+# ------------------------------------------------------------------------------------------ keys
+def _cfg(*overrides: str) -> dict:
+    return load_config(str(MICRO), list(overrides)).to_dict()
+
+
+def test_keys_are_deterministic_and_distinct():
+    keys = stage_keys(_cfg())
+    assert keys == stage_keys(_cfg())
+    assert len(set(keys.values())) == len(keys)
+    assert all(len(k) == 64 for k in keys.values())
+
+
+@pytest.mark.parametrize(
+    ("override", "changed"),
+    [
+        ("run.seed=4", set(STAGES) | {"base_model"}),
+        ("data.arithmetic.train_size=150", set(STAGES) | {"base_model"}),
+        ("model.lora.r=8", {"sft", "grpo", "eval", "export"}),
+        ("sft.learning_rate=0.01", {"sft", "grpo", "eval", "export"}),
+        ("grpo.max_steps=5", {"grpo", "eval", "export"}),
+        ("grpo.learning_rate=0.002", {"grpo", "eval", "export"}),
+        ("grpo.temperature=0.5", {"grpo", "eval", "export"}),
+        ("generation.backend=transformers", {"grpo", "eval", "export"}),
+        ("eval.max_samples=3", {"eval"}),
+        ("eval.max_new_tokens=9", {"eval", "export"}),
+        ("export.verify_prompts=1", {"export"}),
+    ],
+)
+def test_a_change_propagates_downstream(override, changed):
+    before, after = stage_keys(_cfg()), stage_keys(_cfg(override))
+    assert {s for s in before if before[s] != after[s]} == changed
+
+
+@pytest.mark.parametrize(
+    "override",
+    [
+        "run.name=other",
+        "run.output_dir=/elsewhere",
+        "run.torch_threads=2",
+        "grpo.save_steps=7",
+        "grpo.logging_steps=3",
+        "grpo.log_completions_steps=9",
+        "grpo.resume=never",
+        "sft.logging_steps=5",
+        "generation.torch_threads=1",
+        "generation.batch_size=3",
+        "tracking.experiment=x",
+        "tracking.uri=sqlite:///x.db",
+    ],
+)
+def test_logging_only_keys_do_not_change_any_key(override):
+    assert stage_keys(_cfg(override)) == stage_keys(_cfg())
+
+
+def test_grpo_hangs_off_data_when_sft_is_disabled():
+    on, off = stage_keys(_cfg()), stage_keys(_cfg("sft.enabled=false"))
+    assert on["data"] == off["data"] and on["grpo"] != off["grpo"]
+    # with sft disabled, sft settings no longer reach grpo
+    assert stage_keys(_cfg("sft.enabled=false", "sft.learning_rate=0.01"))["grpo"] == off["grpo"]
+
+
+def test_workspace_attempts_clear_files_of_another_key(tmp_path):
+    ws = Workspace(tmp_path)
+    ws.begin("grpo", "k1")
+    (ws.stage_dir("grpo") / "checkpoints").mkdir()
+    ws.begin("grpo", "k1")  # same key: a killed attempt keeps its checkpoints
+    assert (tmp_path / "grpo" / "checkpoints").is_dir()
+    ws.write_manifest("grpo", {"steps": 3})
+    ws.seal_manifest("grpo", "k1", {"steps": 3, "model_path": "p"})
+    assert ws.completed("grpo", "k1") == {"steps": 3, "model_path": "p"}
+    assert ws.completed("grpo", "k2") is None
+    ws.begin("grpo", "k2")
+    assert not (tmp_path / "grpo" / "checkpoints").exists() and ws.read_manifest("grpo") is None
+
+
+def test_resume_errors(tmp_path, capsys):
+    assert main(["resume", str(tmp_path)]) == 2
+    assert "no config.yaml" in capsys.readouterr().err
+    (tmp_path / "config.yaml").write_text(MICRO.read_text())
+    assert main(["resume", str(tmp_path), "--from-stage", "train"]) == 2
+    assert "unknown stage 'train'" in capsys.readouterr().err
+
+
+# ------------------------------------------------------------------------------- the real CLI
+def _cli(*args: str) -> list[str]:
+    return [sys.executable, "-m", "flows.cli", *args]
+
+
+def _finished_at(ws: Path) -> dict[str, float]:
+    return {s: json.loads((ws / s / "manifest.json").read_text())["finished_at"] for s in STAGES}
+
+
+def _resume(ctx, *args: str) -> str:
+    res = subprocess.run(_cli("resume", str(ctx["ws"]), *args), env=ctx["env"], capture_output=True, text=True)
+    assert res.returncode == 0, res.stderr[-3000:]
+    return res.stderr
+
+
+def _one_parent(out: Path):
+    client = MlflowClient(f"sqlite:///{out / 'mlflow.db'}")
+    runs = client.search_runs([client.get_experiment_by_name("grpoflow").experiment_id])
+    parents = [r for r in runs if "mlflow.parentRunId" not in r.data.tags]
+    assert len(parents) == 1
+    children = [r for r in runs if r.data.tags.get("mlflow.parentRunId") == parents[0].info.run_id]
+    return parents[0], children
+
+
+@pytest.fixture(scope="module")
+def ctx(tmp_path_factory):
+    """A run killed (SIGKILL) in GRPO after its first checkpoint, then `grpoflow resume`d."""
+    tmp = tmp_path_factory.mktemp("stage_resume")
+    (tmp / "slow_reward.py").write_text(SLOW_REWARD)
+    env = dict(
+        os.environ,
+        OMP_NUM_THREADS="1",
+        PYTHONPATH=f"{tmp}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
+        PREFECT_HOME=str(tmp / "prefect"),
+    )
+    out = tmp / "runs"
+    ws = out / "r"
+    # its own process group: SIGKILL reaches the flow and whatever it started (Prefect's server)
+    proc = subprocess.Popen(
+        _cli("run", str(MICRO), f"run.output_dir={out}", *RUN),
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+    )
+    deadline = time.time() + 600
+    while not (ws / "grpo" / "checkpoints" / "checkpoint-1").is_dir() and proc.poll() is None:
+        assert time.time() < deadline, "no GRPO checkpoint in 10 minutes"
+        time.sleep(0.02)
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+    assert proc.returncode == -signal.SIGKILL, "the run finished before it could be killed"
+    assert not (ws / "grpo" / "manifest.json").exists()
+    killed = {s: json.loads((ws / s / "manifest.json").read_text())["finished_at"] for s in ("data", "sft")}
+    parent_id = json.loads((ws / "run.json").read_text())["mlflow_run_id"]
+    c = {"out": out, "ws": ws, "env": env, "killed": killed, "parent_id": parent_id}
+    c["stderr"] = _resume(c)
+    return c
+
+
+@pytest.mark.slow
+def test_sigkill_in_grpo_then_resume(ctx):
+    ws, err = ctx["ws"], ctx["stderr"]
+    after = _finished_at(ws)
+    assert {s: after[s] for s in ("data", "sft")} == ctx["killed"]  # not recomputed
+    assert "stage data: complete (key" in err and "stage sft: complete (key" in err
+    assert "resumed GRPO from" in err
+    assert json.loads((ws / "grpo" / "manifest.json").read_text())["summary"]["steps"] == 4
+    parent, children = _one_parent(ctx["out"])
+    assert parent.info.run_id == ctx["parent_id"]
+    assert parent.info.status == "FINISHED"
+    assert parent.data.tags["grpoflow.resumes"] == "1"
+    stages = [(r.data.tags["grpoflow.stage"], r.info.status) for r in children]
+    assert {s for s, status in stages if status == "FINISHED"} == set(STAGES)
+    assert [s for s, status in stages if status != "FINISHED"] == ["grpo"]  # the killed attempt, ended on resume
+    assert ("grpo", "KILLED") in stages
+
+
+@pytest.mark.slow
+def test_resume_from_stage_eval_recomputes_eval_and_export(ctx):
+    ws = ctx["ws"]
+    before = _finished_at(ws)
+    err = _resume(ctx, "--from-stage", "eval")
+    after = _finished_at(ws)
+    assert [s for s in STAGES if after[s] != before[s]] == ["eval", "export"]
+    assert "stage grpo: complete (key" in err and "resumed GRPO" not in err
+    parent, _ = _one_parent(ctx["out"])
+    assert parent.info.run_id == ctx["parent_id"] and parent.info.status == "FINISHED"
+
+
+@pytest.mark.slow
+def test_changed_grpo_setting_reruns_grpo_and_later(ctx):
+    ws = ctx["ws"]
+    before = _finished_at(ws)
+    err = _resume(ctx, "grpo.learning_rate=0.002")
+    after = _finished_at(ws)
+    assert [s for s in STAGES if after[s] != before[s]] == ["grpo", "eval", "export"]
+    assert "resumed GRPO" not in err  # the old checkpoints belong to another key: removed, not resumed
+    assert json.loads((ws / "grpo" / "manifest.json").read_text())["summary"]["steps"] == 4
+    parent, _ = _one_parent(ctx["out"])
+    assert parent.info.run_id == ctx["parent_id"] and parent.info.status == "FINISHED"
+    assert parent.data.tags["config_changed.grpo.learning_rate"] == "0.002"
