@@ -1,5 +1,5 @@
 """Command line: ``grpoflow run [CONFIG] [key=value ...]``, ``grpoflow validate`` and
-``grpoflow resume RUN_DIR [--from-stage STAGE] [key=value ...]``.
+``grpoflow resume RUN_DIR [--from-stage STAGE] [key=value ...]`` and ``grpoflow compare RUN_A RUN_B``.
 
 The config is loaded and validated before anything heavy is imported, so a bad key fails in
 about a second with a message naming it (exit code 2). Prefect runs the flow in-process with
@@ -79,6 +79,30 @@ def cmd_resume(args) -> int:
     return _run_pipeline(cfg, lambda: Workspace(run_dir).forget(forget, attempts=True))
 
 
+def cmd_compare(args) -> int:
+    """Key metrics and config differences of two runs, side by side (tasks/compare.py)."""
+    from mlflow.tracking import MlflowClient
+    from rich.console import Console
+    from rich.table import Table
+
+    from tasks.compare import resolve_run, run_summary, table_rows
+
+    uri = args.tracking_uri or os.environ.get("MLFLOW_TRACKING_URI") or None
+    try:
+        refs = [resolve_run(r, uri) for r in (args.run_a, args.run_b)]
+    except ValueError as e:
+        raise ConfigError(str(e)) from e
+    summaries = [run_summary(MlflowClient(u), rid, args.window) for u, rid in refs]
+    table = Table(title="grpoflow compare")
+    table.add_column("")
+    for s in summaries:
+        table.add_column(f"{s['run']} ({s['run_id'][:8]})")
+    for row in table_rows(*summaries):
+        table.add_row(*row)
+    Console().print(table)
+    return 0
+
+
 def _run_pipeline(cfg: PipelineConfig, before=None) -> int:
     _setup_env(cfg)
     if cfg.generation.backend == "vllm":  # fail now, not after data prep and SFT
@@ -148,6 +172,12 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument("overrides", nargs="*", help="key=value overrides of the run's config.yaml")
     p.set_defaults(fn=cmd_resume)
+    p = sub.add_parser("compare", help="two runs side by side from MLflow: accuracy, reward, step time, config diff")
+    for name in ("run_a", "run_b"):
+        p.add_argument(name, metavar=name.upper(), help="a run workspace folder (holds run.json) or an MLflow run id")
+    p.add_argument("--tracking-uri", help="for run ids: the MLflow tracking URI (default $MLFLOW_TRACKING_URI)")
+    p.add_argument("--window", type=int, default=20, help="steps averaged for the first/last reward (20)")
+    p.set_defaults(fn=cmd_compare)
     args, extra = parser.parse_known_args(argv)
     if extra and args.command == "resume" and all("=" in e and not e.startswith("-") for e in extra):
         args.overrides = [*args.overrides, *extra]  # overrides on both sides of --from-stage
