@@ -299,6 +299,27 @@ def _keep_process_state():
             torch.cuda.set_rng_state_all(cuda_states)
 
 
+_SYNC_CHATTER = (
+    "Reloading and processing weights took",
+    "Successfully reset prefix cache",
+    "RotaryEmbedding: Failed to load weights",  # any other layer that loads nothing is a real problem: kept
+)
+
+
+class _DropSyncChatter(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not any(text in record.getMessage() for text in _SYNC_CHATTER)
+
+
+def _quiet_sync_logs() -> None:
+    """vLLM logs three lines per weight sync: the reload time, the prefix-cache reset, and a warning that the
+    rotary embedding loaded nothing (its cos/sin cache is computed, never in a checkpoint). At one sync per
+    optimizer step that buries the training log; drop exactly those lines at vLLM's handlers."""
+    for handler in logging.getLogger("vllm").handlers:
+        if not any(isinstance(f, _DropSyncChatter) for f in handler.filters):
+            handler.addFilter(_DropSyncChatter())
+
+
 class VLLMGenerator:
     """Samples with an in-process vLLM engine that follows the training model's weights."""
 
@@ -341,6 +362,7 @@ class VLLMGenerator:
         t0 = time.perf_counter()
         with _keep_process_state():
             self.llm = vllm.LLM(**kwargs)
+        _quiet_sync_logs()
         log.info(
             "vLLM engine up in %.1fs (%s, co-located, KV cache %s, sleep mode %s)",
             time.perf_counter() - t0,

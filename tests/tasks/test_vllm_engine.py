@@ -322,3 +322,21 @@ def test_sync_state_merges_lora_without_touching_the_model(tok):
     torch.testing.assert_close(
         state["model.layers.1.mlp.down_proj.weight"], merged.model.layers[1].mlp.down_proj.weight
     )
+
+
+def test_only_the_per_sync_chatter_is_dropped_from_vllm_logs():
+    """Three lines per weight sync go; a layer other than the rotary embedding loading nothing (a head left
+    stale) still warns."""
+    import logging
+
+    from tasks.vllm_engine import _DropSyncChatter
+
+    def rec(msg, *args):
+        return logging.LogRecord("vllm.x", logging.WARNING, __file__, 1, msg, args, None)
+
+    f = _DropSyncChatter()
+    assert not f.filter(rec("%s: Failed to load weights", "RotaryEmbedding"))
+    assert not f.filter(rec("Reloading and processing weights took %.2f seconds", 0.07))
+    assert not f.filter(rec("Successfully reset prefix cache"))
+    assert f.filter(rec("%s: Failed to load weights", "ParallelLMHead"))
+    assert f.filter(rec("KV cache size: %d tokens", 100))
