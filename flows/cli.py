@@ -138,6 +138,9 @@ def print_summary(result: dict, seconds: float) -> None:
             f"before GRPO {e['accuracy_before']:.1%} -> after {e['accuracy_after']:.1%} ({e['rows']} held-out rows)",
         )
         table.add_row("report", e["report_path"])
+    if "registry" in result:
+        r = result["registry"]
+        table.add_row("registry", f"{r['name']} version {r['version']}: {r['reason']}")
     if "export" in result:
         x = result["export"]
         for key in ("adapter_path", "merged_path"):

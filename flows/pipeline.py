@@ -25,6 +25,7 @@ from tasks.data import data_task
 from tasks.evaluate import eval_task
 from tasks.export import export_task
 from tasks.grpo.stage import grpo_task
+from tasks.registry import register_pipeline_model
 from tasks.resume import open_pipeline_run
 from tasks.sft import sft_task
 from tasks.tracking import end_run
@@ -57,6 +58,9 @@ def grpo_pipeline(config: dict, workspace: str) -> dict:
             result["export"] = export_task(
                 *args, base_model=grpo["base_model"], trained_model=grpo["model_path"], is_adapter=grpo["adapter"]
             )
+        registered = register_pipeline_model(parent.client, cfg, parent.run_id, result)
+        if registered is not None:
+            result["registry"] = registered.__dict__
         ok = True
         return result
     finally:

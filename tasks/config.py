@@ -392,6 +392,11 @@ class TrackingConfig(_Section):
         None, description="MLflow tracking URI; default: $MLFLOW_TRACKING_URI, else sqlite:///<output_dir>/mlflow.db"
     )
     experiment: str = "grpoflow"
+    register_model: bool = Field(True, description="Register the exported model in the MLflow model registry.")
+    registered_model: str | None = Field(None, description="Registered model name; default grpoflow-<model name>.")
+    champion_alias: str = Field(
+        "champion", description="Alias moved to a new version whose held-out accuracy beats the current holder's."
+    )
 
 
 class PipelineConfig(_Section):

@@ -70,6 +70,10 @@ def test_mlflow_layout(finished_run):
     assert "report.json" in {a.path for a in client.list_artifacts(children["eval"].info.run_id)}
     export_art = {a.path for a in client.list_artifacts(children["export"].info.run_id)}
     assert {"adapter", "merged"} <= export_art
+    # the merged model is registered (the local SQLite store has a registry too) and, the first, is champion
+    champion = client.get_model_version_by_alias("grpoflow-tiny", "champion")
+    assert champion.run_id == children["export"].info.run_id and champion.source.endswith("/merged")
+    assert parent.data.tags["registered_model"] == f"grpoflow-tiny/{champion.version}"
 
 
 @pytest.mark.slow

@@ -1,0 +1,104 @@
+"""The MLflow model registry: every finished run registers its model; the best one carries an alias.
+
+After export, the run's model (the merged weights when exported, else the adapter; the artifact folder
+of the export stage run) becomes a new version of ``tracking.registered_model``. The version is tagged
+with the run's held-out accuracy after GRPO; it takes the alias ``tracking.champion_alias`` when
+
+    there is no champion yet, or accuracy(new) > accuracy(champion)
+
+(ties keep the current champion), and the decision and its reason are tagged on the version and the
+parent run. The registry lives in the tracking store (SQLite file or an ``mlflow server``).
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+from mlflow.exceptions import MlflowException
+from mlflow.tracking import MlflowClient
+
+log = logging.getLogger(__name__)
+ACCURACY_TAG = "accuracy_after"
+
+
+@dataclass(frozen=True)
+class Registration:
+    name: str
+    version: str
+    promoted: bool
+    reason: str
+
+
+def champion_decision(new: float | None, champion: float | None) -> tuple[bool, str]:
+    """(promote?, why) for a new version's accuracy against the champion's (None: unknown / no champion)."""
+    if new is None:
+        return False, "no held-out accuracy for this run (eval disabled): the champion is kept"
+    if champion is None:
+        return True, f"first version with an accuracy ({new:.1%}): becomes the champion"
+    if new > champion:
+        return True, f"accuracy {new:.1%} beats the champion's {champion:.1%}"
+    return False, f"accuracy {new:.1%} does not beat the champion's {champion:.1%}"
+
+
+def register_run_model(
+    client: MlflowClient,
+    name: str,
+    alias: str,
+    source: str,
+    run_id: str,
+    accuracy: float | None,
+    parent_run_id: str | None = None,
+) -> Registration:
+    """Register ``source`` (an artifact URI of ``run_id``) as a new version of ``name``; move ``alias`` to it
+    when ``champion_decision`` says so. Tags the version (accuracy, decision) and the parent run."""
+    try:
+        client.get_registered_model(name)
+    except MlflowException:
+        client.create_registered_model(name, description="GRPO fine-tuned models of grpoflow runs")
+    tags = {ACCURACY_TAG: f"{accuracy:.6f}"} if accuracy is not None else {}
+    version = client.create_model_version(name, source, run_id=run_id, tags=tags).version
+    try:
+        current = client.get_model_version_by_alias(name, alias)
+        champion = float(current.tags[ACCURACY_TAG]) if ACCURACY_TAG in current.tags else None
+    except MlflowException:
+        current, champion = None, None
+    promoted, reason = champion_decision(accuracy, champion)
+    if current is not None and champion is None and accuracy is not None:
+        promoted, reason = True, f"the champion (version {current.version}) has no recorded accuracy"
+    if promoted:
+        client.set_registered_model_alias(name, alias, version)
+    client.set_model_version_tag(name, version, "champion_decision", reason)
+    if parent_run_id is not None:
+        client.set_tag(parent_run_id, "registered_model", f"{name}/{version}")
+        client.set_tag(parent_run_id, "champion_decision", reason)
+    log.info("registry: %s version %s; %s", name, version, reason)
+    return Registration(name, str(version), promoted, reason)
+
+
+def register_pipeline_model(client: MlflowClient, cfg, parent_run_id: str, result: dict) -> Registration | None:
+    """The pipeline's last step: register the exported model of ``result`` (the flow's stage summaries).
+
+    Nothing when registration is off, nothing was exported, or this export run is already registered
+    (a resumed run whose export stage was skipped)."""
+    t, export = cfg.tracking, result.get("export")
+    if not t.register_model or not export:
+        return None
+    folder = "merged" if "merged_path" in export else "adapter" if "adapter_path" in export else None
+    if folder is None:
+        return None
+    export_run = export["mlflow_run_id"]
+    if client.get_run(parent_run_id).data.tags.get("registered_export_run") == export_run:
+        return None
+    source = f"{client.get_run(export_run).info.artifact_uri}/{folder}"
+    accuracy = result.get("eval", {}).get("accuracy_after")
+    name = t.registered_model or registered_model_name(cfg.model.name)
+    reg = register_run_model(client, name, t.champion_alias, source, export_run, accuracy, parent_run_id)
+    client.set_tag(parent_run_id, "registered_export_run", export_run)
+    return reg
+
+
+def registered_model_name(model_name: str) -> str:
+    """grpoflow-<model>, the model id's last path part with characters the registry dislikes replaced."""
+    base = model_name.rstrip("/").split("/")[-1]
+    return "grpoflow-" + "".join(c if c.isalnum() or c in "-_." else "-" for c in base)
