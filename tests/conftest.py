@@ -3,6 +3,7 @@
 import os
 import tempfile
 
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # as the CLI: spinning OpenMP threads crawl on busy cores
 os.environ.setdefault("GRPOFLOW_PROGRESS", "0")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
