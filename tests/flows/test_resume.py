@@ -61,13 +61,16 @@ def test_sigkill_then_resume_matches_uninterrupted_run(tmp_path, env):
     full, killed = tmp_path / "full", tmp_path / "killed"
     subprocess.run(_cmd(full), env=env, check=True, capture_output=True, timeout=600)
 
-    proc = subprocess.Popen(_cmd(killed), env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    # its own process group: the kill takes the run and the Prefect server it started, as a dying node would
+    proc = subprocess.Popen(
+        _cmd(killed), env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True
+    )
     # 4 micro-batches per round (spg 2 x mu 2), 2 per optimizer step: checkpoint-3 is in the middle of round 2
     ckpt = killed / "r" / "grpo" / "checkpoints" / "checkpoint-3"
     deadline = time.time() + 300
     while not ckpt.is_dir() and proc.poll() is None and time.time() < deadline:
         time.sleep(0.02)
-    proc.send_signal(signal.SIGKILL)
+    os.killpg(proc.pid, signal.SIGKILL)
     proc.wait()
     assert proc.returncode == -signal.SIGKILL, "the run finished before it could be killed"
     assert not (killed / "r" / "grpo" / "manifest.json").exists()
