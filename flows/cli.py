@@ -150,6 +150,10 @@ def print_summary(result: dict, seconds: float) -> None:
         for key in ("adapter_path", "merged_path"):
             if key in x:
                 table.add_row(key.removesuffix("_path"), x[key])
+        for kind, path in x.get("gguf", {}).items():
+            table.add_row(f"gguf {kind}", path)
+        for kind, why in x.get("gguf_skipped", {}).items():
+            table.add_row(f"gguf {kind}", f"skipped: {why}")
     console.print(table)
 
 

@@ -385,6 +385,25 @@ class ExportConfig(_Section):
     merged: bool = True
     merged_dtype: Literal["float16", "bfloat16", "float32"] = "float16"
     verify_prompts: int = Field(4, ge=0, description="Check the merged model's greedy tokens on N eval prompts.")
+    gguf: list[Literal["f32", "f16", "bf16", "q8_0", "q4_k_m"]] = Field(
+        default_factory=lambda: ["f16"],
+        description="GGUF files of the merged model (export/gguf/model-<type>.gguf), for llama.cpp; [] for none. "
+        "q4_k_m needs llama.cpp's llama-quantize on PATH (skipped with a warning otherwise).",
+    )
+
+    @model_validator(mode="after")
+    def _gguf(self) -> ExportConfig:
+        if self.gguf and not self.merged:
+            raise ValueError("gguf converts the merged model: set merged: true, or gguf: []")
+        return self
+
+    @model_validator(mode="before")
+    @classmethod
+    def _default_gguf_follows_merged(cls, raw: Any) -> Any:
+        """The default GGUF is made from the merged export: none when merged is off and gguf is not set."""
+        if isinstance(raw, dict) and raw.get("merged") is False and "gguf" not in raw:
+            return {**raw, "gguf": []}
+        return raw
 
 
 class TrackingConfig(_Section):

@@ -1,12 +1,15 @@
-"""Export stage: the LoRA adapter and merged 16-bit safetensors weights, verified.
+"""Export stage: the LoRA adapter, merged 16-bit safetensors weights (verified) and GGUF files.
 
     export/adapter/   the peft adapter (adapter_config.json + adapter_model.safetensors)
     export/merged/    base + adapter merged, cast to export.merged_dtype, with the tokenizer
+    export/gguf/      model-<type>.gguf of the merged folder for each of export.gguf (tasks/gguf_export.py)
 
 Verification: the merged folder is loaded back with plain transformers and must produce the
 same greedy tokens as the trained model (base + adapter, in the training dtype) on
 ``export.verify_prompts`` eval prompts; the match count is in the summary and a mismatch fails
-the stage. GGUF comes with the evaluation-and-export issue.
+the stage. Each GGUF is read back with gguf.GGUFReader. A GGUF that cannot be made (an architecture or
+tokenizer the converter does not support, q4_k_m without llama.cpp's llama-quantize) is skipped with a
+warning and listed under ``gguf_skipped``: the default ``export.gguf: [f16]`` must not fail other models' runs.
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ from __future__ import annotations
 import logging
 import shutil
 import time
+from pathlib import Path
 
 from prefect import task
 
@@ -31,6 +35,26 @@ log = logging.getLogger(__name__)
 def greedy_tokens(model, tokenizer, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
     gen = TransformersGenerator(model, tokenizer, batch_size=len(prompts) or 1)
     return gen.generate(prompts, 1, SamplingParams(max_new_tokens=max_new_tokens, greedy=True)).completion_ids
+
+
+def export_gguf(merged_dir: Path, gguf_dir: Path, types: list[str], tracker: RunLogger) -> tuple[dict, dict]:
+    """export/gguf/model-<type>.gguf for each type: ({type: path}, {skipped type: reason})."""
+    from tasks.gguf_export import GGUFUnavailable, write_gguf
+
+    shutil.rmtree(gguf_dir, ignore_errors=True)
+    written, skipped = {}, {}
+    for out_type in dict.fromkeys(types):
+        try:
+            info = write_gguf(merged_dir, gguf_dir / f"model-{out_type}.gguf", out_type)
+        except (GGUFUnavailable, ValueError) as e:
+            log.warning("export: %s", e)
+            skipped[out_type] = str(e)
+            continue
+        log.info("export: GGUF %s, %d tensors, %.1f MB", info["path"], info["tensors"], info["bytes"] / 1e6)
+        written[out_type] = info["path"]
+    if written:
+        tracker.log_artifact(gguf_dir, "gguf")
+    return written, skipped
 
 
 def run_export(
@@ -84,6 +108,10 @@ def run_export(
                     f"tokens on eval prompts {bad} ({matches}/{len(prompts)} match)"
                 )
         tracker.log_artifact(merged_dir, "merged")
+        if x.gguf:
+            summary["gguf"], skipped = export_gguf(merged_dir, out / "gguf", x.gguf, tracker)
+            if skipped:
+                summary["gguf_skipped"] = skipped
     summary["seconds"] = time.perf_counter() - t0
     ws.write_manifest("export", summary)
     return summary
