@@ -19,13 +19,22 @@ from pathlib import Path
 from tasks.config import ConfigError, PipelineConfig, load_config
 
 
+def _openmp_wait_policy() -> None:
+    """OMP_WAIT_POLICY=PASSIVE when other processes already keep the machine busy (1-minute load >= 0.7).
+
+    Waiting OpenMP threads spin by default. On a quiet machine that is fastest (passive waiting made the default
+    run 9.2 min instead of 6.1 here), but when another process holds a core, spinning threads crawl: two GRPO
+    micro-batches on 2 threads took 1.7 s beside one busy loop and 11.6-14.3 s on a loaded machine, against 0.9
+    and 1.9-2.9 s with passive waiting. OpenMP reads this when torch loads it, so it is set before anything
+    imports torch; an OMP_WAIT_POLICY already in the environment wins."""
+    if "OMP_WAIT_POLICY" not in os.environ and os.getloadavg()[0] >= 0.7:
+        os.environ["OMP_WAIT_POLICY"] = "PASSIVE"
+
+
 def _setup_env(cfg: PipelineConfig) -> None:
     out = Path(cfg.run.output_dir).resolve()
     out.mkdir(parents=True, exist_ok=True)
-    # OpenMP threads that wait by spinning make torch 4-6x slower when another process holds a core (2 threads on
-    # 2 busy cores: 11.6 s vs 1.9 s for two GRPO micro-batches); passive waiting costs little on a quiet machine.
-    # Read when torch loads OpenMP: set before anything imports torch.
-    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+    _openmp_wait_policy()
     os.environ.setdefault("PREFECT_HOME", str(out / ".prefect"))
     os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
     # the embedded server migrates its SQLite store on first start: slow on a busy 2-core machine
