@@ -19,15 +19,35 @@ from pathlib import Path
 from tasks.config import ConfigError, PipelineConfig, load_config
 
 
+def busy_cores(seconds: float = 0.5) -> float:
+    """Cores kept busy by other processes right now: non-idle share of /proc/stat's CPU time over ``seconds``,
+    times the core count (this process is idle meanwhile). Falls back to the 1-minute load average."""
+
+    def sample() -> tuple[int, int]:
+        with open("/proc/stat") as f:
+            values = [int(v) for v in f.readline().split()[1:]]
+        return values[3] + values[4], sum(values[:8])  # idle + iowait, total (without guest time)
+
+    try:
+        idle0, total0 = sample()
+        time.sleep(seconds)
+        idle1, total1 = sample()
+    except (OSError, ValueError, IndexError):
+        return os.getloadavg()[0]
+    total = max(total1 - total0, 1)
+    return (1 - (idle1 - idle0) / total) * (os.cpu_count() or 1)
+
+
 def _openmp_wait_policy() -> None:
-    """OMP_WAIT_POLICY=PASSIVE when other processes already keep the machine busy (1-minute load >= 0.7).
+    """OMP_WAIT_POLICY=PASSIVE when other processes keep at least 0.7 of a core busy as the run starts.
 
     Waiting OpenMP threads spin by default. On a quiet machine that is fastest (passive waiting made the default
     run 9.2 min instead of 6.1 here), but when another process holds a core, spinning threads crawl: two GRPO
     micro-batches on 2 threads took 1.7 s beside one busy loop and 11.6-14.3 s on a loaded machine, against 0.9
     and 1.9-2.9 s with passive waiting. OpenMP reads this when torch loads it, so it is set before anything
-    imports torch; an OMP_WAIT_POLICY already in the environment wins."""
-    if "OMP_WAIT_POLICY" not in os.environ and os.getloadavg()[0] >= 0.7:
+    imports torch; an OMP_WAIT_POLICY already in the environment wins. Measured now, not by the load average,
+    which still counts a pip install that just ended."""
+    if "OMP_WAIT_POLICY" not in os.environ and busy_cores() >= 0.7:
         os.environ["OMP_WAIT_POLICY"] = "PASSIVE"
 
 
