@@ -110,7 +110,7 @@ def config_problem(cfg) -> str | None:
     m = cfg.model
     if m.name == "tiny":
         archs = ["Qwen2ForCausalLM" if m.tiny.architecture == "qwen2" else "LlamaForCausalLM"]
-        head_dim = m.tiny.hidden_size // m.tiny.num_attention_heads
+        head_dim = config_head_dim(m.tiny)
     else:
         try:
             from transformers import AutoConfig
@@ -119,7 +119,7 @@ def config_problem(cfg) -> str | None:
         except Exception:  # noqa: BLE001 - unreadable here: check the import now, the rest at the GRPO stage
             return import_problem()
         archs = list(getattr(hf, "architectures", None) or [])
-        head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads
+        head_dim = config_head_dim(hf)
     return unsupported_reason(archs, head_dim, m.load_in_4bit)
 
 
@@ -132,9 +132,13 @@ def model_architectures(model) -> list[str]:
     return list(getattr(base.config, "architectures", None) or [type(base).__name__])
 
 
+def config_head_dim(config) -> int:
+    """Attention head size of an HF config: its head_dim, else hidden_size / num_attention_heads."""
+    return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+
+
 def model_head_dim(model) -> int:
-    c = _base(model).config
-    return getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+    return config_head_dim(_base(model).config)
 
 
 # --------------------------------------------------------------------------------------------
@@ -147,9 +151,8 @@ def sleep_mode_on(cfg: GenerationConfig, device: str, available: bool) -> bool:
 
 def kv_cache_bytes(hf_config, dtype: str, tokens: int) -> int:
     """Bytes of K and V for ``tokens`` tokens: 2 * layers * kv_heads * head_dim * dtype size."""
-    heads = hf_config.num_attention_heads
-    kv_heads = getattr(hf_config, "num_key_value_heads", None) or heads
-    head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // heads
+    kv_heads = getattr(hf_config, "num_key_value_heads", None) or hf_config.num_attention_heads
+    head_dim = config_head_dim(hf_config)
     return 2 * hf_config.num_hidden_layers * kv_heads * head_dim * DTYPE_BYTES.get(dtype, 4) * tokens
 
 
