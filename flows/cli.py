@@ -242,14 +242,19 @@ def main(argv: list[str] | None = None) -> int:
     p = sub.add_parser("deploy", help="create the work pools and deploy infra/prefect.yaml (needs PREFECT_API_URL)")
     p.add_argument(
         "prefect_args",
-        nargs=argparse.REMAINDER,
+        nargs="*",
         help="passed on to `prefect deploy` (default --all), e.g. -n grpo-continuous/local --params '{...}'",
     )
     p.set_defaults(fn=cmd_deploy)
     p = sub.add_parser("data-landed", help="emit the grpoflow.data.landed event: starts a continuous cycle")
     p.add_argument("path", metavar="PATH", help="the new file or folder (or s3://bucket/prefix)")
     p.set_defaults(fn=cmd_data_landed)
-    args, extra = parser.parse_known_args(argv)
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["deploy"] and argv[1:2] not in (["-h"], ["--help"]):
+        # everything after `deploy` belongs to `prefect deploy` (argparse would claim its options)
+        args, extra = argparse.Namespace(command="deploy", fn=cmd_deploy, prefect_args=argv[1:]), []
+    else:
+        args, extra = parser.parse_known_args(argv)
     if extra and args.command == "resume" and all("=" in e and not e.startswith("-") for e in extra):
         args.overrides = [*args.overrides, *extra]  # overrides on both sides of --from-stage
     elif extra:

@@ -86,6 +86,9 @@ def grpo_continuous(
     else:
         decision = f"{'promoted' if reg['promoted'] else 'kept the champion'}: {reg['name']} version {reg['version']}"
         decision += f"; {reg['reason']}"
+    if "eval" in result:  # the starting model (the champion, when warm-started) on the same held-out rows
+        e = result["eval"]
+        decision += f" (held-out: start {e['accuracy_before']:.1%}, new {e['accuracy_after']:.1%})"
     logger.info("decision: %s", decision)
     _tag_run(cycle, result, new, champion, decision)
     ledger.record(new, cycle=name, mlflow_run_id=result["mlflow_run_id"])

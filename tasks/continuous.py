@@ -67,15 +67,16 @@ def champion_model(cfg: PipelineConfig, dest: Path) -> tuple[str, dict] | None:
     uri = tracking_uri(cfg)
     name = cfg.tracking.registered_model or registered_model_name(cfg.model.name)
     alias = cfg.tracking.champion_alias
-    client = MlflowClient(uri)
+    client = MlflowClient(uri, registry_uri=uri)
     try:
         version = client.get_model_version_by_alias(name, alias)
     except MlflowException:
         return None
     shutil.rmtree(dest, ignore_errors=True)
     dest.mkdir(parents=True)
-    model_uri = f"models:/{name}/{version.version}"
-    local = Path(download_artifacts(artifact_uri=model_uri, dst_path=str(dest), tracking_uri=uri))
+    # the version's own artifact location (a models:/ URI would resolve against the default registry, not ``uri``)
+    source = client.get_model_version_download_uri(name, version.version)
+    local = Path(download_artifacts(artifact_uri=source, dst_path=str(dest), tracking_uri=uri))
     if (local / "adapter_config.json").is_file():
         local = _merge_adapter(local, dest / "merged", cfg)
     if not (local / "config.json").is_file():

@@ -20,8 +20,6 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from tasks.data import FILE_BUILDERS
-
 
 @dataclass(frozen=True)
 class DataFile:
@@ -39,6 +37,8 @@ class DataFile:
 
 
 def _is_data_name(name: str) -> bool:
+    from tasks.data import FILE_BUILDERS  # here: tasks.data imports datasets, slow for a deployment's entry module
+
     base = name.rsplit("/", 1)[-1]
     return bool(base) and not base.startswith((".", "_")) and Path(base).suffix.lower() in FILE_BUILDERS
 
