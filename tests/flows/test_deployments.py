@@ -130,7 +130,8 @@ def flow_runs(env: dict, deployment_id: str) -> list[dict]:
 
 
 def run_logs(env: dict, flow_run_id: str) -> str:
-    logs = api(env, "POST", "/logs/filter", {"logs": {"flow_run_id": {"any_": [flow_run_id]}}, "sort": "TIMESTAMP_DESC", "limit": 200})
+    body = {"logs": {"flow_run_id": {"any_": [flow_run_id]}}, "sort": "TIMESTAMP_DESC", "limit": 200}
+    logs = api(env, "POST", "/logs/filter", body)
     return "\n".join(entry["message"] for entry in logs)
 
 
@@ -144,10 +145,8 @@ def test_deploy_pipeline_run_and_continuous_cycle(deployed, tmp_path):
     env = deployed
     pools = {p["name"]: p["type"] for p in api(env, "POST", "/work_pools/filter", {})}
     assert pools == {"grpoflow-process": "process", "grpoflow-docker-gpu": "docker", "grpoflow-k8s-gpu": "kubernetes"}
-    deps = {
-        name: api(env, "GET", f"/deployments/name/{name}")
-        for name in ("grpo-pipeline/local", "grpo-pipeline/docker-gpu", "grpo-pipeline/k8s-gpu", "grpo-continuous/local")
-    }
+    names = ("grpo-pipeline/local", "grpo-pipeline/docker-gpu", "grpo-pipeline/k8s-gpu", "grpo-continuous/local")
+    deps = {name: api(env, "GET", f"/deployments/name/{name}") for name in names}
     assert deps["grpo-pipeline/docker-gpu"]["job_variables"]["image"] == "grpoflow:0.1.0-gpu"
     assert deps["grpo-pipeline/k8s-gpu"]["work_pool_name"] == "grpoflow-k8s-gpu"
     continuous = deps["grpo-continuous/local"]
