@@ -21,10 +21,11 @@ from pathlib import Path
 from prefect import flow, get_run_logger, task
 
 from flows.cli import load_run_config
-from flows.pipeline import grpo_pipeline
 from tasks.config import ConfigError
-from tasks.continuous import champion_model, check_continuous_config, cycle_config, gather
-from tasks.datasource import Ledger, list_source
+from tasks.datasource import DataFile, Ledger, list_source
+
+# flows.pipeline (torch, transformers) and tasks.continuous (mlflow) are imported where used: `prefect deploy`
+# imports this module, and a cycle with no new data should start in seconds
 
 LEDGER = "ledger.json"
 
@@ -38,6 +39,7 @@ def new_files_task(source: str, ledger_path: str) -> list[dict]:
 @task(name="champion")
 def champion_task(cfg_dict: dict, dest: str) -> tuple[str, dict] | None:
     from tasks.config import config_from_dict
+    from tasks.continuous import champion_model
 
     return champion_model(config_from_dict(cfg_dict), Path(dest))
 
@@ -54,7 +56,7 @@ def grpo_continuous(
     ``config``/``overrides`` as for grpo-pipeline (the config must name a fixed held-out file,
     ``data.eval_source``); ``state_dir`` holds the ledger and one workspace per cycle (default
     <run.output_dir>/continuous)."""
-    from tasks.datasource import DataFile
+    from tasks.continuous import check_continuous_config
 
     logger = get_run_logger()
     if not source:
@@ -67,6 +69,9 @@ def grpo_continuous(
     if not new:
         logger.info("no new data files in %s (ledger %s): nothing to do", source, ledger.path)
         return {"consumed": [], "decision": None}
+    from flows.pipeline import grpo_pipeline
+    from tasks.continuous import cycle_config, gather
+
     name = time.strftime("cycle-%Y%m%d-%H%M%S")
     ws = state / "cycles" / name
     data_file, rows = gather(new, ws / "incoming" / "train.jsonl")
