@@ -10,6 +10,7 @@ grpo-continuous/local matches it and starts a continuous cycle. Both need PREFEC
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -42,20 +43,32 @@ def _prefect(*args: str) -> list[str]:
 
 
 def ensure_pools(pools: dict[str, str] = POOLS) -> list[str]:
-    """Create the work pools that do not exist yet; returns the names created."""
+    """Create the work pools that do not exist yet (through the API: one `prefect` CLI start costs seconds);
+    returns the names created."""
+    import asyncio
+
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.actions import WorkPoolCreate
+    from prefect.exceptions import ObjectNotFound
+    from prefect.workers.utilities import get_default_base_job_template_for_infrastructure_type
+
     created = []
-    for name, kind in pools.items():
-        exists = subprocess.run(_prefect("work-pool", "inspect", name), capture_output=True, text=True)
-        if exists.returncode == 0:
-            continue
-        cmd = _prefect("work-pool", "create", name, "--type", kind)
-        template = REPO / "infra" / "work-pools" / f"{name}.json"
-        if template.is_file():
-            cmd += ["--base-job-template", str(template)]
-        done = subprocess.run(cmd, capture_output=True, text=True)
-        if done.returncode != 0:
-            raise RuntimeError(f"prefect work-pool create {name}: {done.stdout[-2000:]}{done.stderr[-2000:]}")
-        created.append(name)
+    with get_client(sync_client=True) as client:
+        for name, kind in pools.items():
+            try:
+                client.read_work_pool(name)
+                continue
+            except ObjectNotFound:
+                pass
+            path = REPO / "infra" / "work-pools" / f"{name}.json"
+            try:
+                template = json.loads(path.read_text()) if path.is_file() else None
+            except json.JSONDecodeError as e:
+                raise ConfigError(f"{path}: not valid JSON: {e}") from None
+            if template is None:  # Prefect's default for the type, as `prefect work-pool create --type` uses
+                template = asyncio.run(get_default_base_job_template_for_infrastructure_type(kind)) or {}
+            client.create_work_pool(WorkPoolCreate(name=name, type=kind, base_job_template=template))
+            created.append(name)
     return created
 
 

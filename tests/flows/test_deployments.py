@@ -135,6 +135,16 @@ def run_logs(env: dict, flow_run_id: str) -> str:
     return "\n".join(entry["message"] for entry in logs)
 
 
+def wait_for_log(env: dict, flow_run_id: str, text: str, timeout: float = 60) -> str:
+    """The flow run's logs once they contain ``text`` (logs reach the API after the final state: shipped in the
+    background until the flow-run process exits)."""
+    deadline = time.time() + timeout
+    while text not in (logs := run_logs(env, flow_run_id)) and time.time() < deadline:
+        time.sleep(1)
+    assert text in logs, logs[-3000:]
+    return logs
+
+
 def arithmetic_rows(n: int, seed: int) -> str:
     rng = random.Random(seed)
     rows = [(rng.randint(0, 20), rng.randint(0, 20)) for _ in range(n)]
@@ -204,7 +214,7 @@ def test_deploy_pipeline_run_and_continuous_cycle(deployed, tmp_path):
     assert tags["continuous.files"] == "batch1.jsonl" and ledger[0]["mlflow_run_id"] == cycle[0].info.run_id
     version = tags["registered_model"].split("/")[-1]
     reason = client.get_model_version("grpoflow-tiny", version).tags["champion_decision"]
-    assert reason in tags["continuous.decision"] and reason in logs
+    assert reason in tags["continuous.decision"] and reason in wait_for_log(env, first["id"], "decision: ")
     now = client.get_model_version_by_alias("grpoflow-tiny", "champion").version
     assert now == (version if tags["continuous.decision"].startswith("promoted") else champion.version)
 
@@ -214,7 +224,7 @@ def test_deploy_pipeline_run_and_continuous_cycle(deployed, tmp_path):
     second = wait_for(env, wait_until_runs(env, continuous["id"], 2)[1]["id"])
     print(f"continuous cycle without new data: {time.perf_counter() - t0:.0f} s")
     assert second["state_type"] == "COMPLETED", run_logs(env, second["id"])[-3000:]
-    assert "nothing to do" in run_logs(env, second["id"])
+    wait_for_log(env, second["id"], "nothing to do")
     assert len(json.loads((state / "ledger.json").read_text())["consumed"]) == 1
     assert len(client.search_runs([exp.experiment_id], "tags.`grpoflow.continuous` = 'true'")) == 1
     assert len(flow_runs(env, continuous["id"])) == 2
