@@ -11,7 +11,7 @@ from prefect.settings import PREFECT_API_URL, temporary_settings
 from flows.cli import main
 from tasks.config import ConfigError, load_config
 from tasks.continuous import check_continuous_config, cycle_config, gather
-from tasks.datasource import list_source
+from tasks.datasource import Ledger, list_source
 
 MICRO = Path(__file__).parents[1] / "fixtures" / "micro.yaml"
 PREFECT_FILE = Path(__file__).parents[2] / "infra" / "prefect.yaml"
@@ -76,3 +76,26 @@ def test_prefect_yaml_declares_the_fixed_names():
         assert deps[key]["pull"] == [{"prefect.deployments.steps.set_working_directory": {"directory": "/app"}}]
     (trigger,) = deps[("grpo_continuous", "local")]["triggers"]
     assert trigger["expect"] == ["grpoflow.data.landed"] and trigger["enabled"]
+
+
+@pytest.mark.slow
+def test_a_failed_cycle_consumes_nothing(tmp_path):
+    """The flow in-process: a new file the data stage rejects fails the cycle, and the ledger stays empty, so the
+    next cycle sees the file again."""
+    from flows.continuous import grpo_continuous
+
+    src = tmp_path / "incoming"
+    src.mkdir()
+    (src / "bad.jsonl").write_text(json.dumps({"prompt": "no question column"}) + "\n")
+    (tmp_path / "heldout.jsonl").write_text(json.dumps({"question": "What is 1 + 1?", "answer": "2"}) + "\n")
+    overrides = [f"run.output_dir={tmp_path / 'runs'}", f"data.eval_source={tmp_path / 'heldout.jsonl'}"]
+    state = grpo_continuous(
+        config=str(MICRO), overrides=overrides, source=str(src), state_dir=str(tmp_path / "state"), return_state=True
+    )
+    assert state.is_failed()
+    with pytest.raises(ValueError, match="'question' is not a column"):
+        state.result()
+    assert not (tmp_path / "state" / "ledger.json").exists()
+    assert [f.name for f in Ledger(tmp_path / "state" / "ledger.json").new_files(list_source(str(src)))] == [
+        "bad.jsonl"
+    ]
