@@ -1,5 +1,6 @@
 """Command line: ``grpoflow run [CONFIG] [key=value ...]``, ``grpoflow validate`` and
-``grpoflow resume RUN_DIR [--from-stage STAGE] [key=value ...]`` and ``grpoflow compare RUN_A RUN_B``.
+``grpoflow resume RUN_DIR [--from-stage STAGE] [key=value ...]`` and ``grpoflow compare RUN_A RUN_B``;
+``grpoflow deploy`` and ``grpoflow data-landed PATH`` talk to a Prefect server (flows/operations.py).
 
 The config is loaded and validated before anything heavy is imported, so a bad key fails in
 about a second with a message naming it (exit code 2). Prefect runs the flow in-process with
@@ -76,20 +77,26 @@ def _setup_env(cfg: PipelineConfig) -> None:
     hf_logging.disable_progress_bar()
 
 
-def _load(args) -> PipelineConfig:
-    overrides = list(args.overrides)
-    config = args.config
+def load_run_config(config: str | None, overrides: list[str] | None = None, name: bool = True) -> PipelineConfig:
+    """The config of a run, as `grpoflow run` and the deployed flows read it: CONFIG (default: the embedded one)
+    plus key=value overrides (a first argument with "=" that is no file is an override); run.name defaults to
+    run-<time>."""
+    overrides = list(overrides or [])
     if config and "=" in config and not Path(config).exists():  # `grpoflow run key=value` without a file
         overrides.insert(0, config)
         config = None
-    return load_config(config, overrides)
+    cfg = load_config(config, overrides)
+    if name and cfg.run.name is None:
+        cfg = cfg.model_copy(update={"run": cfg.run.model_copy(update={"name": time.strftime("run-%Y%m%d-%H%M%S")})})
+    return cfg
+
+
+def _load(args) -> PipelineConfig:
+    return load_run_config(args.config, args.overrides, name=args.command == "run")
 
 
 def cmd_run(args) -> int:
-    cfg = _load(args)
-    if cfg.run.name is None:
-        cfg = cfg.model_copy(update={"run": cfg.run.model_copy(update={"name": time.strftime("run-%Y%m%d-%H%M%S")})})
-    return _run_pipeline(cfg)
+    return _run_pipeline(_load(args))
 
 
 def cmd_resume(args) -> int:
@@ -186,6 +193,20 @@ def print_summary(result: dict, seconds: float) -> None:
     console.print(table)
 
 
+def cmd_deploy(args) -> int:
+    """Work pools (created when missing) and the deployments of infra/prefect.yaml (flows/operations.py)."""
+    from flows.operations import deploy
+
+    return deploy(args.prefect_args)
+
+
+def cmd_data_landed(args) -> int:
+    from flows.operations import EVENT, emit_data_landed
+
+    print(f"emitted {EVENT} for {args.path} (event {emit_data_landed(args.path)})")
+    return 0
+
+
 def cmd_validate(args) -> int:
     cfg = _load(args)
     print(json.dumps(cfg.to_dict(), indent=2) if args.show else "config OK")
@@ -218,7 +239,22 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--tracking-uri", help="for run ids: the MLflow tracking URI (default $MLFLOW_TRACKING_URI)")
     p.add_argument("--window", type=int, default=20, help="steps averaged for the first/last reward (20)")
     p.set_defaults(fn=cmd_compare)
-    args, extra = parser.parse_known_args(argv)
+    p = sub.add_parser("deploy", help="create the work pools and deploy infra/prefect.yaml (needs PREFECT_API_URL)")
+    p.add_argument(
+        "prefect_args",
+        nargs="*",
+        help="passed on to `prefect deploy` (default --all), e.g. -n grpo-continuous/local --params '{...}'",
+    )
+    p.set_defaults(fn=cmd_deploy)
+    p = sub.add_parser("data-landed", help="emit the grpoflow.data.landed event: starts a continuous cycle")
+    p.add_argument("path", metavar="PATH", help="the new file or folder (or s3://bucket/prefix)")
+    p.set_defaults(fn=cmd_data_landed)
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["deploy"] and argv[1:2] not in (["-h"], ["--help"]):
+        # everything after `deploy` belongs to `prefect deploy` (argparse would claim its options)
+        args, extra = argparse.Namespace(command="deploy", fn=cmd_deploy, prefect_args=argv[1:]), []
+    else:
+        args, extra = parser.parse_known_args(argv)
     if extra and args.command == "resume" and all("=" in e and not e.startswith("-") for e in extra):
         args.overrides = [*args.overrides, *extra]  # overrides on both sides of --from-stage
     elif extra:

@@ -35,7 +35,10 @@ log = logging.getLogger(__name__)
 
 
 @flow(name="grpo-pipeline")
-def grpo_pipeline(config: dict, workspace: str) -> dict:
+def grpo_pipeline(config: dict, workspace: str, init_model: str | None = None) -> dict:
+    """Run the DAG on ``config`` (a resolved config dict) in ``workspace``. ``init_model`` (a local model folder,
+    e.g. the registry champion the continuous flow warm-starts from) replaces the SFT stage: GRPO starts from it
+    and evaluation measures it as the "before" model."""
     cfg = config_from_dict(config)
     ws = Workspace(workspace)
     (Path(ws.root) / "config.yaml").write_text(yaml.safe_dump(config, sort_keys=False))
@@ -44,8 +47,8 @@ def grpo_pipeline(config: dict, workspace: str) -> dict:
     ok = False
     try:
         data = data_task(*args)
-        sft = sft_task(*args) if cfg.sft.enabled else None
-        grpo = grpo_task(*args, init_model=sft["model_path"] if sft else None)
+        sft = sft_task(*args) if cfg.sft.enabled and init_model is None else None
+        grpo = grpo_task(*args, init_model=sft["model_path"] if sft else init_model)
         result = {"workspace": str(ws.root), "mlflow_run_id": parent.run_id, "data": data, "sft": sft, "grpo": grpo}
         if cfg.eval.enabled:
             result["eval"] = eval_task(

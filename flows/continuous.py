@@ -1,0 +1,120 @@
+"""Continuous background fine-tuning: one cycle per run (infra/prefect.yaml: grpo-continuous/local, started by an
+interval schedule and by the ``grpoflow.data.landed`` event).
+
+    list the source -> files not in the ledger? -> none: done, nothing consumed
+                                               -> gather them into one training file
+                                               -> download the champion (registry alias), if any
+                                               -> the pipeline: data -> GRPO from the champion -> eval -> export
+                                                  -> register (the alias moves only when accuracy beats the champion)
+                                               -> add the files to the ledger
+
+The ledger (``<state_dir>/ledger.json``) is written only after the pipeline finished, so a failed cycle consumes
+nothing and the next run retries the same files. Run one cycle at a time (the deployment's concurrency limit is
+1): two concurrent cycles would both train on the same new files.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+from prefect import flow, get_run_logger, task
+
+from flows.cli import load_run_config
+from tasks.config import ConfigError
+from tasks.datasource import DataFile, Ledger, list_source
+
+# flows.pipeline (torch, transformers) and tasks.continuous (mlflow) are imported where used: `prefect deploy`
+# imports this module, and a cycle with no new data should start in seconds
+
+LEDGER = "ledger.json"
+
+
+@task(name="new-data-files")
+def new_files_task(source: str, ledger_path: str) -> list[dict]:
+    files = Ledger(ledger_path).new_files(list_source(source))
+    return [f.__dict__ for f in files]
+
+
+@task(name="champion")
+def champion_task(cfg_dict: dict, dest: str) -> tuple[str, dict] | None:
+    from tasks.config import config_from_dict
+    from tasks.continuous import champion_model
+
+    return champion_model(config_from_dict(cfg_dict), Path(dest))
+
+
+@flow(name="grpo-continuous")
+def grpo_continuous(
+    config: str | None = None,
+    overrides: list[str] | None = None,
+    source: str | None = None,
+    state_dir: str | None = None,
+) -> dict:
+    """One cycle: train on the files of ``source`` (a folder or s3://bucket/prefix) not consumed yet.
+
+    ``config``/``overrides`` as for grpo-pipeline (the config must name a fixed held-out file,
+    ``data.eval_source``); ``state_dir`` holds the ledger and one workspace per cycle (default
+    <run.output_dir>/continuous)."""
+    from tasks.continuous import check_continuous_config
+
+    logger = get_run_logger()
+    if not source:
+        raise ConfigError("source: the continuous flow needs a data source (a folder or s3://bucket/prefix)")
+    cfg = load_run_config(config, overrides)
+    check_continuous_config(cfg)
+    state = Path(state_dir or Path(cfg.run.output_dir) / "continuous").resolve()
+    ledger = Ledger(state / LEDGER)
+    new = [DataFile(**f) for f in new_files_task(source, str(ledger.path))]
+    if not new:
+        logger.info("no new data files in %s (ledger %s): nothing to do", source, ledger.path)
+        return {"consumed": [], "decision": None}
+    from flows.pipeline import grpo_pipeline
+    from tasks.continuous import cycle_config, gather
+
+    name = time.strftime("cycle-%Y%m%d-%H%M%S")
+    ws = state / "cycles" / name
+    data_file, rows = gather(new, ws / "incoming" / "train.jsonl")
+    logger.info("%d new data files (%d rows) in %s: %s", len(new), rows, source, [f.name for f in new])
+    champion = champion_task(cfg.to_dict(), str(ws / "incoming" / "champion"))
+    if champion is None:
+        logger.info("no champion in the registry yet: starting from %s (SFT: %s)", cfg.model.name, cfg.sft.enabled)
+    else:
+        logger.info("warm start from champion %s version %s", champion[1]["name"], champion[1]["version"])
+    cycle = cycle_config(cfg, name, data_file, warm_start=champion is not None)
+    result = grpo_pipeline(
+        config=cycle.to_dict(), workspace=str(ws), init_model=champion[0] if champion is not None else None
+    )
+    reg = result.get("registry")
+    if reg is None:
+        decision = "not registered (no exported model)"
+    else:
+        decision = f"{'promoted' if reg['promoted'] else 'kept the champion'}: {reg['name']} version {reg['version']}"
+        decision += f"; {reg['reason']}"
+    if "eval" in result:  # the starting model (the champion, when warm-started) on the same held-out rows
+        e = result["eval"]
+        decision += f" (held-out: start {e['accuracy_before']:.1%}, new {e['accuracy_after']:.1%})"
+    logger.info("decision: %s", decision)
+    _tag_run(cycle, result, new, champion, decision)
+    ledger.record(new, cycle=name, mlflow_run_id=result["mlflow_run_id"])
+    logger.info("ledger %s: recorded %d files", ledger.path, len(new))
+    return {"consumed": [f.name for f in new], "decision": decision, "mlflow_run_id": result["mlflow_run_id"]}
+
+
+def _tag_run(cfg, result: dict, files, champion, decision: str) -> None:
+    """What the cycle consumed, where it started and what it decided, on its MLflow parent run."""
+    import json
+
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(cfg.tracking.uri)
+    rid = result["mlflow_run_id"]
+    start = f"models:/{champion[1]['name']}/{champion[1]['version']}" if champion else cfg.model.name
+    for key, value in {
+        "grpoflow.continuous": "true",
+        "continuous.warm_start": start,
+        "continuous.files": ", ".join(f.name for f in files)[:5000],
+        "continuous.decision": decision[:5000],
+    }.items():
+        client.set_tag(rid, key, value)
+    client.log_text(rid, json.dumps([f.__dict__ for f in files], indent=2), "consumed_files.json")

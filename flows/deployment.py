@@ -1,0 +1,35 @@
+"""The pipeline as a deployment entry point (infra/prefect.yaml: grpo-pipeline/local, /docker-gpu, /k8s-gpu).
+
+A deployment's parameters must be JSON, so this flow takes what a user types on the command line instead of a
+resolved config dict: ``config``, the path of a YAML config (relative to the working directory: the repo root
+locally, /app in the images), and ``overrides``, a list of "key=value" strings, loaded exactly as `grpoflow run`
+loads them (flows/cli.py). It then runs the pipeline body in this flow run, so one deployment run is one flow run
+and one MLflow parent run (tagged with this flow run's id).
+
+    prefect deployment run grpo-pipeline/local --param config=configs/default.yaml \\
+        --param overrides='["grpo.max_steps=50"]'
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from prefect import flow, get_run_logger
+
+from flows.cli import load_run_config
+
+
+@flow(name="grpo-pipeline")
+def pipeline_deployment(config: str | None = None, overrides: list[str] | None = None) -> dict:
+    """Run the pipeline on CONFIG (default: the embedded offline config) plus key=value overrides."""
+    from flows.pipeline import grpo_pipeline  # torch and friends: not when `prefect deploy` loads this module
+
+    cfg = load_run_config(config, overrides)
+    workspace = Path(cfg.run.output_dir).resolve() / cfg.run.name
+    get_run_logger().info("config %s + %s: workspace %s", config or "(default)", list(overrides or []), workspace)
+    # the body, not the flow object: this deployment run is the pipeline's flow run (no nested run of the same name)
+    result = grpo_pipeline.fn(config=cfg.to_dict(), workspace=str(workspace))
+    if "eval" in result:
+        e = result["eval"]
+        get_run_logger().info("accuracy %.1f%% -> %.1f%%", 100 * e["accuracy_before"], 100 * e["accuracy_after"])
+    return {k: result[k] for k in ("workspace", "mlflow_run_id") if k in result}

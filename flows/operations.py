@@ -1,0 +1,102 @@
+"""`grpoflow deploy` and `grpoflow data-landed`: the Prefect server side of deployments, for a user.
+
+deploy: create the work pools infra/prefect.yaml names when they are missing (a pool's base job template from
+infra/work-pools/<pool>.json when that file exists, else Prefect's default for the pool type), then run
+`prefect deploy --prefect-file infra/prefect.yaml` from the repo root (``--all`` unless names are given).
+
+data-landed: emit the ``grpoflow.data.landed`` event for a file, folder or s3:// prefix; the trigger of
+grpo-continuous/local matches it and starts a continuous cycle. Both need PREFECT_API_URL (a Prefect server).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from tasks.config import ConfigError
+
+REPO = Path(__file__).resolve().parents[1]
+PREFECT_FILE = REPO / "infra" / "prefect.yaml"
+POOLS = {"grpoflow-process": "process", "grpoflow-docker-gpu": "docker", "grpoflow-k8s-gpu": "kubernetes"}
+EVENT = "grpoflow.data.landed"
+
+
+def _api_url() -> str:
+    from prefect.settings import PREFECT_API_URL
+
+    url = PREFECT_API_URL.value()
+    if not url:
+        raise ConfigError(
+            "PREFECT_API_URL: not set; start a server (prefect server start) and "
+            "`export PREFECT_API_URL=http://127.0.0.1:4200/api`"
+        )
+    return url
+
+
+def _prefect(*args: str) -> list[str]:
+    """The prefect CLI of this interpreter's environment."""
+    exe = Path(sys.executable).with_name("prefect")
+    return [str(exe) if exe.exists() else "prefect", *args]
+
+
+def ensure_pools(pools: dict[str, str] = POOLS) -> list[str]:
+    """Create the work pools that do not exist yet (through the API: one `prefect` CLI start costs seconds);
+    returns the names created."""
+    import asyncio
+
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.actions import WorkPoolCreate
+    from prefect.exceptions import ObjectNotFound
+    from prefect.workers.utilities import get_default_base_job_template_for_infrastructure_type
+
+    created = []
+    with get_client(sync_client=True) as client:
+        for name, kind in pools.items():
+            try:
+                client.read_work_pool(name)
+                continue
+            except ObjectNotFound:
+                pass
+            path = REPO / "infra" / "work-pools" / f"{name}.json"
+            try:
+                template = json.loads(path.read_text()) if path.is_file() else None
+            except json.JSONDecodeError as e:
+                raise ConfigError(f"{path}: not valid JSON: {e}") from None
+            if template is None:  # Prefect's default for the type, as `prefect work-pool create --type` uses
+                template = asyncio.run(get_default_base_job_template_for_infrastructure_type(kind)) or {}
+            client.create_work_pool(WorkPoolCreate(name=name, type=kind, base_job_template=template))
+            created.append(name)
+    return created
+
+
+def deploy(extra: list[str]) -> int:
+    """Pools, then `prefect deploy` of infra/prefect.yaml from the repo root (local pull steps use $PWD)."""
+    _api_url()
+    for name in ensure_pools():
+        print(f"created work pool {name} ({POOLS[name]})")
+    args = list(extra) if any(a in ("-n", "--name") or a.startswith("--name=") for a in extra) else ["--all", *extra]
+    env = dict(os.environ, PWD=str(REPO))
+    return subprocess.run(_prefect("deploy", "--prefect-file", str(PREFECT_FILE), *args), cwd=REPO, env=env).returncode
+
+
+def resource_id(path: str) -> str:
+    """The event's resource id: grpoflow.data.<absolute path or s3 URI>."""
+    return "grpoflow.data." + (path if path.startswith("s3://") else str(Path(path).expanduser().resolve()))
+
+
+def emit_data_landed(path: str) -> str:
+    """Emit ``grpoflow.data.landed`` for ``path`` and wait until it is sent; returns the event id."""
+    _api_url()
+    if not path.startswith("s3://") and not Path(path).expanduser().exists():
+        raise ConfigError(f"data-landed: {path!r} does not exist")
+    from prefect.events import emit_event
+    from prefect.events.worker import EventsWorker
+
+    event = emit_event(EVENT, resource={"prefect.resource.id": resource_id(path), "grpoflow.path": path})
+    if event is None:
+        raise RuntimeError("prefect did not emit the event (is PREFECT_API_URL a reachable Prefect server?)")
+    EventsWorker.drain_all()  # the event goes out on a background thread: wait for it before the process exits
+    return str(event.id)

@@ -1,0 +1,119 @@
+"""The pieces of one continuous fine-tuning cycle, as plain functions (flows/continuous.py wires them):
+
+    new files of the source -> one training file -> the champion model from the registry -> a cycle config
+
+The cycle itself is the pipeline flow on that config: data prep on the new files, GRPO warm-started from the
+champion (no SFT), evaluation on the config's fixed held-out file (``data.eval_source``), export, and
+registration, where the champion alias moves only when the new model's held-out accuracy beats the champion's
+(tasks/registry.py). mlflow, datasets and torch are imported where used: the continuous flow imports this module
+first thing, and a run that finds no new data should not wait for them.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import shutil
+from pathlib import Path
+
+from tasks.config import ConfigError, PipelineConfig
+from tasks.datasource import DataFile, fetch
+
+log = logging.getLogger(__name__)
+
+
+def check_continuous_config(cfg: PipelineConfig) -> None:
+    """The cycle compares models on one fixed held-out set and needs a held-out accuracy to decide."""
+    if not cfg.data.eval_source:
+        raise ConfigError(
+            "data.eval_source: the continuous flow needs a fixed held-out file (e.g. data.eval_source=heldout.jsonl); "
+            "without it the held-out rows would come from each batch of new data and cycles could not be compared"
+        )
+    if not cfg.eval.enabled:
+        raise ConfigError("eval.enabled: must be true for the continuous flow (promotion needs a held-out accuracy)")
+    if not cfg.tracking.register_model:
+        raise ConfigError("tracking.register_model: must be true for the continuous flow (it promotes in the registry)")
+
+
+def gather(files: list[DataFile], dest: Path) -> tuple[Path, int]:
+    """Every row of ``files`` (any format the data stage reads) in one JSON-lines file; (path, rows)."""
+    from tasks.data import load_source
+
+    download_dir = dest.parent / "downloads"
+    rows = 0
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    with open(dest, "w") as out:
+        for f in files:
+            path = fetch(f, download_dir)
+            try:
+                ds = load_source(str(path))
+            except (ValueError, FileNotFoundError) as e:
+                raise ValueError(f"new data file {f.uri}: {e}") from e
+            for row in ds:
+                out.write(json.dumps(row, default=str) + "\n")
+                rows += 1
+    return dest, rows
+
+
+def champion_model(cfg: PipelineConfig, dest: Path) -> tuple[str, dict] | None:
+    """Download the model the alias ``tracking.champion_alias`` points at into ``dest``; (local folder, info),
+    or None when there is no champion yet. A LoRA adapter is merged onto its base first, so the result is always
+    a plain model folder GRPO can start from (with a fresh adapter when LoRA is on)."""
+    from mlflow.artifacts import download_artifacts
+    from mlflow.exceptions import MlflowException
+    from mlflow.tracking import MlflowClient
+
+    from tasks.registry import ACCURACY_TAG, registered_model_name
+    from tasks.tracking import tracking_uri
+
+    uri = tracking_uri(cfg)
+    name = cfg.tracking.registered_model or registered_model_name(cfg.model.name)
+    alias = cfg.tracking.champion_alias
+    client = MlflowClient(uri, registry_uri=uri)
+    try:
+        version = client.get_model_version_by_alias(name, alias)
+    except MlflowException:
+        return None
+    shutil.rmtree(dest, ignore_errors=True)
+    dest.mkdir(parents=True)
+    # the version's own artifact location (a models:/ URI would resolve against the default registry, not ``uri``)
+    source = client.get_model_version_download_uri(name, version.version)
+    local = Path(download_artifacts(artifact_uri=source, dst_path=str(dest), tracking_uri=uri))
+    if (local / "adapter_config.json").is_file():
+        local = _merge_adapter(local, dest / "merged", cfg)
+    if not (local / "config.json").is_file():
+        raise ValueError(f"champion {name}/{version.version} ({version.source}): no model config.json in {local}")
+    info = {
+        "name": name,
+        "version": str(version.version),
+        "accuracy": float(version.tags[ACCURACY_TAG]) if ACCURACY_TAG in version.tags else None,
+        "source": version.source,
+    }
+    return str(local), info
+
+
+def _merge_adapter(adapter_dir: Path, out: Path, cfg: PipelineConfig) -> Path:
+    from tasks.modeling import load_tokenizer, load_with_adapter
+
+    base = json.loads((adapter_dir / "adapter_config.json").read_text()).get("base_model_name_or_path")
+    if not base or (base.startswith(("/", ".")) and not Path(base).exists()):
+        raise ValueError(f"champion adapter {adapter_dir}: its base model {base!r} is not available here")
+    model = load_with_adapter(base, str(adapter_dir), cfg.model, quantize=False).merge_and_unload()
+    model.save_pretrained(out)
+    load_tokenizer(str(adapter_dir), cfg.model).save_pretrained(out)
+    return out
+
+
+def cycle_config(cfg: PipelineConfig, name: str, data_file: Path, warm_start: bool) -> PipelineConfig:
+    """The pipeline config of one cycle: the new rows as the source, the tracking store pinned (its default lies
+    under run.output_dir), and no SFT when GRPO warm-starts from the champion."""
+    from tasks.tracking import tracking_uri
+
+    update = {
+        "run": cfg.run.model_copy(update={"name": name}),
+        "data": cfg.data.model_copy(update={"source": str(data_file), "split": "train"}),
+        "tracking": cfg.tracking.model_copy(update={"uri": tracking_uri(cfg)}),
+    }
+    if warm_start:
+        update["sft"] = cfg.sft.model_copy(update={"enabled": False})
+    return cfg.model_copy(update=update)

@@ -1,0 +1,123 @@
+"""What the continuous flow watches: data files in a local folder or under an S3 prefix, and a ledger of the ones
+it has already trained on.
+
+A file is identified by its name (path relative to the source), size and content hash (sha256 for local files,
+the ETag for S3 objects), so a file rewritten in place with new content counts as new, and the same bytes under
+another name count as new too. The ledger is one JSON file, replaced atomically (write a temporary file, then
+``os.replace``), and the continuous flow adds to it only after a cycle succeeded: a failed cycle consumes nothing.
+
+Only data files the data stage reads are listed (.jsonl, .json, .csv, .parquet); names starting with "." or
+"_" are skipped, so a writer can upload to a hidden name and rename when done (a half-written file is never
+trained on).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+
+@dataclass(frozen=True)
+class DataFile:
+    """One file of the source. ``uri`` is where to read it (a local path or s3:// URI); ``name`` its path relative
+    to the source root (the part of the identity that survives moving the source)."""
+
+    name: str
+    uri: str
+    size: int
+    hash: str
+
+    @property
+    def key(self) -> str:
+        return f"{self.name}|{self.size}|{self.hash}"
+
+
+def _is_data_name(name: str) -> bool:
+    from tasks.data import FILE_BUILDERS  # here: tasks.data imports datasets, slow for a deployment's entry module
+
+    base = name.rsplit("/", 1)[-1]
+    return bool(base) and not base.startswith((".", "_")) and Path(base).suffix.lower() in FILE_BUILDERS
+
+
+def sha256_file(path: Path, chunk: int = 1 << 20) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(chunk):
+            h.update(block)
+    return h.hexdigest()
+
+
+def is_s3(source: str) -> bool:
+    return source.startswith("s3://")
+
+
+def list_source(source: str) -> list[DataFile]:
+    """Every data file under ``source`` (a local folder, or an s3://bucket/prefix), sorted by name."""
+    if is_s3(source):
+        from tasks.s3 import list_objects  # the S3 helper module (boto3; AWS_ENDPOINT_URL for other endpoints)
+
+        prefix = source.rstrip("/") + "/"
+        files = [
+            DataFile(o["uri"][len(prefix) :], o["uri"], int(o["size"]), str(o["etag"]).strip('"'))
+            for o in list_objects(prefix)
+            if o["uri"].startswith(prefix) and _is_data_name(o["uri"][len(prefix) :])
+        ]
+        return sorted(files, key=lambda f: f.name)
+    root = Path(source).expanduser()
+    if not root.is_dir():
+        raise FileNotFoundError(f"data source {source!r}: not a folder (looked at {root.resolve()})")
+    files = []
+    for path in sorted(root.rglob("*")):
+        rel = path.relative_to(root).as_posix()
+        if path.is_file() and _is_data_name(rel) and not any(p.startswith((".", "_")) for p in rel.split("/")[:-1]):
+            files.append(DataFile(rel, str(path.resolve()), path.stat().st_size, sha256_file(path)))
+    return files
+
+
+def fetch(file: DataFile, dest_dir: Path) -> Path:
+    """A local path holding ``file``'s bytes: the file itself when local, else a download into ``dest_dir``."""
+    if not is_s3(file.uri):
+        return Path(file.uri)
+    from tasks.s3 import download_file
+
+    dest = dest_dir / file.name
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    download_file(file.uri, str(dest))
+    return dest
+
+
+class Ledger:
+    """The files already consumed, in ``path`` (JSON: {"consumed": [{name, uri, size, hash, cycle, ...}]})."""
+
+    def __init__(self, path: str | Path):
+        self.path = Path(path)
+
+    def entries(self) -> list[dict]:
+        if not self.path.is_file():
+            return []
+        try:
+            data = json.loads(self.path.read_text())
+            return list(data["consumed"])
+        except (json.JSONDecodeError, KeyError, TypeError) as e:
+            raise ValueError(f"ledger {self.path}: not a grpoflow ledger ({type(e).__name__}: {e})") from e
+
+    def keys(self) -> set[str]:
+        return {f"{e['name']}|{e['size']}|{e['hash']}" for e in self.entries()}
+
+    def new_files(self, files: list[DataFile]) -> list[DataFile]:
+        """The files of ``files`` not in the ledger yet (a rewritten file has another size or hash: new)."""
+        seen = self.keys()
+        return [f for f in files if f.key not in seen]
+
+    def record(self, files: list[DataFile], **info) -> None:
+        """Add ``files`` (with ``info``, e.g. the cycle name and MLflow run id) and replace the file atomically."""
+        at = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+        entries = self.entries() + [{**asdict(f), "consumed_at": at, **info} for f in files]
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = self.path.with_name(f".{self.path.name}.{os.getpid()}.tmp")
+        tmp.write_text(json.dumps({"consumed": entries}, indent=2))
+        os.replace(tmp, self.path)

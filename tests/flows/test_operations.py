@@ -1,0 +1,101 @@
+"""Fast checks of the continuous cycle's plain functions and of the deploy/data-landed commands' input errors (the
+server-backed path is tests/flows/test_deployments.py)."""
+
+import json
+from pathlib import Path
+
+import pytest
+import yaml
+from prefect.settings import PREFECT_API_URL, temporary_settings
+
+from flows.cli import main
+from tasks.config import ConfigError, load_config
+from tasks.continuous import check_continuous_config, cycle_config, gather
+from tasks.datasource import Ledger, list_source
+
+MICRO = Path(__file__).parents[1] / "fixtures" / "micro.yaml"
+PREFECT_FILE = Path(__file__).parents[2] / "infra" / "prefect.yaml"
+
+
+def test_continuous_config_needs_a_fixed_held_out_file():
+    with pytest.raises(ConfigError, match="data.eval_source"):
+        check_continuous_config(load_config(MICRO))
+    check_continuous_config(load_config(MICRO, ["data.eval_source=heldout.jsonl"]))
+    with pytest.raises(ConfigError, match="eval.enabled"):
+        check_continuous_config(load_config(MICRO, ["data.eval_source=heldout.jsonl", "eval.enabled=false"]))
+
+
+def test_cycle_config_trains_on_the_new_rows_from_the_champion(tmp_path):
+    cfg = load_config(MICRO, [f"run.output_dir={tmp_path}", "data.eval_source=heldout.jsonl", "sft.enabled=true"])
+    warm = cycle_config(cfg, "cycle-1", tmp_path / "train.jsonl", warm_start=True)
+    assert warm.data.source == str(tmp_path / "train.jsonl") and warm.data.eval_source == "heldout.jsonl"
+    assert warm.run.name == "cycle-1" and not warm.sft.enabled
+    assert warm.tracking.uri == f"sqlite:///{tmp_path.resolve() / 'mlflow.db'}"  # pinned: the store stays put
+    cold = cycle_config(cfg, "cycle-1", tmp_path / "train.jsonl", warm_start=False)
+    assert cold.sft.enabled  # no champion yet: SFT as configured
+
+
+def test_gather_puts_every_format_into_one_jsonl(tmp_path):
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "a.jsonl").write_text(json.dumps({"question": "What is 1 + 2?", "answer": "3"}) + "\n")
+    (src / "b.csv").write_text("question,answer\nWhat is 2 + 2?,4\nWhat is 5 + 1?,6\n")
+    path, rows = gather(list_source(str(src)), tmp_path / "cycle" / "train.jsonl")
+    lines = [json.loads(line) for line in path.read_text().splitlines()]
+    assert rows == 3 and [r["question"] for r in lines] == ["What is 1 + 2?", "What is 2 + 2?", "What is 5 + 1?"]
+
+
+def test_gather_names_a_bad_file(tmp_path):
+    (tmp_path / "bad.parquet").write_text("not parquet")
+    with pytest.raises(ValueError, match="bad.parquet"):
+        gather(list_source(str(tmp_path)), tmp_path / "out" / "train.jsonl")
+
+
+def test_commands_need_a_server_and_an_existing_path(tmp_path, capsys):
+    with temporary_settings(updates={PREFECT_API_URL: None}):
+        assert main(["data-landed", str(tmp_path)]) == 2
+        assert main(["deploy"]) == 2
+    assert "PREFECT_API_URL" in capsys.readouterr().err
+    with temporary_settings(updates={PREFECT_API_URL: "http://127.0.0.1:9/api"}):
+        assert main(["data-landed", str(tmp_path / "missing.jsonl")]) == 2
+    assert "missing.jsonl" in capsys.readouterr().err
+
+
+def test_prefect_yaml_declares_the_fixed_names():
+    spec = yaml.safe_load(PREFECT_FILE.read_text())
+    deps = {(d["entrypoint"].split(":")[1], d["name"]): d for d in spec["deployments"]}
+    pools = {k: d["work_pool"]["name"] for k, d in deps.items()}
+    assert pools == {
+        ("pipeline_deployment", "local"): "grpoflow-process",
+        ("pipeline_deployment", "docker-gpu"): "grpoflow-docker-gpu",
+        ("pipeline_deployment", "k8s-gpu"): "grpoflow-k8s-gpu",
+        ("grpo_continuous", "local"): "grpoflow-process",
+    }
+    for key in (("pipeline_deployment", "docker-gpu"), ("pipeline_deployment", "k8s-gpu")):
+        assert deps[key]["work_pool"]["job_variables"]["image"] == "grpoflow:0.1.0-gpu"
+        assert deps[key]["pull"] == [{"prefect.deployments.steps.set_working_directory": {"directory": "/app"}}]
+    (trigger,) = deps[("grpo_continuous", "local")]["triggers"]
+    assert trigger["expect"] == ["grpoflow.data.landed"] and trigger["enabled"]
+
+
+@pytest.mark.slow
+def test_a_failed_cycle_consumes_nothing(tmp_path):
+    """The flow in-process: a new file the data stage rejects fails the cycle, and the ledger stays empty, so the
+    next cycle sees the file again."""
+    from flows.continuous import grpo_continuous
+
+    src = tmp_path / "incoming"
+    src.mkdir()
+    (src / "bad.jsonl").write_text(json.dumps({"prompt": "no question column"}) + "\n")
+    (tmp_path / "heldout.jsonl").write_text(json.dumps({"question": "What is 1 + 1?", "answer": "2"}) + "\n")
+    overrides = [f"run.output_dir={tmp_path / 'runs'}", f"data.eval_source={tmp_path / 'heldout.jsonl'}"]
+    state = grpo_continuous(
+        config=str(MICRO), overrides=overrides, source=str(src), state_dir=str(tmp_path / "state"), return_state=True
+    )
+    assert state.is_failed()
+    with pytest.raises(ValueError, match="'question' is not a column"):
+        state.result()
+    assert not (tmp_path / "state" / "ledger.json").exists()
+    assert [f.name for f in Ledger(tmp_path / "state" / "ledger.json").new_files(list_source(str(src)))] == [
+        "bad.jsonl"
+    ]

@@ -1,0 +1,57 @@
+"""The continuous flow's source listing and ledger: which files count as new, and that recording is atomic."""
+
+import json
+
+import pytest
+
+from tasks.datasource import DataFile, Ledger, list_source, sha256_file
+
+
+def write(path, rows):
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def test_lists_data_files_only_with_name_size_and_hash(tmp_path):
+    a = write(tmp_path / "a.jsonl", [{"question": "What is 1 + 2?", "answer": "3"}])
+    write(tmp_path / "sub" / "b.csv", [])
+    (tmp_path / "notes.txt").write_text("not data")
+    write(tmp_path / ".c.jsonl", [{"x": 1}])  # hidden: an upload in progress
+    write(tmp_path / "_tmp" / "d.jsonl", [{"x": 1}])  # under a hidden folder
+    files = list_source(str(tmp_path))
+    assert [f.name for f in files] == ["a.jsonl", "sub/b.csv"]
+    assert files[0] == DataFile("a.jsonl", str(a.resolve()), a.stat().st_size, sha256_file(a))
+
+
+def test_missing_source_names_the_folder(tmp_path):
+    with pytest.raises(FileNotFoundError, match="nowhere"):
+        list_source(str(tmp_path / "nowhere"))
+
+
+def test_ledger_consumes_once_and_sees_rewrites(tmp_path):
+    src = tmp_path / "src"
+    write(src / "a.jsonl", [{"question": "q1", "answer": "1"}])
+    write(src / "b.jsonl", [{"question": "q2", "answer": "2"}])
+    ledger = Ledger(tmp_path / "state" / "ledger.json")
+    assert ledger.entries() == []
+    new = ledger.new_files(list_source(str(src)))
+    assert [f.name for f in new] == ["a.jsonl", "b.jsonl"]
+    ledger.record(new, cycle="c1")
+    assert ledger.new_files(list_source(str(src))) == []
+    assert [e["cycle"] for e in json.loads(ledger.path.read_text())["consumed"]] == ["c1", "c1"]
+    assert [p.name for p in ledger.path.parent.iterdir()] == ["ledger.json"]  # no temporary file left
+
+    write(src / "a.jsonl", [{"question": "q1", "answer": "7"}])  # same name and size, other content
+    write(src / "c.jsonl", [{"question": "q3", "answer": "3"}])
+    again = ledger.new_files(list_source(str(src)))
+    assert [f.name for f in again] == ["a.jsonl", "c.jsonl"]
+    ledger.record(again, cycle="c2")
+    assert len(ledger.entries()) == 4 and ledger.new_files(list_source(str(src))) == []
+
+
+def test_a_broken_ledger_is_an_error_naming_it(tmp_path):
+    path = tmp_path / "ledger.json"
+    path.write_text("{not json")
+    with pytest.raises(ValueError, match="ledger.json"):
+        Ledger(path).keys()
