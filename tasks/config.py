@@ -85,7 +85,7 @@ GSM8K_SYSTEM_PROMPT = "Respond in the following format:\n<reasoning>\n...\n</rea
 class DataConfig(_Section):
     source: str = Field(
         "arithmetic",
-        description="'arithmetic' (built-in task), a local .jsonl/.json/.parquet/.csv file, "
+        description="'arithmetic' (built-in task), a local or s3://bucket/key .jsonl/.json/.parquet/.csv file, "
         "or a Hugging Face dataset id.",
     )
     format: Literal["auto", "gsm8k", "qa", "arithmetic"] = Field(
@@ -97,7 +97,9 @@ class DataConfig(_Section):
     answer_field: str = "answer"
     subset: str | None = Field(None, description="Config name of a HF dataset id (e.g. 'main' for openai/gsm8k).")
     split: str = Field("train", description="Split of a HF dataset id used for training.")
-    eval_source: str | None = Field(None, description="Separate eval file or split name; else a held-out slice.")
+    eval_source: str | None = Field(
+        None, description="Separate eval file (local or s3://) or split name; else a held-out slice."
+    )
     eval_size: float = Field(0.1, gt=0, description="Held-out rows: a fraction (<1) or a count (>=1).")
     max_train_rows: int | None = Field(None, ge=1)
     max_eval_rows: int | None = Field(None, ge=1)

@@ -399,15 +399,23 @@ def _files(folder: Path) -> list[str]:
 
 
 def upload_dir(
-    path: str | Path, prefix_uri: str, *, delete: bool = False, markers: Sequence[str] = (), client=None
+    path: str | Path,
+    prefix_uri: str,
+    *,
+    delete: bool = False,
+    markers: Sequence[str] = (),
+    exclude: Sequence[str] = (),
+    client=None,
 ) -> list[str]:
     """Make s3 prefix_uri/ hold the files of folder ``path``: upload what differs (``markers`` last); with
-    ``delete``, remove objects that have no local file (``markers`` first). Returns the uploaded URIs."""
+    ``delete``, remove objects that have no local file (``markers`` first). Relative names in ``exclude`` are
+    neither uploaded nor deleted. Returns the uploaded URIs."""
     folder = Path(path)
     client = client or s3_client()
     prefix = prefix_uri.rstrip("/") + "/"
     remote = {o["uri"][len(prefix) :]: o for o in list_objects(prefix, client=client)}
-    names = _files(folder) if folder.is_dir() else []
+    remote = {name: o for name, o in remote.items() if name not in exclude}
+    names = [n for n in _files(folder) if n not in exclude] if folder.is_dir() else []
     if delete:
         stale = [prefix + n for n in remote if n not in set(names)]
         stale.sort(key=lambda u: u.rsplit("/", 1)[-1] not in markers)  # markers first
@@ -422,20 +430,29 @@ def upload_dir(
     return uploaded
 
 
-def download_dir(prefix_uri: str, path: str | Path, *, delete: bool = False, client=None) -> list[Path]:
-    """Make folder ``path`` hold the objects under s3 prefix_uri/: download what differs; with ``delete``,
-    remove local files that have no object. Returns the downloaded paths."""
+def download_dir(
+    prefix_uri: str,
+    path: str | Path,
+    *,
+    delete: bool = False,
+    markers: Sequence[str] = (),
+    exclude: Sequence[str] = (),
+    client=None,
+) -> list[Path]:
+    """Make folder ``path`` hold the objects under s3 prefix_uri/: download what differs (``markers`` last);
+    with ``delete``, remove local files that have no object (``markers`` first). Relative names in ``exclude``
+    are neither downloaded nor deleted. Returns the downloaded paths."""
     folder = Path(path)
     client = client or s3_client()
     prefix = prefix_uri.rstrip("/") + "/"
     remote = {o["uri"][len(prefix) :]: o for o in list_objects(prefix, client=client)}
-    remote = {name: o for name, o in remote.items() if name and not name.endswith("/")}  # no folder markers
+    remote = {n: o for n, o in remote.items() if n and not n.endswith("/") and n not in exclude}  # no dir markers
     if delete and folder.is_dir():
-        for name in _files(folder):
-            if name not in remote:
-                (folder / name).unlink()
+        stale = [n for n in _files(folder) if n not in remote and n not in exclude]
+        for name in sorted(stale, key=lambda n: n.rsplit("/", 1)[-1] not in markers):  # markers first
+            (folder / name).unlink()
     got = []
-    for name, obj in sorted(remote.items()):
+    for name, obj in sorted(remote.items(), key=lambda item: item[0].rsplit("/", 1)[-1] in markers):
         target = folder / name
         if not same_content(target, obj):
             got.append(download_file(obj["uri"], target, client=client))
