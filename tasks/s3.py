@@ -21,6 +21,7 @@ parts, md5 of the concatenated part md5s followed by "-N". ``markers`` name file
 from __future__ import annotations
 
 import contextlib
+import functools
 import hashlib
 import json
 import os
@@ -136,12 +137,36 @@ def local_path(uri: str, cache_dir: str | Path | None = None) -> Path:
 # --------------------------------------------------------------------------------------------
 # client and errors
 # --------------------------------------------------------------------------------------------
+# Environment variables that change which client (endpoint, credentials) a call gets.
+_CLIENT_ENV = (
+    "AWS_ENDPOINT_URL",
+    "AWS_ENDPOINT_URL_S3",
+    "AWS_ACCESS_KEY_ID",
+    "AWS_SECRET_ACCESS_KEY",
+    "AWS_SESSION_TOKEN",
+    "AWS_PROFILE",
+    "AWS_SHARED_CREDENTIALS_FILE",
+    "AWS_CONFIG_FILE",
+    "AWS_REGION",
+    "AWS_DEFAULT_REGION",
+)
+
+
 def s3_client(settings: StorageConfig | None = None):
-    """A boto3 S3 client: endpoint from the settings or $AWS_ENDPOINT_URL, path-style, retries with backoff."""
+    """A boto3 S3 client: endpoint from the settings or $AWS_ENDPOINT_URL, path-style, retries with backoff.
+
+    Clients are thread-safe and cost about 0.5 s to build (botocore parses its service model), so one is kept
+    per settings, process and AWS environment (hashed: the values themselves are not kept)."""
+    s = settings or _settings
+    env = hashlib.sha256(repr([os.environ.get(k) for k in _CLIENT_ENV]).encode()).hexdigest()
+    return _cached_client(s, env, os.getpid())
+
+
+@functools.lru_cache(maxsize=8)
+def _cached_client(s: StorageConfig, env: str, pid: int):
     import boto3
     from botocore.config import Config
 
-    s = settings or _settings
     config = Config(
         retries={"max_attempts": s.max_attempts, "mode": "standard"},
         s3={"addressing_style": s.addressing_style},

@@ -107,7 +107,8 @@ def weed_mini_command(data_dir: Path, identities: Path, s3_port: int) -> list[st
         f"-volume.port={ports['volume']}", f"-volume.port.grpc={grpc['volume']}",
         f"-filer.port={ports['filer']}", f"-filer.port.grpc={grpc['filer']}",
         f"-admin.port={ports['admin']}", f"-admin.port.grpc={grpc['admin']}", "-admin.ui=false",
-        "-s3.autoCreateBucket=false", "-webdav=false", "-s3.port.iceberg=0", "-s3.port.lance=0", "-master.telemetry=false",
+        "-s3.autoCreateBucket=false", "-webdav=false", "-s3.port.iceberg=0", "-s3.port.lance=0",
+        "-master.telemetry=false",
         f"-filer.localSocket={data_dir}/filer.sock", f"-s3.localSocket={data_dir}/s3.sock",
     ]  # fmt: skip
 
@@ -159,7 +160,9 @@ def seaweedfs(root: Path, bucket: str = "grpoflow-test", timeout: float = 120) -
             try:
                 client.create_bucket(Bucket=bucket)
                 break
-            except Exception:
+            except Exception as e:
+                if getattr(e, "response", {}).get("Error", {}).get("Code") == "BucketAlreadyOwnedByYou":
+                    break  # a reused data folder
                 if time.time() > deadline:
                     raise
                 time.sleep(0.5)

@@ -1,15 +1,22 @@
-"""tasks/s3.py against a real S3 server (SeaweedFS on 127.0.0.1): URIs, listing, transfers, folder sync, errors."""
+"""tasks/s3.py against a real S3 server (SeaweedFS on 127.0.0.1): URIs, listing, transfers, folder sync, errors;
+an S3 run workspace (tasks/workspace.py) and s3:// data sources (tasks/data.py)."""
 
 import hashlib
+import json
 import os
+from pathlib import Path
 
+import pandas as pd
 import pytest
 
 from tasks import s3
-from tasks.config import ConfigError, load_config
+from tasks.config import ConfigError, config_from_dict, load_config
+from tasks.data import load_split, prepare_data
+from tasks.workspace import MANIFEST, Workspace
 from tests.servers import free_port
 
-MICRO = os.path.join(os.path.dirname(__file__), "..", "fixtures", "micro.yaml")
+FIXTURES = Path(__file__).parents[1] / "fixtures"
+MICRO = str(FIXTURES / "micro.yaml")
 
 
 @pytest.fixture
@@ -170,3 +177,112 @@ def test_storage_section_and_credentials_are_rejected_in_config():
         load_config(MICRO, ["tracking.uri=http://me:secret@127.0.0.1:5000"])
     with pytest.raises(ConfigError, match="storage.multipart_threshold_mb"):
         load_config(MICRO, ["storage.multipart_threshold_mb=1"])
+
+
+# ------------------------------------------------------------------------------------------ workspace
+def _keys(prefix_uri: str) -> set[str]:
+    return {o["uri"][len(prefix_uri) + 1 :] for o in s3.list_objects(prefix_uri + "/")}
+
+
+def test_s3_workspace_publishes_files_then_the_manifest(env, tmp_path, monkeypatch):
+    uri = _uri(env, "ws-unit", "r1")
+    ws = Workspace(uri, cache_dir=tmp_path / "c1")
+    assert ws.location == uri and ws.root == (tmp_path / "c1").resolve() / env.bucket / "ws-unit" / "r1"
+    ws.begin("grpo", "k1")
+    ckpt = ws.stage_dir("grpo") / "checkpoints" / "checkpoint-1"
+    ckpt.mkdir(parents=True)
+    for name in ("model.safetensors", "trainer_state.pt", "trainer_state.json"):
+        (ckpt / name).write_text(name)
+    ws.push("grpo", "checkpoints")  # what GRPO does after each checkpoint
+    assert _keys(f"{uri}/grpo") == {"attempt.json", *(f"checkpoints/checkpoint-1/{n}" for n in os.listdir(ckpt))}
+
+    # another machine (an empty cache): the same key pulls the killed attempt's checkpoint
+    ws2 = Workspace(uri, cache_dir=tmp_path / "c2")
+    ws2.begin("grpo", "k1")
+    assert (ws2.root / "grpo/checkpoints/checkpoint-1/trainer_state.json").read_text() == "trainer_state.json"
+    final = ws2.stage_dir("grpo") / "final"
+    final.mkdir()
+    (final / "adapter.safetensors").write_bytes(b"w" * 100)
+    (final / "config.json").write_text("{}")
+    summary = {"model_path": str(final), "steps": 2}
+
+    # a crash in the middle of the upload publishes nothing: the manifest goes up last
+    real_upload, real_put = s3.upload_file, s3.put_bytes
+    order: list[str] = []
+
+    def crashing_upload(path, dest, **kw):
+        if len(order) == 1:
+            raise OSError("injected crash")
+        order.append(dest)
+        return real_upload(path, dest, **kw)
+
+    monkeypatch.setattr(s3, "upload_file", crashing_upload)
+    with pytest.raises(OSError, match="injected crash"):
+        ws2.write_manifest("grpo", summary)
+    assert ws2.read_manifest("grpo") is None and ws2.completed("grpo", "k1") is None
+    assert "final/adapter.safetensors" in _keys(f"{uri}/grpo")  # the file that made it before the crash
+
+    def recorded(real):  # the real call, its destination noted
+        return lambda src, dest, **kw: (order.append(dest), real(src, dest, **kw))[1]
+
+    order.clear()
+    monkeypatch.setattr(s3, "upload_file", recorded(real_upload))
+    monkeypatch.setattr(s3, "put_bytes", recorded(real_put))
+    ws2.write_manifest("grpo", summary)
+    ws2.seal_manifest("grpo", "k1", summary)
+    # the retry uploads only what is missing, then the manifest (written, then sealed with key and summary)
+    assert order == [f"{uri}/grpo/final/config.json", f"{uri}/grpo/{MANIFEST}", f"{uri}/grpo/{MANIFEST}"]
+    monkeypatch.setattr(s3, "upload_file", real_upload)
+    monkeypatch.setattr(s3, "put_bytes", real_put)
+
+    # the stored summary's paths follow the workspace into any cache
+    ws3 = Workspace(uri, cache_dir=tmp_path / "c3")
+    assert ws3.completed("grpo", "k1") == {"model_path": str(ws3.root / "grpo" / "final"), "steps": 2}
+    assert ws3.completed("grpo", "k2") is None
+    assert not (ws3.root / "grpo").exists()  # reading a manifest pulls nothing
+    ws3.fetch(("grpo",))
+    assert (ws3.root / "grpo/final/adapter.safetensors").read_bytes() == b"w" * 100
+    assert json.loads((ws3.root / "grpo" / MANIFEST).read_text()) == ws2.read_manifest("grpo")
+    mtime = (ws3.root / "grpo/final/adapter.safetensors").stat().st_mtime_ns
+    ws3.fetch(("grpo",))  # the local copy is the published one: nothing moves
+    assert (ws3.root / "grpo/final/adapter.safetensors").stat().st_mtime_ns == mtime
+
+    # run-level files; forgetting; a new key empties the stage on S3 and locally
+    ws3.write_text("run.json", '{"a": 1}')
+    assert Workspace(uri, cache_dir=tmp_path / "c4").read_text("run.json") == '{"a": 1}'
+    assert ws3.read_text("config.yaml") is None
+    ws3.forget(("grpo",))
+    assert ws.read_manifest("grpo") is None and "attempt.json" in _keys(f"{uri}/grpo")
+    ws3.begin("grpo", "k2")
+    assert _keys(f"{uri}/grpo") == {"attempt.json"} and os.listdir(ws3.root / "grpo") == ["attempt.json"]
+    assert s3.get_json(f"{uri}/grpo/attempt.json")["key"] == "k2"
+
+
+def test_local_workspace_summaries_follow_a_moved_folder(tmp_path):
+    ws = Workspace(tmp_path / "a")
+    ws.write_manifest("sft", {})
+    ws.seal_manifest("sft", "k", {"model_path": str(ws.root / "sft" / "model"), "other": "/elsewhere/x"})
+    (tmp_path / "a").rename(tmp_path / "b")
+    moved = Workspace(tmp_path / "b")
+    assert moved.completed("sft", "k") == {"model_path": str(moved.root / "sft" / "model"), "other": "/elsewhere/x"}
+
+
+# ------------------------------------------------------------------------------------------ data
+def test_data_sources_on_s3(env, tmp_path):
+    rows = [json.loads(line) for line in (FIXTURES / "gsm8k_sample.jsonl").read_text().splitlines()]
+    s3.upload_file(FIXTURES / "gsm8k_sample.jsonl", _uri(env, "datasets", "gsm8k.jsonl"))
+    pd.DataFrame(rows[:5]).to_csv(tmp_path / "eval.csv", index=False)
+    s3.upload_file(tmp_path / "eval.csv", _uri(env, "datasets", "eval.csv"))
+    data = {"source": _uri(env, "datasets", "gsm8k.jsonl"), "eval_source": _uri(env, "datasets", "eval.csv")}
+    cfg = config_from_dict({"data": data})
+    ws = Workspace(tmp_path / "ws")
+    summary = prepare_data(cfg, ws)
+    assert (summary["train_rows"], summary["eval_rows"], summary["format"]) == (len(rows), 5, "gsm8k")
+    assert load_split(ws, "eval")["question"] == [r["question"] for r in rows[:5]]
+    assert (Path(s3.current_settings().cache_dir) / env.bucket / "datasets" / "gsm8k.jsonl").is_file()
+
+    missing = _uri(env, "datasets", "missing.jsonl")
+    with pytest.raises(FileNotFoundError, match=f"data file not found: '{missing}'.*no such object"):
+        prepare_data(config_from_dict({"data": {"source": missing}}), ws)
+    with pytest.raises(ValueError, match="unsupported suffix '.txt'"):
+        prepare_data(config_from_dict({"data": {"source": _uri(env, "datasets", "x.txt")}}), ws)
