@@ -159,6 +159,8 @@ def cmd_compare(args) -> int:
 
 def _run_pipeline(cfg: PipelineConfig, before=None) -> int:
     _setup_env(cfg)
+    if s3.is_s3_uri(cfg.run.output_dir):
+        s3.check_access(cfg.run.output_dir)  # bucket, credentials, endpoint: before Prefect and MLflow start
     if cfg.generation.backend == "vllm":  # fail now, not after data prep and SFT
         from tasks.vllm_engine import config_problem
 

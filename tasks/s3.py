@@ -277,6 +277,15 @@ def list_objects(prefix_uri: str, *, page_size: int = 1000, client=None) -> list
     return out
 
 
+def check_access(uri: str, *, client=None) -> None:
+    """Fail now, naming the URI and endpoint, when the bucket of ``uri`` cannot be listed (missing bucket,
+    credentials, endpoint): one request, before a run starts rather than after its first stage."""
+    bucket, key = split_s3_uri(uri)
+    client = client or s3_client()
+    with _errors(uri, client):
+        client.list_objects_v2(Bucket=bucket, Prefix=key, MaxKeys=1)
+
+
 def exists(uri: str, *, client=None) -> bool:
     bucket, key = split_s3_uri(uri)
     client = client or s3_client()

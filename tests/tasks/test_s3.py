@@ -286,3 +286,12 @@ def test_data_sources_on_s3(env, tmp_path):
         prepare_data(config_from_dict({"data": {"source": missing}}), ws)
     with pytest.raises(ValueError, match="unsupported suffix '.txt'"):
         prepare_data(config_from_dict({"data": {"source": _uri(env, "datasets", "x.txt")}}), ws)
+
+
+def test_run_on_a_missing_bucket_fails_before_starting(env, tmp_path, capsys):
+    from flows.cli import main
+
+    args = ["run", MICRO, "run.output_dir=s3://no-such-bucket/runs", f"storage.cache_dir={tmp_path}"]
+    assert main(args) == 1
+    err = capsys.readouterr().err
+    assert f"grpoflow: s3://no-such-bucket/runs: bucket 'no-such-bucket' does not exist at {env.endpoint}" in err
