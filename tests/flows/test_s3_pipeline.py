@@ -1,13 +1,15 @@
 """The micro pipeline with its run workspace on S3 (SeaweedFS) and MLflow artifacts on S3 (an `mlflow server`
 with --artifacts-destination s3://...), run as a user runs it: `python -m flows.cli`, credentials only in the
-environment. Then a resume from an emptied local cache, after a GRPO stage "killed" after its step-2 checkpoint:
-S3 alone must be enough."""
+environment. The run is killed (SIGKILL) in GRPO as soon as its first checkpoint is on S3, its machine's cache is
+deleted, and `grpoflow resume s3://...` with another cache finishes it: S3 alone must be enough."""
 
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -18,6 +20,13 @@ from tasks import s3
 from tasks.workspace import MANIFEST, STAGES
 
 MICRO = Path(__file__).parents[1] / "fixtures" / "micro.yaml"
+SLOW_REWARD = """
+import time
+
+def slow_length(prompts, completions, **columns):
+    time.sleep(0.5)  # keeps each GRPO step long enough to be killed after the first checkpoint
+    return [float(len(c[0]["content"]) % 7) for c in completions]
+"""
 
 
 def _cli(ctx, *args: str) -> subprocess.CompletedProcess:
@@ -31,38 +40,92 @@ def _objects(uri: str) -> dict[str, dict]:
     return {o["uri"][len(uri) + 1 :]: o for o in s3.list_objects(uri + "/")}
 
 
+def _manifests(ws: str) -> dict[str, dict | None]:
+    return {stage: s3.get_json(f"{ws}/{stage}/{MANIFEST}", None) for stage in STAGES}
+
+
 @pytest.fixture(scope="module")
 def ctx(seaweedfs, mlflow_s3_server, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("s3_pipeline")
-    env = dict(os.environ, **seaweedfs.env(), OMP_NUM_THREADS="1", PREFECT_HOME=str(tmp / "prefect"))
+    (tmp / "slow_reward.py").write_text(SLOW_REWARD)
+    env = dict(
+        os.environ,
+        **seaweedfs.env(),
+        OMP_NUM_THREADS="1",
+        PREFECT_HOME=str(tmp / "prefect"),
+        PYTHONPATH=f"{tmp}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
+    )
     env.pop("MLFLOW_TRACKING_URI", None)
     saved = {k: os.environ.get(k) for k in seaweedfs.env()}
     os.environ.update(seaweedfs.env())  # this process checks the bucket with tasks/s3.py, as the pipeline does
-    out = f"s3://{seaweedfs.bucket}/runs"
-    c = {
-        "env": env,
-        "server": seaweedfs,
-        "mlflow": mlflow_s3_server,
-        "ws": f"{out}/s3run",
-        "cache": tmp / "cache",
-        "tmp": tmp,
-    }
-    c["run"] = _cli(
-        c,
+    ws = f"s3://{seaweedfs.bucket}/runs/s3run"
+    c = {"env": env, "server": seaweedfs, "mlflow": mlflow_s3_server, "ws": ws, "first_cache": tmp / "cache"}
+    c["cache"] = tmp / "another-cache"
+    c["local"] = c["cache"] / seaweedfs.bucket / "runs" / "s3run"
+    args = [
         "run",
         str(MICRO),
-        f"run.output_dir={out}",
+        f"run.output_dir=s3://{seaweedfs.bucket}/runs",
         "run.name=s3run",
         f"tracking.uri={mlflow_s3_server}",
         "tracking.experiment=s3-e2e",
-        f"storage.cache_dir={c['cache']}",
-    )
+        f"storage.cache_dir={c['first_cache']}",
+        "grpo.save_steps=1",
+        "grpo.reward_funcs=[correctness,proximity,strict_format,slow_reward:slow_length]",
+    ]
+    log = tmp / "killed-run.log"
+    with log.open("w") as out:  # its own process group: SIGKILL reaches the flow and Prefect's server
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "flows.cli", *args],
+            env=env,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+    marker = f"{ws}/grpo/checkpoints/checkpoint-1/trainer_state.json"  # uploaded last: the checkpoint is complete
+    deadline = time.time() + 600
+    try:
+        while proc.poll() is None and not s3.exists(marker):
+            assert time.time() < deadline, "no GRPO checkpoint on S3 in 10 minutes"
+            time.sleep(0.1)
+    finally:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+    assert proc.returncode == -signal.SIGKILL, f"the run ended before it could be killed: {log.read_text()[-3000:]}"
+    c["killed"] = _manifests(ws)
+    shutil.rmtree(c["first_cache"])  # the machine is gone
+    c["resume"] = _cli(c, "resume", ws, f"storage.cache_dir={c['cache']}")
+    c["log"] = log.read_text() + c["resume"].stdout + c["resume"].stderr
     yield c
     for k, v in saved.items():
         if v is None:
             os.environ.pop(k, None)
         else:
             os.environ[k] = v
+
+
+@pytest.mark.slow
+def test_killed_grpo_resumes_from_s3_on_an_empty_cache(ctx):
+    killed = ctx["killed"]
+    assert killed["data"] and killed["sft"] and killed["grpo"] is killed["eval"] is killed["export"] is None
+    err = ctx["resume"].stderr
+    assert "stage data: complete (key" in err and "stage sft: complete (key" in err  # S3 said so
+    assert "resumed GRPO from" in err and "/grpo/checkpoints/checkpoint-" in err  # pulled from S3
+    after = _manifests(ctx["ws"])
+    assert after["data"] == killed["data"] and after["sft"] == killed["sft"]  # not recomputed
+    assert after["grpo"]["summary"]["steps"] == 3 and after["eval"] and after["export"]
+    # the summaries' paths point into the new cache, where GRPO found the SFT model it pulled from S3
+    assert after["grpo"]["summary"]["base_model"] == str(ctx["local"] / "sft" / "model")
+    assert (ctx["local"] / "sft" / "model" / "model.safetensors").is_file()
+    assert not ctx["first_cache"].exists()
+    # one MLflow parent run throughout: run.json on S3 led the resume back to it
+    client = MlflowClient(ctx["mlflow"])
+    parent = client.get_run(json.loads(s3.get_bytes(f"{ctx['ws']}/run.json"))["mlflow_run_id"])
+    assert parent.data.tags["grpoflow.resumes"] == "1" and parent.info.status == "FINISHED"
+    children = client.search_runs([parent.info.experiment_id], f"tags.mlflow.parentRunId = '{parent.info.run_id}'")
+    stages = sorted((r.data.tags["grpoflow.stage"], r.info.status) for r in children)
+    assert stages == sorted([*((s, "FINISHED") for s in STAGES), ("grpo", "KILLED")])
+    assert parent.info.run_id[:8] in _cli(ctx, "compare", ctx["ws"], ctx["ws"]).stdout  # compare reads S3 too
 
 
 @pytest.mark.slow
@@ -85,8 +148,8 @@ def test_every_stage_is_published_on_s3(ctx):
         "export/gguf/model-f16.gguf",
     ):
         assert name in objects, name
-    local = ctx["cache"] / ctx["server"].bucket / "runs" / "s3run"
-    assert "local copy" in ctx["run"].stdout and (local / "config.yaml").is_file()  # the mirror, in the summary
+    local = ctx["local"]
+    assert "local copy" in ctx["resume"].stdout and (local / "config.yaml").is_file()  # the mirror, in the summary
     for stage in STAGES:
         manifest = s3.get_json(f"{ctx['ws']}/{stage}/{MANIFEST}")
         assert manifest["stage"] == stage and len(manifest["key"]) == 64 and manifest["summary"], stage
@@ -103,7 +166,7 @@ def test_every_stage_is_published_on_s3(ctx):
 
 
 @pytest.mark.slow
-def test_mlflow_artifacts_are_objects_in_the_bucket(ctx, tmp_path):
+def test_mlflow_artifacts_are_objects_in_the_bucket(ctx):
     client = MlflowClient(ctx["mlflow"])
     exp = client.get_experiment_by_name("s3-e2e")
     runs = client.search_runs([exp.experiment_id])
@@ -116,7 +179,7 @@ def test_mlflow_artifacts_are_objects_in_the_bucket(ctx, tmp_path):
     assert any(f"/{parent.info.run_id}/artifacts/config.yaml" in k for k in stored)
     # and back through MLflow (the server proxies the bucket): the bytes the export stage wrote
     back = Path(download_artifacts(run_id=export.info.run_id, artifact_path="merged", tracking_uri=ctx["mlflow"]))
-    merged = ctx["cache"] / ctx["server"].bucket / "runs" / "s3run" / "export" / "merged"
+    merged = ctx["local"] / "export" / "merged"
     assert (back / "model.safetensors").read_bytes() == (merged / "model.safetensors").read_bytes()
     assert s3.same_content(back / "model.safetensors", in_bucket["merged/model.safetensors"])
 
@@ -127,7 +190,7 @@ def test_credentials_appear_nowhere(ctx):
     secret = server.secret_key
     client = MlflowClient(ctx["mlflow"])
     runs = client.search_runs([client.get_experiment_by_name("s3-e2e").experiment_id])
-    assert len(runs) == 1 + len(STAGES)
+    assert len(runs) == 1 + len(STAGES) + 1  # the killed GRPO attempt too
     for r in runs:
         values = [*r.data.params.values(), *r.data.tags.values(), *r.data.params.keys(), *r.data.tags.keys()]
         assert not any(secret in v for v in values)
@@ -140,9 +203,8 @@ def test_credentials_appear_nowhere(ctx):
         for o in objects:
             assert secret.encode() not in s3.get_bytes(o["uri"]), o["uri"]
     assert "storage" in s3.get_bytes(f"{ctx['ws']}/config.yaml").decode()  # the config is there, without it
-    run = ctx["run"]
-    assert "stage grpo: running" in run.stderr  # the log output is captured
-    assert secret not in run.stdout and secret not in run.stderr
+    assert "stage grpo: running" in ctx["log"] and "stage eval: running" in ctx["log"]  # both runs' output
+    assert secret not in ctx["log"]
     # a credential in the config never gets that far
     res = subprocess.run(
         [sys.executable, "-m", "flows.cli", "validate", str(MICRO), f"storage.aws_secret_access_key={secret}"],
@@ -152,34 +214,3 @@ def test_credentials_appear_nowhere(ctx):
     )
     assert res.returncode == 2 and "storage.aws_secret_access_key: credentials do not belong" in res.stderr
     assert secret not in res.stderr
-
-
-@pytest.mark.slow
-def test_resume_from_an_empty_cache_after_grpo_was_killed(ctx):
-    ws = ctx["ws"]
-    before = {s: s3.get_json(f"{ws}/{s}/{MANIFEST}") for s in STAGES}
-    # a GRPO stage killed after its step-2 checkpoint leaves its files and checkpoints on S3 but no manifest (nor
-    # later stages'); and this machine's cache is gone: resume elsewhere
-    s3.delete_objects([f"{ws}/{s}/{MANIFEST}" for s in ("grpo", "eval", "export")])
-    shutil.rmtree(ctx["cache"])
-    cache = ctx["tmp"] / "another-cache"
-    # eval and export off: they would rerun from the same (pulled) files and only cost time here
-    res = _cli(ctx, "resume", ws, f"storage.cache_dir={cache}", "eval.enabled=false", "export.enabled=false")
-    err = res.stderr
-    assert "stage data: complete (key" in err and "stage sft: complete (key" in err
-    assert "resumed GRPO from" in err and "checkpoint-2 (step 2)" in err
-    after = {s: s3.get_json(f"{ws}/{s}/{MANIFEST}", None) for s in STAGES}
-    assert after["data"] == before["data"] and after["sft"] == before["sft"]  # not recomputed
-    assert after["grpo"]["finished_at"] > before["grpo"]["finished_at"] and after["eval"] is after["export"] is None
-    local = cache / ctx["server"].bucket / "runs" / "s3run"
-    assert after["grpo"]["summary"]["steps"] == 3
-    assert after["grpo"]["summary"]["base_model"] == str(local / "sft" / "model")  # re-rooted into the new cache
-    assert (local / "sft" / "model" / "model.safetensors").is_file()  # pulled from S3 for GRPO
-    assert not ctx["cache"].exists()
-    # one MLflow parent run throughout: run.json on S3 led the resume back to it
-    client = MlflowClient(ctx["mlflow"])
-    parent = client.get_run(json.loads(s3.get_bytes(f"{ws}/run.json"))["mlflow_run_id"])
-    assert parent.data.tags["grpoflow.resumes"] == "1" and parent.info.status == "FINISHED"
-    # `grpoflow compare` reads run.json from S3 too
-    res = _cli(ctx, "compare", ws, ws)
-    assert parent.info.run_id[:8] in res.stdout
