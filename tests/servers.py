@@ -138,6 +138,7 @@ def seaweedfs(root: Path, bucket: str = "grpoflow-test", timeout: float = 120) -
     with log.open("w") as out:
         proc = subprocess.Popen(
             weed_mini_command(root / "data", identities, port),
+            cwd=root,
             stdout=out,
             stderr=subprocess.STDOUT,
             stdin=subprocess.DEVNULL,
