@@ -1,5 +1,6 @@
 """Command line: ``grpoflow run [CONFIG] [key=value ...]``, ``grpoflow validate`` and
-``grpoflow resume RUN_DIR [--from-stage STAGE] [key=value ...]`` and ``grpoflow compare RUN_A RUN_B``;
+``grpoflow resume RUN_DIR [--from-stage STAGE] [key=value ...]`` and ``grpoflow compare RUN_A RUN_B``. RUN_DIR
+may be an s3:// workspace (its config.yaml is read with $AWS_ENDPOINT_URL or a storage.endpoint_url override).
 ``grpoflow deploy`` and ``grpoflow data-landed PATH`` talk to a Prefect server (flows/operations.py).
 
 The config is loaded and validated before anything heavy is imported, so a bad key fails in
@@ -17,7 +18,9 @@ import sys
 import time
 from pathlib import Path
 
-from tasks.config import ConfigError, PipelineConfig, load_config
+from tasks import s3
+from tasks.config import ConfigError, PipelineConfig, apply_overrides, config_from_dict, load_config
+from tasks.workspace import join_location, local_dir
 
 
 def busy_cores(seconds: float = 0.5) -> float:
@@ -53,7 +56,8 @@ def _openmp_wait_policy() -> None:
 
 
 def _setup_env(cfg: PipelineConfig) -> None:
-    out = Path(cfg.run.output_dir).resolve()
+    s3.configure(cfg.storage)
+    out = local_dir(cfg.run.output_dir, cfg.storage.cache_dir)  # an s3:// output_dir: its local mirror
     out.mkdir(parents=True, exist_ok=True)
     _openmp_wait_policy()
     os.environ.setdefault("PREFECT_HOME", str(out / ".prefect"))
@@ -75,6 +79,12 @@ def _setup_env(cfg: PipelineConfig) -> None:
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()
+    if s3.is_s3_uri(cfg.run.output_dir) and not (cfg.tracking.uri or os.environ.get("MLFLOW_TRACKING_URI")):
+        logging.getLogger("grpoflow").warning(
+            "run.output_dir is on S3 but MLflow's default SQLite store stays on this machine (%s); set tracking.uri "
+            "to an MLflow server (with --artifacts-destination s3://...) to keep tracking beside the workspace",
+            out / "mlflow.db",
+        )
 
 
 def load_run_config(config: str | None, overrides: list[str] | None = None, name: bool = True) -> PipelineConfig:
@@ -106,15 +116,26 @@ def cmd_resume(args) -> int:
 
     if args.from_stage is not None and args.from_stage not in STAGES:
         raise ConfigError(f"--from-stage: unknown stage {args.from_stage!r}; expected one of {', '.join(STAGES)}")
-    run_dir = Path(args.run_dir).resolve()
-    config = run_dir / "config.yaml"
-    if not config.is_file():
-        raise ConfigError(f"{args.run_dir}: no config.yaml; RUN_DIR must be a run workspace (<output_dir>/<name>)")
+    missing = f"{args.run_dir}: no config.yaml; RUN_DIR must be a run workspace (<output_dir>/<name>)"
+    if s3.is_s3_uri(args.run_dir):  # read config.yaml with the endpoint of the env or of storage.* overrides
+        run_dir = s3.join_uri(args.run_dir)
+        storage = apply_overrides({}, list(args.overrides)).get("storage", {})
+        s3.configure(config_from_dict({"storage": storage}).storage)
+        try:
+            config = s3.download_file(s3.join_uri(run_dir, "config.yaml"), local_dir(run_dir) / "config.yaml")
+        except s3.S3NoSuchBucketError:
+            raise
+        except s3.S3NotFoundError:
+            raise ConfigError(missing) from None
+        parent, name = run_dir.rsplit("/", 1)
+    else:
+        config = Path(args.run_dir).resolve() / "config.yaml"
+        if not config.is_file():
+            raise ConfigError(missing)
+        run_dir, parent, name = str(config.parent), str(config.parent.parent), config.parent.name
     cfg = load_config(str(config), list(args.overrides))
     # the workspace is RUN_DIR wherever it now lies (its MLflow store, by default, beside it)
-    cfg = cfg.model_copy(
-        update={"run": cfg.run.model_copy(update={"name": run_dir.name, "output_dir": str(run_dir.parent)})}
-    )
+    cfg = cfg.model_copy(update={"run": cfg.run.model_copy(update={"name": name, "output_dir": parent})})
     forget = stages_from(args.from_stage) if args.from_stage else ()
     return _run_pipeline(cfg, lambda: Workspace(run_dir).forget(forget, attempts=True))
 
@@ -145,6 +166,8 @@ def cmd_compare(args) -> int:
 
 def _run_pipeline(cfg: PipelineConfig, before=None) -> int:
     _setup_env(cfg)
+    if s3.is_s3_uri(cfg.run.output_dir):
+        s3.check_access(cfg.run.output_dir)  # bucket, credentials, endpoint: before Prefect and MLflow start
     if cfg.generation.backend == "vllm":  # fail now, not after data prep and SFT
         from tasks.vllm_engine import config_problem
 
@@ -154,7 +177,7 @@ def _run_pipeline(cfg: PipelineConfig, before=None) -> int:
 
     if before is not None:
         before()
-    workspace = Path(cfg.run.output_dir).resolve() / cfg.run.name
+    workspace = join_location(cfg.run.output_dir, cfg.run.name)
     t0 = time.perf_counter()
     result = grpo_pipeline(config=cfg.to_dict(), workspace=str(workspace))
     print_summary(result, time.perf_counter() - t0)
@@ -168,6 +191,8 @@ def print_summary(result: dict, seconds: float) -> None:
     console = Console()
     table = Table(title=f"grpoflow run finished in {seconds / 60:.1f} min", show_header=False)
     table.add_row("workspace", result["workspace"])
+    if "local_copy" in result:
+        table.add_row("local copy", result["local_copy"])
     table.add_row("MLflow run", result["mlflow_run_id"])
     g = result["grpo"]
     table.add_row("GRPO", f"{g['steps']} steps, reward {g['first_reward']:.3f} -> {g['final_reward']:.3f}")
@@ -264,6 +289,9 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as e:
         print(f"grpoflow: {e}", file=sys.stderr)
         return 2
+    except s3.S3Error as e:  # a bucket, key, endpoint or credentials problem: the message names it
+        print(f"grpoflow: {e}", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

@@ -3,7 +3,7 @@
     prepare data -> (optional) SFT -> GRPO -> evaluate -> export
 
 Each stage is a Prefect task (tasks/*) that takes the resolved config as a dict and the run
-workspace path, and returns a small summary with the URIs of what it wrote; the flow passes
+workspace (a folder or an s3:// URI), and returns a small summary with the URIs of what it wrote; the flow passes
 those URIs on. MLflow: the flow opens the parent run (tagged with the Prefect flow-run id),
 each stage task a nested run under it.
 
@@ -15,11 +15,11 @@ current key (tasks/stage.py) and continues the parent run named in <workspace>/r
 from __future__ import annotations
 
 import logging
-from pathlib import Path
 
 import yaml
 from prefect import flow, runtime
 
+from tasks import s3
 from tasks.config import config_from_dict
 from tasks.data import data_task
 from tasks.evaluate import eval_task
@@ -40,16 +40,19 @@ def grpo_pipeline(config: dict, workspace: str, init_model: str | None = None) -
     e.g. the registry champion the continuous flow warm-starts from) replaces the SFT stage: GRPO starts from it
     and evaluation measures it as the "before" model."""
     cfg = config_from_dict(config)
+    s3.configure(cfg.storage)
     ws = Workspace(workspace)
-    (Path(ws.root) / "config.yaml").write_text(yaml.safe_dump(config, sort_keys=False))
-    parent = open_pipeline_run(cfg, ws, tags={"prefect_flow_run_id": runtime.flow_run.id, "workspace": str(ws.root)})
-    args = (config, str(ws.root), parent.run_id)
+    ws.write_text("config.yaml", yaml.safe_dump(config, sort_keys=False))
+    parent = open_pipeline_run(cfg, ws, tags={"prefect_flow_run_id": runtime.flow_run.id, "workspace": ws.location})
+    args = (config, ws.location, parent.run_id)
     ok = False
     try:
         data = data_task(*args)
         sft = sft_task(*args) if cfg.sft.enabled and init_model is None else None
         grpo = grpo_task(*args, init_model=sft["model_path"] if sft else init_model)
-        result = {"workspace": str(ws.root), "mlflow_run_id": parent.run_id, "data": data, "sft": sft, "grpo": grpo}
+        result = {"workspace": ws.location, "mlflow_run_id": parent.run_id, "data": data, "sft": sft, "grpo": grpo}
+        if ws.uri is not None:
+            result["local_copy"] = str(ws.root)
         if cfg.eval.enabled:
             result["eval"] = eval_task(
                 *args, before_model=grpo["base_model"], after_model=grpo["model_path"], after_is_adapter=grpo["adapter"]

@@ -1,6 +1,6 @@
 """Two pipeline runs side by side, from MLflow: ``grpoflow compare RUN_A RUN_B``.
 
-A run is named by its workspace folder (its ``run.json`` holds the parent run id and tracking URI) or by
+A run is named by its workspace folder or s3:// URI (its ``run.json`` holds the parent run id and tracking URI) or by
 an MLflow run id (with ``--tracking-uri`` or $MLFLOW_TRACKING_URI). For each run:
 
     accuracy before/after GRPO and the gain    parent run metrics (written by the eval stage)
@@ -21,11 +21,17 @@ from typing import Any
 
 from mlflow.tracking import MlflowClient
 
+from tasks import s3
 from tasks.tracking import PARENT_TAG
 
 
 def resolve_run(ref: str, tracking_uri: str | None) -> tuple[str, str]:
-    """(tracking uri, parent run id) of a workspace folder or an MLflow run id."""
+    """(tracking uri, parent run id) of a workspace (a folder or an s3:// URI) or an MLflow run id."""
+    if s3.is_s3_uri(ref):
+        data = s3.get_json(s3.join_uri(ref, "run.json"), None)
+        if data is None:
+            raise ValueError(f"{ref}: no run.json; not a run workspace (<output_dir>/<run name>)")
+        return data["tracking_uri"], data["mlflow_run_id"]
     path = Path(ref)
     if path.is_dir():
         info = path / "run.json"

@@ -12,11 +12,14 @@ batching rules (``steps_per_generation`` / ``generation_batch_size``) follow
 from __future__ import annotations
 
 import math
+import re
 from pathlib import Path
 from typing import Any, Literal
 
 import yaml
 from pydantic import AliasChoices, BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from tasks.s3 import StorageConfig
 
 DEFAULT_CONFIG = Path(__file__).resolve().parent.parent / "configs" / "default.yaml"
 
@@ -82,7 +85,7 @@ GSM8K_SYSTEM_PROMPT = "Respond in the following format:\n<reasoning>\n...\n</rea
 class DataConfig(_Section):
     source: str = Field(
         "arithmetic",
-        description="'arithmetic' (built-in task), a local .jsonl/.json/.parquet/.csv file, "
+        description="'arithmetic' (built-in task), a local or s3://bucket/key .jsonl/.json/.parquet/.csv file, "
         "or a Hugging Face dataset id.",
     )
     format: Literal["auto", "gsm8k", "qa", "arithmetic"] = Field(
@@ -94,7 +97,9 @@ class DataConfig(_Section):
     answer_field: str = "answer"
     subset: str | None = Field(None, description="Config name of a HF dataset id (e.g. 'main' for openai/gsm8k).")
     split: str = Field("train", description="Split of a HF dataset id used for training.")
-    eval_source: str | None = Field(None, description="Separate eval file or split name; else a held-out slice.")
+    eval_source: str | None = Field(
+        None, description="Separate eval file (local or s3://) or split name; else a held-out slice."
+    )
     eval_size: float = Field(0.1, gt=0, description="Held-out rows: a fraction (<1) or a count (>=1).")
     max_train_rows: int | None = Field(None, ge=1)
     max_eval_rows: int | None = Field(None, ge=1)
@@ -428,6 +433,7 @@ class PipelineConfig(_Section):
     eval: EvalConfig = Field(default_factory=EvalConfig)
     export: ExportConfig = Field(default_factory=ExportConfig)
     tracking: TrackingConfig = Field(default_factory=TrackingConfig)
+    storage: StorageConfig = Field(default_factory=StorageConfig)
 
     @model_validator(mode="after")
     def _cross(self) -> PipelineConfig:
@@ -483,7 +489,36 @@ def _format_error(err: ValidationError) -> str:
     return "invalid config:\n" + "\n".join(lines)
 
 
+# Credentials come from the AWS chain (env, ~/.aws), never from the config, which is logged to MLflow and saved
+# in the workspace: a key that looks like one, or a URI with user:password in it, is refused by name.
+_CREDENTIAL_KEY = re.compile(
+    r"(^|_)(secret|secret_key|password|passwd|credentials?|api_key|access_key|access_key_id|session_token|"
+    r"auth_token|hf_token)$|^token$"
+)
+_URI_USERINFO = re.compile(r"^[a-z][a-z0-9+.-]*://[^/@\s]+:[^/@\s]*@", re.IGNORECASE)
+
+
+def _reject_credentials(node: Any, path: str = "") -> None:
+    if not isinstance(node, dict):
+        return
+    for k, v in node.items():
+        key = f"{path}{k}"
+        if _CREDENTIAL_KEY.search(str(k).lower()):
+            raise ConfigError(
+                f"{key}: credentials do not belong in the config (it is logged to MLflow and saved with the run); "
+                "use the standard AWS chain instead: AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY, or AWS_PROFILE with "
+                "~/.aws/credentials (MLflow servers: MLFLOW_TRACKING_USERNAME / MLFLOW_TRACKING_PASSWORD)"
+            )
+        if isinstance(v, str) and _URI_USERINFO.match(v):
+            raise ConfigError(
+                f"{key}: holds a user:password in the URI; credentials do not belong in the config "
+                "(for an MLflow server use MLFLOW_TRACKING_USERNAME / MLFLOW_TRACKING_PASSWORD)"
+            )
+        _reject_credentials(v, f"{key}.")
+
+
 def config_from_dict(raw: dict[str, Any]) -> PipelineConfig:
+    _reject_credentials(raw)
     try:
         return PipelineConfig.model_validate(raw)
     except ValidationError as err:

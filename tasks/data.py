@@ -1,7 +1,8 @@
 """The data stage: raw rows -> prompt / question / answer / reference datasets in the run workspace.
 
-Sources (``data.source``): the built-in arithmetic task ("What is 37 + 58?" -> "95"), a local
-.jsonl/.json/.parquet/.csv file, or a Hugging Face dataset id. Every row becomes
+Sources (``data.source``): the built-in arithmetic task ("What is 37 + 58?" -> "95"), a local or s3://
+.jsonl/.json/.parquet/.csv file (an S3 file is downloaded into storage.cache_dir first), or a Hugging Face
+dataset id. Every row becomes
 
     prompt     TRL conversational prompt: [system (when data.system_prompt is set), user question]
     question   the question text
@@ -35,6 +36,7 @@ import datasets
 from datasets import Dataset, Features, List, Value
 from prefect import task
 
+from tasks import s3
 from tasks.config import ArithmeticConfig, DataConfig, PipelineConfig, resolve_eval_size
 from tasks.stage import run_stage
 from tasks.tracking import RunLogger
@@ -77,19 +79,39 @@ def _looks_like_file(source: str) -> bool:
     return os.sep in source and not _HF_ID.match(source)
 
 
+def _builder(source: str, suffix: str) -> str:
+    builder = FILE_BUILDERS.get(suffix.lower())
+    if builder is None:
+        raise ValueError(
+            f"data file {source!r}: unsupported suffix {suffix!r}; expected one of {sorted(FILE_BUILDERS)}"
+        )
+    return builder
+
+
+def _load_file(path: Path, source: str) -> Dataset:
+    builder = _builder(source, path.suffix)
+    try:
+        return datasets.load_dataset(builder, data_files=str(path), split="train")
+    except Exception as e:  # any parse failure: re-raised naming the file
+        raise ValueError(f"data file {source!r}: cannot read it as {builder}: {type(e).__name__}: {e}") from e
+
+
+def fetch_s3_file(uri: str) -> Path:
+    """Download an s3:// data file into the local cache (<storage.cache_dir>/<bucket>/<key>); its local path."""
+    _builder(uri, Path(s3.split_s3_uri(uri)[1]).suffix)  # an unsupported suffix fails before any download
+    try:
+        return s3.download_file(uri, s3.local_path(uri))
+    except s3.S3NotFoundError as e:
+        raise FileNotFoundError(f"data file not found: {uri!r} ({e})") from None
+
+
 def load_source(source: str, split: str = "train", subset: str | None = None) -> Dataset:
-    """Raw rows of a local data file, or of ``split`` of a Hugging Face dataset id."""
+    """Raw rows of a local or s3:// data file, or of ``split`` of a Hugging Face dataset id."""
+    if s3.is_s3_uri(source):
+        return _load_file(fetch_s3_file(source), source)
     path = Path(source).expanduser()
     if path.is_file():
-        builder = FILE_BUILDERS.get(path.suffix.lower())
-        if builder is None:
-            raise ValueError(
-                f"data file {source!r}: unsupported suffix {path.suffix!r}; expected one of {sorted(FILE_BUILDERS)}"
-            )
-        try:
-            return datasets.load_dataset(builder, data_files=str(path), split="train")
-        except Exception as e:  # any parse failure: re-raised naming the file
-            raise ValueError(f"data file {source!r}: cannot read it as {builder}: {type(e).__name__}: {e}") from e
+        return _load_file(path, source)
     if _looks_like_file(source) and not path.exists():
         raise FileNotFoundError(f"data file not found: {source!r} (looked at {path.resolve()})")
     try:

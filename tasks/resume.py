@@ -13,8 +13,8 @@ A stage's key is a sha256 over everything its result depends on (config sections
     base_model  data key;  run.seed, model.name, model.revision, model.tiny  (the tiny model built from the data)
 
 Left out, since they do not change a result: run.name, run.output_dir, run.torch_threads, tracking.*,
-sft.logging_steps, grpo.{save_steps, logging_steps, log_completions_steps, resume},
-generation.{torch_threads, batch_size}. A key hashes the config only: not the content of a local
+storage.*, sft.logging_steps, grpo.{save_steps, logging_steps, log_completions_steps, resume},
+generation.{torch_threads, batch_size}. A key hashes the config only: not the content of a local or S3
 data.source file, nor the code version. A changed key changes every downstream key.
 """
 
@@ -23,7 +23,6 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-import os
 from typing import Any
 
 import yaml
@@ -102,8 +101,7 @@ def open_pipeline_run(cfg: PipelineConfig, ws: Workspace, tags: dict[str, Any]) 
     from mlflow.tracking import MlflowClient
 
     uri = tracking_uri(cfg)
-    path = ws.root / RUN_FILE
-    prev = json.loads(path.read_text()) if path.is_file() else {}
+    prev = json.loads(ws.read_text(RUN_FILE) or "{}")
     if prev.get("tracking_uri") == uri and prev.get("mlflow_run_id"):
         client = MlflowClient(uri)
         try:
@@ -127,7 +125,5 @@ def open_pipeline_run(cfg: PipelineConfig, ws: Workspace, tags: dict[str, Any]) 
             log.info("continuing MLflow run %s (resume %d)", rid, resumes)
             return parent
     parent = start_pipeline_run(cfg, tags)
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps({"mlflow_run_id": parent.run_id, "tracking_uri": uri}, indent=2))
-    os.replace(tmp, path)
+    ws.write_text(RUN_FILE, json.dumps({"mlflow_run_id": parent.run_id, "tracking_uri": uri}, indent=2))
     return parent

@@ -7,7 +7,8 @@ Resume: a stage whose manifest holds the stage's current key (tasks/resume.py) i
 stored summary is returned and nothing runs or is logged. Otherwise its manifest and every later
 stage's are removed, its folder is emptied when its last attempt had another key (a same-key attempt
 that was killed keeps its files: GRPO continues from its newest checkpoint), the stage runs, and its
-manifest gets the key and the returned summary.
+manifest gets the key and the returned summary. On an S3 workspace the upstream stages' files are pulled
+into the local mirror first (tasks/workspace.py), so a resume on an empty cache works.
 """
 
 from __future__ import annotations
@@ -18,10 +19,11 @@ from typing import Any
 
 import torch
 
+from tasks import s3
 from tasks.config import PipelineConfig, config_from_dict
 from tasks.resume import stage_keys
 from tasks.tracking import stage_run
-from tasks.workspace import Workspace, stages_from
+from tasks.workspace import STAGES, Workspace, stages_from
 
 StageFn = Callable[..., dict[str, Any]]
 log = logging.getLogger(__name__)
@@ -31,6 +33,7 @@ def run_stage(
     name: str, fn: StageFn, cfg_dict: dict, workspace_root: str, parent_run_id: str | None, **inputs: Any
 ) -> dict[str, Any]:
     cfg: PipelineConfig = config_from_dict(cfg_dict)
+    s3.configure(cfg.storage)
     ws = Workspace(workspace_root)
     keys = stage_keys(cfg.to_dict())
     key = keys[name]
@@ -39,6 +42,8 @@ def run_stage(
         log.info("stage %s: complete (key %s), skipped", name, key[:12])
         return stored
     ws.forget(stages_from(name))
+    if upstream := STAGES[: STAGES.index(name)]:
+        ws.fetch((*upstream, "base_model"))  # S3: the upstream files this stage reads, when not local yet
     ws.begin(name, key)
     if name in ("sft", "grpo"):  # the stages that may build the tiny base model from the data
         ws.begin("base_model", keys["base_model"])

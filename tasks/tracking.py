@@ -3,7 +3,10 @@
 Everything goes through ``MlflowClient`` with explicit run ids (no global active-run stack), so
 logging is correct whichever thread Prefect runs a task on. Default store: a SQLite file in the
 output folder (``sqlite:///<output_dir>/mlflow.db``) with artifacts beside it in
-``<output_dir>/mlartifacts``; ``tracking.uri`` or $MLFLOW_TRACKING_URI point elsewhere.
+``<output_dir>/mlartifacts``; ``tracking.uri`` or $MLFLOW_TRACKING_URI point elsewhere. An s3:// output_dir
+keeps this default store in its local mirror (<storage.cache_dir>/<bucket>/<prefix>/mlflow.db): SQLite cannot
+live on S3; for tracking that outlives the machine, use a server (``mlflow server --artifacts-destination
+s3://...``).
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ from mlflow.entities import Metric, Param, RunTag
 from mlflow.tracking import MlflowClient
 
 from tasks.config import PipelineConfig
+from tasks.workspace import local_dir
 
 log = logging.getLogger(__name__)
 PARENT_TAG = "mlflow.parentRunId"
@@ -31,7 +35,7 @@ def tracking_uri(cfg: PipelineConfig) -> str:
         return cfg.tracking.uri
     if os.environ.get("MLFLOW_TRACKING_URI"):
         return os.environ["MLFLOW_TRACKING_URI"]
-    return f"sqlite:///{Path(cfg.run.output_dir).resolve() / 'mlflow.db'}"
+    return f"sqlite:///{local_dir(cfg.run.output_dir, cfg.storage.cache_dir) / 'mlflow.db'}"
 
 
 def experiment_id(client: MlflowClient, cfg: PipelineConfig) -> str:
@@ -40,7 +44,7 @@ def experiment_id(client: MlflowClient, cfg: PipelineConfig) -> str:
         return exp.experiment_id
     artifact_location = None
     if client.tracking_uri.startswith("sqlite:"):
-        artifact_location = (Path(cfg.run.output_dir).resolve() / "mlartifacts").as_uri()
+        artifact_location = (local_dir(cfg.run.output_dir, cfg.storage.cache_dir) / "mlartifacts").as_uri()
     return client.create_experiment(cfg.tracking.experiment, artifact_location=artifact_location)
 
 

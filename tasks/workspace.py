@@ -1,16 +1,29 @@
-"""The run workspace: one folder per pipeline run, one sub-folder per stage.
+"""The run workspace: one folder per pipeline run, one sub-folder per stage, on local disk or on S3.
 
     <output_dir>/<run name>/
         config.yaml            the resolved config
-        data/   sft/   grpo/   eval/   export/
+        run.json               the MLflow parent run (tasks/resume.py)
+        base_model/  data/   sft/   grpo/   eval/   export/
+            attempt.json       the key of the stage's latest attempt
             manifest.json      written last: a stage is complete iff its manifest exists
 
 The manifest is written atomically (temp file + rename) after everything else of the stage,
 so a killed stage leaves no manifest and is recomputed. Resuming (tasks/stage.py, tasks/resume.py):
 the manifest also holds the stage's ``key`` and the ``summary`` it returned, and ``attempt.json``
 (written when a stage starts) the key of its latest attempt, so that files an attempt with another key
-left behind (GRPO checkpoints) are removed rather than resumed. S3 workspaces come with the operations
-issue; stages only use the methods below, never raw paths outside their own folder.
+left behind (GRPO checkpoints) are removed rather than resumed. Stages only use the methods below, never
+raw paths outside their own folder.
+
+S3 (``run.output_dir: s3://bucket/prefix``): the workspace is s3://bucket/prefix/<run name>, the source of
+truth, and stages still read and write plain files in its local mirror <storage.cache_dir>/<bucket>/<prefix>/
+<run name> (tasks/s3.py). Publishing a stage uploads its folder (what differs), then its manifest, so on S3
+too a stage is complete or absent. Manifests, attempt records, config.yaml and run.json are read from and
+written to S3; before a stage runs, the complete upstream stages are pulled into the mirror when the local
+copy is not theirs (its manifest differs), and its own folder is pulled (a killed GRPO's checkpoints, which
+``push`` uploads as they are saved). So the mirror is a cache: delete it, or resume on another machine,
+and the run continues from S3. Summaries hold mirror paths; the manifest records the root they were written
+under and :meth:`Workspace.completed` re-roots them, so they stay valid under another cache_dir (or a local
+workspace that was moved).
 """
 
 from __future__ import annotations
@@ -22,9 +35,12 @@ import time
 from pathlib import Path
 from typing import Any
 
+from tasks import s3
+
 STAGES = ("data", "sft", "grpo", "eval", "export")
 MANIFEST = "manifest.json"
 ATTEMPT = "attempt.json"
+MARKERS = ("trainer_state.json",)  # a GRPO checkpoint is complete when it holds this: uploaded last, deleted first
 
 
 def stages_from(stage: str) -> tuple[str, ...]:
@@ -34,13 +50,54 @@ def stages_from(stage: str) -> tuple[str, ...]:
     return STAGES[STAGES.index(stage) :]
 
 
+def local_dir(location: str | Path, cache_dir: str | Path | None = None) -> Path:
+    """A local folder, resolved; or the local mirror of an s3:// location."""
+    if s3.is_s3_uri(str(location)):
+        return s3.local_path(str(location), cache_dir)
+    return Path(location).resolve()
+
+
+def join_location(location: str | Path, name: str) -> str:
+    """<location>/<name> for a folder or an s3:// prefix."""
+    return s3.join_uri(str(location), name) if s3.is_s3_uri(str(location)) else str(Path(location).resolve() / name)
+
+
+def _reroot(value: Any, old: str, new: str) -> Any:
+    if isinstance(value, str) and (value == old or value.startswith(old + "/")):
+        return new + value[len(old) :]
+    if isinstance(value, dict):
+        return {k: _reroot(v, old, new) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_reroot(v, old, new) for v in value]
+    return value
+
+
+def _write_atomic(path: Path, text: str) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
 class Workspace:
-    def __init__(self, root: str | Path):
-        self.root = Path(root).resolve()
+    def __init__(self, root: str | Path, cache_dir: str | Path | None = None):
+        """A local folder, or an s3://bucket/prefix URI mirrored under ``cache_dir`` (default storage.cache_dir)."""
+        self.uri = s3.join_uri(str(root)) if s3.is_s3_uri(str(root)) else None
+        if self.uri is not None:
+            s3.split_s3_uri(self.uri)  # a clear error for a malformed URI
+        self.root = local_dir(self.uri or root, cache_dir)
         self.root.mkdir(parents=True, exist_ok=True)
 
     def __repr__(self) -> str:
-        return f"Workspace({str(self.root)!r})"
+        return f"Workspace({self.location!r})"
+
+    @property
+    def location(self) -> str:
+        """What names the workspace: its s3:// URI, or its local folder."""
+        return self.uri or str(self.root)
+
+    def _remote(self, *parts: str) -> str:
+        return s3.join_uri(self.uri, *parts)
 
     def stage_dir(self, stage: str) -> Path:
         if stage not in STAGES and stage != "base_model":
@@ -52,50 +109,125 @@ class Workspace:
     def manifest_path(self, stage: str) -> Path:
         return self.root / stage / MANIFEST
 
+    # ------------------------------------------------------------------ publishing a stage
     def write_manifest(self, stage: str, payload: dict[str, Any]) -> Path:
-        """Publish a stage: write its manifest last, atomically."""
+        """Publish a stage: on S3 upload its files first (and the base model's, for sft/grpo), then write its
+        manifest last, atomically."""
+        if self.uri is not None:
+            self.push(stage)
+            if stage in ("sft", "grpo") and (self.root / "base_model").is_dir():
+                self.push("base_model")
+        return self._write_manifest(stage, payload)
+
+    def _write_manifest(self, stage: str, payload: dict[str, Any]) -> Path:
+        body = {"stage": stage, "finished_at": time.time(), **payload, "root": str(self.root)}
         path = self.manifest_path(stage)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        body = {"stage": stage, "finished_at": time.time(), **payload}
-        tmp = path.with_suffix(".tmp")
-        tmp.write_text(json.dumps(body, indent=2, sort_keys=True, default=str))
-        os.replace(tmp, path)
+        _write_atomic(path, json.dumps(body, indent=2, sort_keys=True, default=str))
+        if self.uri is not None:
+            s3.put_bytes(path.read_bytes(), self._remote(stage, MANIFEST))
         return path
 
+    def push(self, stage: str, sub: str = "") -> None:
+        """Upload <stage>/<sub> to S3 now, making the remote copy match (a no-op for a local workspace).
+        GRPO calls it after each checkpoint, so a killed stage resumes from S3."""
+        if self.uri is None:
+            return
+        s3.upload_dir(
+            self.root / stage / sub, self._remote(stage, sub), delete=True, markers=MARKERS, exclude=(MANIFEST,)
+        )
+
     def read_manifest(self, stage: str) -> dict[str, Any] | None:
+        if self.uri is not None:
+            return s3.get_json(self._remote(stage, MANIFEST), None)
         path = self.manifest_path(stage)
         if not path.is_file():
             return None
         return json.loads(path.read_text())
 
     def completed(self, stage: str, key: str) -> dict[str, Any] | None:
-        """The stored summary when the stage is complete with this key, else None."""
+        """The stored summary when the stage is complete with this key, else None; its paths re-rooted to this
+        workspace's root when it was written under another (another cache_dir, a moved folder)."""
         manifest = self.read_manifest(stage)
         if manifest is None or manifest.get("key") != key or "summary" not in manifest:
             return None
-        return manifest["summary"]
+        old = manifest.get("root")
+        return _reroot(manifest["summary"], old, str(self.root)) if old else manifest["summary"]
 
     def seal_manifest(self, stage: str, key: str, summary: dict[str, Any]) -> Path:
         """Add the key and the returned summary to the manifest the stage wrote (atomically)."""
         manifest = self.read_manifest(stage) or {}  # its finished_at, when there is one, is kept
-        return self.write_manifest(stage, {**manifest, "key": key, "summary": summary})
+        return self._write_manifest(stage, {**manifest, "key": key, "summary": summary})
 
     def forget(self, stages: tuple[str, ...], attempts: bool = False) -> None:
         """Remove the manifests (and with ``attempts`` the attempt records) of these stages."""
+        names = (MANIFEST, ATTEMPT) if attempts else (MANIFEST,)
         for stage in stages:
-            self.manifest_path(stage).unlink(missing_ok=True)
-            if attempts:
-                (self.root / stage / ATTEMPT).unlink(missing_ok=True)
+            for name in names:
+                (self.root / stage / name).unlink(missing_ok=True)
+        if self.uri is not None:
+            s3.delete_objects([self._remote(stage, name) for stage in stages for name in names])
 
+    # ------------------------------------------------------------------ running a stage
     def begin(self, stage: str, key: str) -> None:
-        """Record an attempt of ``stage`` with ``key``; a folder last attempted with another key is emptied first."""
+        """Record an attempt of ``stage`` with ``key``; a folder last attempted with another key is emptied first.
+        On S3 the remote folder decides, and what it holds of a same-key attempt is pulled into the mirror."""
         folder = self.root / stage
         attempt = folder / ATTEMPT
-        if folder.is_dir() and any(folder.iterdir()):
-            last = json.loads(attempt.read_text()).get("key") if attempt.is_file() else None
-            if last != key:
-                shutil.rmtree(folder)
+        local_key = json.loads(attempt.read_text()).get("key") if attempt.is_file() else None
+        remote_files = []
+        if self.uri is not None:
+            remote_files = s3.list_objects(self._remote(stage) + "/")
+            last = s3.get_json(self._remote(stage, ATTEMPT), None)
+            if remote_files and (last or {}).get("key") != key:
+                s3.delete_prefix(self._remote(stage) + "/", markers=MARKERS)
+                remote_files = []
+        if folder.is_dir() and any(folder.iterdir()) and local_key != key:
+            shutil.rmtree(folder)
         folder.mkdir(parents=True, exist_ok=True)
-        tmp = attempt.with_suffix(".tmp")
-        tmp.write_text(json.dumps({"key": key, "started_at": time.time()}))
-        os.replace(tmp, attempt)
+        if remote_files:
+            s3.download_dir(self._remote(stage), folder, delete=True, markers=MARKERS, exclude=(MANIFEST,))
+        body = json.dumps({"key": key, "started_at": time.time()})
+        _write_atomic(attempt, body)
+        if self.uri is not None:
+            s3.put_bytes(body.encode(), self._remote(stage, ATTEMPT))
+
+    def fetch(self, stages: tuple[str, ...]) -> None:
+        """Pull these stages into the local mirror when the local copy is not the published one (S3 only).
+
+        A complete stage is pulled unless the local manifest equals the remote one (it is written last, after
+        the download, so it marks a complete copy); a stage without a manifest (base_model) is synced file by
+        file (size and ETag)."""
+        if self.uri is None:
+            return
+        for stage in stages:
+            if stage == "base_model":
+                s3.download_dir(self._remote(stage), self.root / stage, markers=MARKERS)
+                continue
+            remote = self.read_manifest(stage)
+            if remote is None:
+                continue
+            local = self.manifest_path(stage)
+            if local.is_file() and json.loads(local.read_text()) == remote:
+                continue
+            local.unlink(missing_ok=True)
+            s3.download_dir(self._remote(stage), self.root / stage, delete=True, markers=MARKERS, exclude=(MANIFEST,))
+            _write_atomic(local, json.dumps(remote, indent=2, sort_keys=True, default=str))
+
+    # ------------------------------------------------------------------ run-level files
+    def write_text(self, name: str, text: str) -> None:
+        """A file at the workspace root (config.yaml, run.json), written atomically; on S3 uploaded too."""
+        _write_atomic(self.root / name, text)
+        if self.uri is not None:
+            s3.put_bytes(text.encode(), self._remote(name))
+
+    def read_text(self, name: str) -> str | None:
+        """A file at the workspace root, None when absent (on S3: read from S3)."""
+        if self.uri is not None:
+            try:
+                return s3.get_bytes(self._remote(name)).decode()
+            except s3.S3NoSuchBucketError:
+                raise
+            except s3.S3NotFoundError:
+                return None
+        path = self.root / name
+        return path.read_text() if path.is_file() else None

@@ -14,3 +14,32 @@ os.environ.setdefault("HF_DATASETS_DISABLE_PROGRESS_BARS", "1")
 os.environ.setdefault("PREFECT_HOME", tempfile.mkdtemp(prefix="grpoflow-prefect-"))
 os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "180")
 os.environ.setdefault("PREFECT_LOGGING_LEVEL", "WARNING")
+
+
+# Real servers on 127.0.0.1 (tests/servers.py), started once and killed (process group) at the end.
+import pytest  # noqa: E402
+
+from tests.servers import mlflow_server as _mlflow_server  # noqa: E402
+from tests.servers import seaweedfs as _seaweedfs  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def seaweedfs(tmp_path_factory):
+    """A SeaweedFS S3 server (`weed mini`) with a bucket: S3Server(endpoint, access_key, secret_key, bucket)."""
+    with _seaweedfs(tmp_path_factory.mktemp("seaweedfs")) as server:
+        yield server
+
+
+@pytest.fixture(scope="module")
+def mlflow_server(tmp_path_factory):
+    """`mlflow server` with a SQLite store and local artifacts; its URL."""
+    with _mlflow_server(tmp_path_factory.mktemp("mlflow-server")) as url:
+        yield url
+
+
+@pytest.fixture(scope="module")
+def mlflow_s3_server(tmp_path_factory, seaweedfs):
+    """`mlflow server` whose artifacts go to s3://<bucket>/mlflow on the SeaweedFS server; its URL."""
+    root = tmp_path_factory.mktemp("mlflow-s3-server")
+    with _mlflow_server(root, f"s3://{seaweedfs.bucket}/mlflow", env=seaweedfs.env()) as url:
+        yield url

@@ -83,6 +83,7 @@ def run_grpo(cfg: PipelineConfig, ws: Workspace, tracker: RunLogger, init_model:
         seed=cfg.run.seed,
         ref_model=ref_model,
         is_correction=g.vllm_importance_sampling_correction and generator.separate_engine,
+        on_checkpoint=lambda _: ws.push("grpo", "checkpoints"),  # S3: a killed stage resumes from there
     )
     checkpoints = list_checkpoints(trainer.checkpoint_dir)
     if g.resume == "auto" and checkpoints:

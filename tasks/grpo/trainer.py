@@ -23,6 +23,7 @@ import re
 import shutil
 import time
 from collections import defaultdict
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -125,6 +126,7 @@ class GRPOTrainer:
         seed: int = 42,
         ref_model=None,
         is_correction: bool = False,
+        on_checkpoint: Callable[[Path], None] | None = None,
     ):
         self.cfg = cfg
         self.model = model
@@ -138,6 +140,7 @@ class GRPOTrainer:
         self.seed = seed
         self.ref_model = ref_model
         self.is_correction = is_correction  # the sampler is a separate engine: correct for its drift
+        self.on_checkpoint = on_checkpoint  # called after each save (an S3 workspace uploads the checkpoints)
         self.batching = cfg.batching()
         self.settings = loss_settings(cfg, self.batching.steps_per_generation)
         self.sampler = PromptSampler(len(rows), seed, cfg.shuffle_dataset)
@@ -397,6 +400,8 @@ class GRPOTrainer:
         os.replace(tmp, final)
         for stale in list_checkpoints(self.checkpoint_dir)[:-2]:
             shutil.rmtree(stale, ignore_errors=True)
+        if self.on_checkpoint is not None:
+            self.on_checkpoint(final)
         return final
 
     def load_checkpoint(self, path: Path) -> None:

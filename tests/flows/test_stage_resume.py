@@ -83,6 +83,8 @@ def test_a_change_propagates_downstream(override, changed):
         "generation.batch_size=3",
         "tracking.experiment=x",
         "tracking.uri=sqlite:///x.db",
+        "storage.cache_dir=/elsewhere",
+        "storage.endpoint_url=http://127.0.0.1:9000",
     ],
 )
 def test_logging_only_keys_do_not_change_any_key(override):
