@@ -21,6 +21,7 @@ from pathlib import Path
 from prefect import flow, get_run_logger, task
 
 from flows.cli import load_run_config
+from tasks import s3
 from tasks.config import ConfigError
 from tasks.datasource import DataFile, Ledger, list_source
 
@@ -63,6 +64,7 @@ def grpo_continuous(
         raise ConfigError("source: the continuous flow needs a data source (a folder or s3://bucket/prefix)")
     cfg = load_run_config(config, overrides)
     check_continuous_config(cfg)
+    s3.configure(cfg.storage)  # the endpoint of an s3:// source
     state = Path(state_dir or Path(cfg.run.output_dir) / "continuous").resolve()
     ledger = Ledger(state / LEDGER)
     new = [DataFile(**f) for f in new_files_task(source, str(ledger.path))]

@@ -20,6 +20,8 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from tasks.s3 import download_file, is_s3_uri, list_objects
+
 
 @dataclass(frozen=True)
 class DataFile:
@@ -51,15 +53,9 @@ def sha256_file(path: Path, chunk: int = 1 << 20) -> str:
     return h.hexdigest()
 
 
-def is_s3(source: str) -> bool:
-    return source.startswith("s3://")
-
-
 def list_source(source: str) -> list[DataFile]:
     """Every data file under ``source`` (a local folder, or an s3://bucket/prefix), sorted by name."""
-    if is_s3(source):
-        from tasks.s3 import list_objects  # the S3 helper module (boto3; AWS_ENDPOINT_URL for other endpoints)
-
+    if is_s3_uri(source):
         prefix = source.rstrip("/") + "/"
         files = [
             DataFile(o["uri"][len(prefix) :], o["uri"], int(o["size"]), str(o["etag"]).strip('"'))
@@ -80,10 +76,8 @@ def list_source(source: str) -> list[DataFile]:
 
 def fetch(file: DataFile, dest_dir: Path) -> Path:
     """A local path holding ``file``'s bytes: the file itself when local, else a download into ``dest_dir``."""
-    if not is_s3(file.uri):
+    if not is_s3_uri(file.uri):
         return Path(file.uri)
-    from tasks.s3 import download_file
-
     dest = dest_dir / file.name
     dest.parent.mkdir(parents=True, exist_ok=True)
     download_file(file.uri, str(dest))
