@@ -431,7 +431,8 @@ class ExportConfig(_Section):
     gguf: list[Literal["f32", "f16", "bf16", "q8_0", "q4_k_m"]] = Field(
         default_factory=lambda: ["f16"],
         description="GGUF files of the merged model (export/gguf/model-<type>.gguf), for llama.cpp; [] for none. "
-        "q4_k_m needs llama.cpp's llama-quantize on PATH (skipped with a warning otherwise).",
+        "q4_k_m needs llama.cpp: llama-cpp-python (the llamacpp extra) or llama-quantize on PATH (else skipped with "
+        "a warning).",
     )
 
     @model_validator(mode="after")
