@@ -20,6 +20,7 @@ each model, so a rerun reproduces the report.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import math
@@ -206,13 +207,17 @@ def run_eval(
     reward_funcs = resolve_reward_funcs(cfg.grpo.reward_funcs)
     params = SamplingParams.from_grpo(cfg.grpo)
     if e.max_new_tokens:
-        params = SamplingParams(**{**params.__dict__, "max_new_tokens": e.max_new_tokens})
+        params = dataclasses.replace(params, max_new_tokens=e.max_new_tokens)
     n = e.samples_per_row
     tokenizer = load_tokenizer(before_model, cfg.model)
     t0 = time.perf_counter()
     report: dict = {
         "rows": len(rows),
-        "sampling": {"n": n, "pass_k": e.pass_k, **params.__dict__},
+        "sampling": {
+            "n": n,
+            "pass_k": e.pass_k,
+            **{k: v for k, v in dataclasses.asdict(params).items() if k != "greedy"},
+        },
     }
     models: dict[str, Callable] = {
         "before": lambda: load_causal_lm(before_model, cfg.model).eval(),
