@@ -247,9 +247,21 @@ class GRPOConfig(_OptimFields):
     resume: Literal["auto", "never"] = Field(
         "auto", description="auto: continue from the newest complete checkpoint of this run's GRPO stage."
     )
-    log_completions_steps: int = Field(
-        25, ge=1, description="Log a table of sample completions every N steps (and at the last step)."
+    log_completions: bool = Field(
+        True,
+        description="Log the round's completions with their rewards as three MLflow tables: "
+        "completions/start.json, middle.json, end.json (the first, (max_steps + 1) // 2-th and last step).",
     )
+
+    @model_validator(mode="before")
+    @classmethod
+    def _retired_keys(cls, raw: Any) -> Any:
+        if isinstance(raw, dict) and "log_completions_steps" in raw:
+            raise ValueError(
+                "log_completions_steps was retired: completion tables are logged at the first, middle and last "
+                "step under fixed names (MLflow limits its logged-artifact tag); use log_completions: true/false"
+            )
+        return raw
 
     @field_validator("scale_rewards", mode="before")
     @classmethod
@@ -382,6 +394,37 @@ class EvalConfig(_Section):
     max_samples: int | None = Field(None, ge=1, description="Evaluate at most this many held-out rows.")
     batch_size: int = Field(64, ge=1)
     max_new_tokens: int | None = Field(None, ge=1, description="Defaults to grpo.max_completion_length.")
+    pass_k: list[int] = Field(
+        default_factory=lambda: [1, 4],
+        description="pass@k on the held-out split from num_samples completions per row sampled with grpo's "
+        "temperature, top_p, top_k, min_p and repetition_penalty; [] samples nothing.",
+    )
+    num_samples: int | None = Field(
+        None, ge=1, description="Completions sampled per row for pass@k (n >= max(pass_k)); defaults to max(pass_k)."
+    )
+
+    @field_validator("pass_k")
+    @classmethod
+    def _pass_k(cls, v: list[int]) -> list[int]:
+        if any(k < 1 for k in v):
+            raise ValueError(f"every k must be >= 1 (got {v})")
+        return sorted(set(v))
+
+    @model_validator(mode="after")
+    def _samples(self) -> EvalConfig:
+        if self.pass_k and self.num_samples is not None and self.num_samples < max(self.pass_k):
+            raise ValueError(
+                f"num_samples ({self.num_samples}) must be >= max(pass_k) ({max(self.pass_k)}): "
+                "pass@k needs at least k samples per row"
+            )
+        return self
+
+    @property
+    def samples_per_row(self) -> int:
+        """n of pass@k: num_samples, else max(pass_k); 0 when pass_k is empty."""
+        if not self.pass_k:
+            return 0
+        return self.num_samples or max(self.pass_k)
 
 
 class ExportConfig(_Section):
@@ -393,7 +436,8 @@ class ExportConfig(_Section):
     gguf: list[Literal["f32", "f16", "bf16", "q8_0", "q4_k_m"]] = Field(
         default_factory=lambda: ["f16"],
         description="GGUF files of the merged model (export/gguf/model-<type>.gguf), for llama.cpp; [] for none. "
-        "q4_k_m needs llama.cpp's llama-quantize on PATH (skipped with a warning otherwise).",
+        "q4_k_m needs llama.cpp: llama-cpp-python (the llamacpp extra) or llama-quantize on PATH (else skipped with "
+        "a warning).",
     )
 
     @model_validator(mode="after")

@@ -1,23 +1,41 @@
-"""Evaluation stage: greedy accuracy and mean rewards on the held-out split, before and after GRPO.
+"""Evaluation stage: the model before and after GRPO on the held-out split, in one report.
 
-"before" is the model GRPO started from (the SFT checkpoint, or the base model); "after" is
-the GRPO result (base + adapter, or the fully fine-tuned model). Accuracy is the fraction of
-rows whose <answer> equals the gold answer (the ``correctness`` reward > 0), whatever reward
-functions the run trained with; those are reported too. One report: JSON + a Markdown table.
+"before" is the model GRPO started from (the SFT checkpoint, or the base model); "after" is the GRPO
+result (base + adapter, or the fully fine-tuned model). For each, on the same rows:
+
+- greedy decoding, one completion per row: ``accuracy`` (the ``correctness`` reward > 0: the <answer>
+  equals the gold answer), ``format_compliance`` (the ``strict_format`` check accepts it),
+  ``mean_completion_length`` (tokens, EOS included) and ``rewards/<f>/mean`` and ``/std`` of every reward
+  function the run trained with (plus correctness and strict_format when it did not);
+- sampling, ``eval.num_samples`` (n) completions per row with GRPO's sampling settings (temperature,
+  top_p, top_k, min_p, repetition_penalty): ``pass_at_<k>`` for each k of ``eval.pass_k`` (the unbiased
+  estimator of :func:`pass_at_k`, averaged over rows), and ``sampled/format_compliance`` and
+  ``sampled/mean_completion_length`` of those samples.
+
+Written to eval/report.json and eval/report.md (a Markdown table), logged to MLflow with a bar chart
+(accuracy.png) and one table of greedy completions with their rewards per model
+(eval/completions_before.json, eval/completions_after.json). Sampling is seeded with run.seed before
+each model, so a rerun reproduces the report.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
+import math
+import statistics
 import time
+from collections.abc import Callable
 
+import torch
 from prefect import task
 
 from tasks.config import PipelineConfig
 from tasks.data import load_split
 from tasks.generation import SamplingParams, TransformersGenerator
 from tasks.modeling import load_causal_lm, load_tokenizer, load_with_adapter, prompt_ids
+from tasks.plots import plot_eval_report
 from tasks.progress import progress_bar
 from tasks.rewards import BUILTIN_REWARDS, resolve_reward_funcs, score_completions
 from tasks.stage import run_stage
@@ -27,65 +45,153 @@ from tasks.workspace import Workspace
 log = logging.getLogger(__name__)
 
 
+def pass_at_k(n: int, c: int, k: int) -> float:
+    """Unbiased estimate of pass@k from ``n`` samples of which ``c`` are correct (Chen et al. 2021, "Evaluating
+    Large Language Models Trained on Code", eq. 1):
+
+        pass@k = 1 - C(n - c, k) / C(n, k)
+
+    the probability that k samples drawn without replacement from the n hold at least one correct one
+    (C(n - c, k) = 0 when n - c < k: then it is 1). Exact integer binomials: n is small here."""
+    if not 0 <= c <= n:
+        raise ValueError(f"pass@k: need 0 <= c <= n (got n={n}, c={c})")
+    if not 1 <= k <= n:
+        raise ValueError(f"pass@k: need 1 <= k <= n (got n={n}, k={k})")
+    return 1.0 - math.comb(n - c, k) / math.comb(n, k)
+
+
+def _mean(values: list[float]) -> float:
+    real = [v for v in values if v == v]  # a reward may skip a row (None -> NaN)
+    return sum(real) / len(real) if real else float("nan")
+
+
+def _std(values: list[float]) -> float:
+    """Sample std (n - 1), as TRL's rewards/<f>/std; NaN with fewer than two values."""
+    real = [v for v in values if v == v]
+    return statistics.stdev(real) if len(real) > 1 else float("nan")
+
+
+def eval_reward_funcs(reward_funcs: list) -> list:
+    """The run's reward functions plus ``correctness`` and ``strict_format``, which accuracy and format
+    compliance are defined by whatever the run trained with."""
+    funcs = list(reward_funcs)
+    names = {n for n, _ in funcs}
+    funcs += [(name, BUILTIN_REWARDS[name]) for name in ("correctness", "strict_format") if name not in names]
+    return funcs
+
+
+def score(funcs: list, rows: list[dict], texts: list[str], n: int = 1) -> dict[str, list[float]]:
+    """Every reward of ``texts``: n completions per row, row-major (row 0's n, then row 1's, ...)."""
+    expanded = [r for r in rows for _ in range(n)]
+    completions = [[{"role": "assistant", "content": t}] for t in texts]
+    columns = {k: [r[k] for r in expanded] for k in rows[0] if k != "prompt"}
+    return score_completions(funcs, [r["prompt"] for r in expanded], completions, columns)
+
+
+def greedy_metrics(funcs: list, rows: list[dict], texts: list[str], lengths: list[int]) -> tuple[dict, dict]:
+    """Metrics of one greedy completion per row; also returns the per-row scores (for the completion table)."""
+    scores = score(funcs, rows, texts)
+    metrics = {
+        "rows": len(rows),
+        "accuracy": sum(v > 0 for v in scores["correctness"]) / len(rows),
+        "format_compliance": sum(v > 0 for v in scores["strict_format"]) / len(rows),
+        "mean_completion_length": sum(lengths) / len(lengths),
+    }
+    for name, vals in scores.items():
+        metrics[f"rewards/{name}/mean"] = _mean(vals)
+        metrics[f"rewards/{name}/std"] = _std(vals)
+    return metrics, scores
+
+
+def sampled_metrics(
+    funcs: list, rows: list[dict], texts: list[str], lengths: list[int], n: int, pass_k: list[int]
+) -> tuple[dict, list[int]]:
+    """pass@k (the mean over rows of :func:`pass_at_k`) and format compliance of n samples per row (row-major);
+    also returns the number of correct samples per row."""
+    scores = score([f for f in funcs if f[0] in ("correctness", "strict_format")], rows, texts, n)
+    correct = [sum(v > 0 for v in scores["correctness"][i * n : (i + 1) * n]) for i in range(len(rows))]
+    metrics = {f"pass_at_{k}": sum(pass_at_k(n, c, k) for c in correct) / len(rows) for k in pass_k}
+    metrics["sampled/format_compliance"] = sum(v > 0 for v in scores["strict_format"]) / len(texts)
+    metrics["sampled/mean_completion_length"] = sum(lengths) / len(lengths)
+    return metrics, correct
+
+
+def decode(
+    gen: TransformersGenerator, tokenizer, prompts: list[list[int]], n: int, params: SamplingParams, label: str
+) -> tuple[list[str], list[int]]:
+    """n completions per prompt (row-major), in chunks of about gen.batch_size sequences: texts and lengths."""
+    texts: list[str] = []
+    lengths: list[int] = []
+    rows_per_chunk = max(1, gen.batch_size // n)
+    with progress_bar(label, len(prompts)) as advance:
+        for s in range(0, len(prompts), rows_per_chunk):
+            chunk = prompts[s : s + rows_per_chunk]
+            out = gen.generate(chunk, n, params)
+            texts += tokenizer.batch_decode(out.completion_ids, skip_special_tokens=True)
+            lengths += [len(c) for c in out.completion_ids]
+            advance(len(chunk))
+    return texts, lengths
+
+
 def evaluate_model(
     model,
     tokenizer,
     rows: list[dict],
-    reward_funcs,
-    max_new_tokens: int,
+    reward_funcs: list,
+    params: SamplingParams,
+    pass_k: list[int],
+    n: int,
     batch_size: int,
     label: str = "eval",
     max_prompt_length: int | None = None,
     threads: int | None = None,
-) -> tuple[dict, list[dict]]:
-    """Greedy-decode every row once (``threads``: torch threads while decoding); return metrics and samples."""
+    seed: int = 0,
+) -> tuple[dict, dict]:
+    """Greedy-decode every row once, then sample n completions per row with ``params`` (none when n = 0);
+    ``threads``: torch threads while decoding. Returns metrics and a table of the greedy completions."""
     gen = TransformersGenerator(model, tokenizer, batch_size, threads=threads)
-    params = SamplingParams(max_new_tokens=max_new_tokens, greedy=True)
-    texts: list[str] = []
-    lengths: list[int] = []
-    with progress_bar(f"eval {label}", len(rows)) as advance:
-        for s in range(0, len(rows), batch_size):
-            chunk = rows[s : s + batch_size]
-            out = gen.generate([prompt_ids(tokenizer, r["prompt"], max_prompt_length) for r in chunk], 1, params)
-            texts += tokenizer.batch_decode(out.completion_ids, skip_special_tokens=True)
-            lengths += [len(c) for c in out.completion_ids]
-            advance(len(chunk))
-    completions = [[{"role": "assistant", "content": t}] for t in texts]
-    columns = {k: [r[k] for r in rows] for k in rows[0] if k != "prompt"}
-    funcs = list(reward_funcs)
-    names = {n for n, _ in funcs}
-    for extra in ("correctness", "strict_format"):
-        if extra not in names:
-            funcs.append((extra, BUILTIN_REWARDS[extra]))
-    scores = score_completions(funcs, [r["prompt"] for r in rows], completions, columns)
-    correct = [v > 0 for v in scores["correctness"]]
-    metrics = {
-        "accuracy": sum(correct) / len(rows),
-        "format_rate": sum(v > 0 for v in scores["strict_format"]) / len(rows),
-        "mean_completion_length": sum(lengths) / len(lengths),
-        "rows": len(rows),
+    funcs = eval_reward_funcs(reward_funcs)
+    prompts = [prompt_ids(tokenizer, r["prompt"], max_prompt_length) for r in rows]
+    t0 = time.perf_counter()
+    greedy = SamplingParams(max_new_tokens=params.max_new_tokens, greedy=True)
+    texts, lengths = decode(gen, tokenizer, prompts, 1, greedy, f"eval {label} greedy")
+    metrics, scores = greedy_metrics(funcs, rows, texts, lengths)
+    metrics["seconds/greedy"] = time.perf_counter() - t0
+    table = {
+        "question": [r.get("question", "") for r in rows],
+        "answer": [r.get("answer", "") for r in rows],
+        "completion": texts,
+        "correct": [v > 0 for v in scores["correctness"]],
+        **{f"rewards/{name}": vals for name, vals in scores.items()},
     }
-    for name, vals in scores.items():
-        real = [v for v in vals if v == v]
-        metrics[f"rewards/{name}/mean"] = sum(real) / len(real) if real else float("nan")
-    samples = [
-        {"question": r.get("question", ""), "answer": r.get("answer", ""), "completion": t, "correct": c}
-        for r, t, c in zip(rows, texts, correct)
-    ]
-    return metrics, samples
+    if n:
+        t0 = time.perf_counter()
+        torch.manual_seed(seed)  # the same draws for every model and every rerun
+        s_texts, s_lengths = decode(gen, tokenizer, prompts, n, params, f"eval {label} {n} samples")
+        sampled, correct = sampled_metrics(funcs, rows, s_texts, s_lengths, n, pass_k)
+        metrics.update(sampled)
+        metrics["seconds/sampling"] = time.perf_counter() - t0
+        table[f"samples_correct_of_{n}"] = correct
+    return metrics, table
+
+
+def _cell(v: float) -> str:
+    return "n/a" if v != v else f"{v:.1f}" if abs(v) >= 10 else f"{v:.3f}"
 
 
 def report_markdown(report: dict) -> str:
-    before, after = report["before"], report["after"]
-    keys = [k for k in after if k != "rows"]
-    lines = [
-        f"Evaluation on {after['rows']} held-out rows (greedy)",
-        "",
-        "| metric | before GRPO | after GRPO |",
-        "|---|---|---|",
-    ]
-    for k in keys:
-        lines.append(f"| {k} | {before.get(k, float('nan')):.4f} | {after[k]:.4f} |")
+    """The report as a readable Markdown table (one row per metric; timings left to the JSON)."""
+    before, after, s = report["before"], report["after"], report["sampling"]
+    head = f"Evaluation on {report['rows']} held-out rows (greedy decoding"
+    if s["n"]:
+        head += f"; pass@k from n={s['n']} samples per row at temperature {s['temperature']}, top_p {s['top_p']}"
+    lines = [head + ")", "", "| metric | before GRPO | after GRPO | change |", "|---|---|---|---|"]
+    for k in after:
+        if k == "rows" or k.startswith("seconds/"):
+            continue
+        a, b = after[k], before.get(k, float("nan"))
+        name = k.replace("pass_at_", "pass@")
+        lines.append(f"| {name} | {_cell(b)} | {_cell(a)} | {'+' if a - b >= 0 else ''}{_cell(a - b)} |")
     return "\n".join(lines) + "\n"
 
 
@@ -99,11 +205,21 @@ def run_eval(
     if not rows:
         raise ValueError("eval: the eval split is empty (data.eval_size)")
     reward_funcs = resolve_reward_funcs(cfg.grpo.reward_funcs)
-    max_new = e.max_new_tokens or cfg.grpo.max_completion_length
+    params = SamplingParams.from_grpo(cfg.grpo)
+    if e.max_new_tokens:
+        params = dataclasses.replace(params, max_new_tokens=e.max_new_tokens)
+    n = e.samples_per_row
     tokenizer = load_tokenizer(before_model, cfg.model)
     t0 = time.perf_counter()
-    report = {}
-    models = {
+    report: dict = {
+        "rows": len(rows),
+        "sampling": {
+            "n": n,
+            "pass_k": e.pass_k,
+            **{k: v for k, v in dataclasses.asdict(params).items() if k != "greedy"},
+        },
+    }
+    models: dict[str, Callable] = {
         "before": lambda: load_causal_lm(before_model, cfg.model).eval(),
         "after": lambda: (
             load_with_adapter(before_model, after_model, cfg.model)
@@ -113,25 +229,30 @@ def run_eval(
     }
     out = ws.stage_dir("eval")
     for label, load in models.items():
-        metrics, samples = evaluate_model(
+        metrics, table = evaluate_model(
             load(),
             tokenizer,
             rows,
             reward_funcs,
-            max_new,
+            params,
+            e.pass_k,
+            n,
             e.batch_size,
             label,
             cfg.grpo.max_prompt_length,
             threads=cfg.generation.torch_threads,
+            seed=cfg.run.seed,
         )
         report[label] = metrics
         tracker.log_metrics({f"{label}/{k}": v for k, v in metrics.items()})
-        tracker.log_table({k: [s[k] for s in samples] for k in samples[0]}, f"eval_samples_{label}.json")
+        tracker.log_table(table, f"eval/completions_{label}.json")
     report["accuracy_gain"] = report["after"]["accuracy"] - report["before"]["accuracy"]
     (out / "report.json").write_text(json.dumps(report, indent=2))
     (out / "report.md").write_text(report_markdown(report))
     tracker.log_artifact(out / "report.json")
     tracker.log_artifact(out / "report.md")
+    tracker.log_artifact(plot_eval_report(report, out / "accuracy.png"))
+    log.info("evaluation:\n%s", report_markdown(report))
     summary = {
         "report_path": str(out / "report.json"),
         "rows": len(rows),

@@ -11,7 +11,12 @@
 - Llama 3.1+ RoPE scaling (``rope_type: llama3``) as a ``rope_freqs.weight`` tensor, as the converter does;
 - ``f32`` / ``f16`` / ``bf16`` / ``q8_0`` for 2-D weights; 1-D tensors, norms and biases stay f32
   (q8_0 falls back to f16 for a row length that is not a multiple of 32, as the converter does);
-- ``q4_k_m`` through llama.cpp's ``llama-quantize`` when it is on PATH (else :class:`GGUFUnavailable`);
+- ``q4_k_m`` quantized by llama.cpp from a 16-bit GGUF: in process through llama-cpp-python's C API
+  (``llama_model_quantize``) when it imports (the opt-in ``llamacpp`` extra), else with ``llama-quantize``
+  on PATH, else :class:`GGUFUnavailable`. llama.cpp picks each tensor's type: Q4_K, Q6_K for the output
+  and some attn_v/ffn_down; a tensor whose row length is not a multiple of 256 (a k-quant block) falls
+  back to Q5_0 (for Q4_K) or Q8_0 (for Q6_K): all of them for the default tiny model (hidden size 128).
+  The summary's ``tensor_types`` counts what was written;
 - the tokenizer as llama.cpp's ``gpt2`` (byte-level BPE) model: tokens, token types, merges, special
   ids, ``add_bos_token``, the chat template, and the pre-tokenizer name found from its split regex.
 
@@ -21,6 +26,7 @@ before any file is written; the file is written under a temporary name and renam
 
 from __future__ import annotations
 
+import ctypes
 import json
 import logging
 import shutil
@@ -47,7 +53,7 @@ OUT_TYPES = {
     "bf16": (QType.BF16, LlamaFileType.MOSTLY_BF16),
     "q8_0": (QType.Q8_0, LlamaFileType.MOSTLY_Q8_0),
 }
-LLAMA_QUANTIZE_TYPES = {"q4_k_m": "Q4_K_M"}  # written by llama.cpp's llama-quantize from an f16/bf16 GGUF
+LLAMA_QUANTIZE_TYPES = {"q4_k_m": "Q4_K_M"}  # written by llama.cpp (LLAMA_FTYPE_MOSTLY_<name>) from an f16/bf16 GGUF
 GGUF_TYPES = (*OUT_TYPES, *LLAMA_QUANTIZE_TYPES)
 
 LLAMA3_PRETOKENIZE_REGEX = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"  # noqa: E501
@@ -56,7 +62,8 @@ PRE_TOKENIZERS = {QWEN2_PRETOKENIZE_REGEX: "qwen2", LLAMA3_PRETOKENIZE_REGEX: "l
 
 
 class GGUFUnavailable(RuntimeError):
-    """The requested GGUF type needs a tool that is not installed (llama.cpp's llama-quantize)."""
+    """The requested GGUF type needs llama.cpp, which is not installed (neither llama-cpp-python nor
+    llama-quantize)."""
 
 
 @dataclass(frozen=True)
@@ -293,7 +300,7 @@ def write_gguf(model_dir: str | Path, out_path: Path, out_type: str) -> dict:
     """Convert the HF causal LM in ``model_dir`` into ``out_path`` as ``out_type`` (see ``GGUF_TYPES``).
 
     Returns a summary (path, type, architecture, tensors, bytes, vocab, pre-tokenizer, seconds). Raises
-    ValueError for an unknown type or an unsupported model, GGUFUnavailable for q4_k_m without llama-quantize;
+    ValueError for an unknown type or an unsupported model, GGUFUnavailable for q4_k_m without llama.cpp;
     both before any file is written. The written file is read back with gguf.GGUFReader (tensor names)."""
     t0 = time.perf_counter()
     model_dir, out_path = Path(model_dir), Path(out_path)
@@ -339,18 +346,46 @@ def write_gguf(model_dir: str | Path, out_path: Path, out_type: str) -> dict:
     }
 
 
+def llama_cpp_module():
+    """llama-cpp-python's ``llama_cpp`` module (the opt-in ``llamacpp`` extra), or None when it does not import."""
+    try:
+        import llama_cpp
+    except (ImportError, OSError):  # OSError: the package is there but its shared library does not load
+        return None
+    return llama_cpp
+
+
 def llama_quantize_binary() -> str | None:
     """Path of llama.cpp's llama-quantize on PATH, or None."""
     return shutil.which("llama-quantize")
 
 
+def quantize_in_process(llama_cpp, src: Path, dst: Path, out_type: str) -> None:
+    """llama.cpp's own quantizer through its C API: ``llama_model_quantize(src, dst, params)`` with the
+    default params (all cores, k-quant mixes as llama-quantize) and ``ftype = LLAMA_FTYPE_MOSTLY_<TYPE>``."""
+    params = llama_cpp.llama_model_quantize_default_params()
+    params.ftype = getattr(llama_cpp, f"LLAMA_FTYPE_MOSTLY_{LLAMA_QUANTIZE_TYPES[out_type]}")
+    llama_log = logging.getLogger("llama-cpp-python")  # llama.cpp's log goes to stderr below this level
+    level = llama_log.level
+    llama_log.setLevel(logging.ERROR)  # a line per tensor otherwise; the summary lists the types chosen
+    try:
+        rc = llama_cpp.llama_model_quantize(str(src).encode(), str(dst).encode(), ctypes.byref(params))
+    finally:
+        llama_log.setLevel(level)
+    if rc != 0:
+        raise RuntimeError(f"llama.cpp llama_model_quantize({src} -> {out_type}) failed with status {rc}")
+
+
 def quantize_with_llama_cpp(model_dir: Path, out_path: Path, out_type: str, t0: float) -> dict:
-    """``q4_k_m`` & co: write a 16-bit GGUF next to ``out_path`` and run ``llama-quantize`` on it."""
-    binary = llama_quantize_binary()
-    if binary is None:
+    """``q4_k_m`` & co: write a 16-bit GGUF next to ``out_path`` and quantize it with llama.cpp, in process
+    (llama-cpp-python) or with ``llama-quantize`` on PATH."""
+    lib = llama_cpp_module()
+    binary = None if lib is not None else llama_quantize_binary()
+    if lib is None and binary is None:
         raise GGUFUnavailable(
-            f"GGUF {out_type} is not available: it needs llama.cpp's llama-quantize on PATH (not found). "
-            f"Use one of {', '.join(OUT_TYPES)}, or install llama.cpp and quantize the f16 GGUF yourself."
+            f"GGUF {out_type} is not available: it needs llama.cpp, either llama-cpp-python "
+            "(pip install -e '.[llamacpp]') or llama.cpp's llama-quantize on PATH (neither found). "
+            f"Use one of {', '.join(OUT_TYPES)}, or quantize the f16 GGUF yourself."
         )
     config = json.loads((model_dir / "config.json").read_text())
     src_type = "bf16" if (config.get("dtype") or config.get("torch_dtype")) == "bfloat16" else "f16"
@@ -358,16 +393,29 @@ def quantize_with_llama_cpp(model_dir: Path, out_path: Path, out_type: str, t0: 
     tmp = out_path.with_name(out_path.name + ".tmp")
     try:
         write_gguf(model_dir, src, src_type)
-        proc = subprocess.run(
-            [binary, str(src), str(tmp), LLAMA_QUANTIZE_TYPES[out_type]], capture_output=True, text=True
-        )
-        if proc.returncode != 0:
-            raise RuntimeError(f"llama-quantize failed ({proc.returncode}): {proc.stderr[-2000:]}")
+        if lib is not None:
+            quantize_in_process(lib, src, tmp, out_type)
+        else:
+            proc = subprocess.run(
+                [binary, str(src), str(tmp), LLAMA_QUANTIZE_TYPES[out_type]], capture_output=True, text=True
+            )
+            if proc.returncode != 0:
+                raise RuntimeError(f"llama-quantize failed ({proc.returncode}): {proc.stderr[-2000:]}")
         tmp.replace(out_path)
     finally:
         src.unlink(missing_ok=True)
         tmp.unlink(missing_ok=True)
     reader = gguf.GGUFReader(out_path)
-    summary = {"path": str(out_path), "type": out_type, "tensors": len(reader.tensors)}
+    types: dict[str, int] = {}
+    for t in reader.tensors:
+        types[t.tensor_type.name] = types.get(t.tensor_type.name, 0) + 1
+    summary = {"path": str(out_path), "type": out_type, "tensors": len(reader.tensors), "tensor_types": types}
     del reader
+    if not any(t.endswith("_K") for t in types):
+        log.warning(
+            "GGUF %s: no row length is a multiple of 256 (a k-quant block): llama.cpp wrote %s instead",
+            out_type,
+            ", ".join(f"{n} x {t}" for t, n in sorted(types.items())),
+        )
+    summary["quantizer"] = "llama-cpp-python" if lib is not None else binary
     return {**summary, "bytes": out_path.stat().st_size, "seconds": time.perf_counter() - t0}

@@ -1,5 +1,5 @@
-"""Learning-curve plots (PNG) from the GRPO step history: reward and each reward component, and
-completion length, against the optimizer step."""
+"""PNG plots: GRPO learning curves from the step history (reward and each reward component, and
+completion length, against the optimizer step) and the evaluation report's before/after bars."""
 
 from __future__ import annotations
 
@@ -35,7 +35,8 @@ def plot_learning_curves(history: list[dict], path: Path, title: str = "GRPO") -
         label=f"reward ({window}-step mean)",
     )
     for key in sorted(k for k in history[0] if k.startswith("rewards/") and k.endswith("/mean")):
-        ax_r.plot(steps, _smooth([h[key] for h in history], window), lw=1.2, label=key.split("/")[1])
+        label = f"{key.split('/')[1]} ({window}-step mean)"
+        ax_r.plot(steps, _smooth([h[key] for h in history], window), lw=1.2, label=label)
     ax_r.set_xlabel("optimizer step")
     ax_r.set_ylabel("reward")
     ax_r.set_title(f"{title}: reward per step")
@@ -52,6 +53,41 @@ def plot_learning_curves(history: list[dict], path: Path, title: str = "GRPO") -
     ax_l.set_title("completion length")
     ax_l.grid(alpha=0.3)
     ax_l.legend(fontsize=8)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path
+
+
+def plot_eval_report(report: dict, path: Path) -> Path:
+    """Grouped bars, before vs after GRPO: greedy accuracy, each pass@k, and format compliance (greedy and
+    sampled), each a fraction of the held-out rows (of the samples, for sampled format compliance)."""
+    before, after = report["before"], report["after"]
+    keys = ["accuracy", *sorted((k for k in after if k.startswith("pass_at_")), key=lambda k: int(k[8:]))]
+    keys += [k for k in ("format_compliance", "sampled/format_compliance") if k in after]
+    labels = {"accuracy": "accuracy\n(greedy)", "format_compliance": "format\n(greedy)"}
+    labels["sampled/format_compliance"] = "format\n(sampled)"
+    sampling = report.get("sampling", {})
+    fig, ax = plt.subplots(figsize=(max(6.0, 1.4 * len(keys) + 2), 4.5))
+    width = 0.38
+    for j, (name, values, color) in enumerate((("before GRPO", before, "#9e9e9e"), ("after GRPO", after, "#1f77b4"))):
+        xs = [i + (j - 0.5) * width for i in range(len(keys))]
+        ys = [values.get(k, float("nan")) for k in keys]
+        bars = ax.bar(xs, ys, width, label=name, color=color)
+        ax.bar_label(bars, labels=[f"{y:.2f}" for y in ys], fontsize=8, padding=2)
+    ax.set_xticks(range(len(keys)))
+    ax.set_xticklabels([labels.get(k, k.replace("pass_at_", "pass@")) for k in keys])
+    ax.set_ylim(0, 1.25)  # room for the bar labels and the legend above 1.0
+    ax.set_yticks([0, 0.2, 0.4, 0.6, 0.8, 1.0])
+    ax.set_ylabel("fraction")
+    title = f"Held-out evaluation, {report['rows']} rows: before vs after GRPO"
+    if sampling.get("n"):
+        title += f"\npass@k and sampled format from n={sampling['n']} samples per row"
+        title += f" at temperature {sampling['temperature']:g}, top_p {sampling['top_p']:g}"
+    ax.set_title(title, fontsize=10)
+    ax.grid(axis="y", alpha=0.3)
+    ax.legend(loc="upper left", ncol=2, fontsize=8)
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=100)

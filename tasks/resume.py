@@ -13,7 +13,7 @@ A stage's key is a sha256 over everything its result depends on (config sections
     base_model  data key;  run.seed, model.name, model.revision, model.tiny  (the tiny model built from the data)
 
 Left out, since they do not change a result: run.name, run.output_dir, run.torch_threads, tracking.*,
-storage.*, sft.logging_steps, grpo.{save_steps, logging_steps, log_completions_steps, resume},
+storage.*, sft.logging_steps, grpo.{save_steps, logging_steps, log_completions, resume},
 generation.{torch_threads, batch_size}. A key hashes the config only: not the content of a local or S3
 data.source file, nor the code version. A changed key changes every downstream key.
 """
@@ -46,7 +46,7 @@ IGNORED = frozenset(
         "sft.logging_steps",
         "grpo.save_steps",
         "grpo.logging_steps",
-        "grpo.log_completions_steps",
+        "grpo.log_completions",
         "grpo.resume",
         "generation.torch_threads",
         "generation.batch_size",

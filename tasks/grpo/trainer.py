@@ -111,6 +111,15 @@ def loss_settings(g: GRPOConfig, spg: int) -> LossSettings:
     )
 
 
+def completion_tables(step: int, max_steps: int) -> list[str]:
+    """Names of the completion tables to log at optimizer ``step``: start (step 1), middle
+    ((max_steps + 1) // 2) and end (max_steps). A few fixed names rather than one per step, since MLflow
+    keeps every logged table's name in one run tag of bounded length; a short run logs one table under
+    several names (max_steps 1: all three at step 1)."""
+    points = {"start": 1, "middle": (max_steps + 1) // 2, "end": max_steps}
+    return [name for name, at in points.items() if at == step]
+
+
 class GRPOTrainer:
     def __init__(
         self,
@@ -152,7 +161,7 @@ class GRPOTrainer:
         self.round: Round | None = None
         # what a checkpoint must agree with to be resumed (run length and logging may change)
         hashed = cfg.model_dump(
-            mode="json", exclude={"max_steps", "save_steps", "logging_steps", "log_completions_steps", "resume"}
+            mode="json", exclude={"max_steps", "save_steps", "logging_steps", "log_completions", "resume"}
         )
         self.config_hash = hashlib.sha256(json.dumps(hashed, sort_keys=True).encode()).hexdigest()[:16]
         self.step = 0
@@ -208,9 +217,10 @@ class GRPOTrainer:
                 "answer": r.get("answer", ""),
                 "completion": t,
                 "reward": float(tr),
+                **{f"rewards/{name}": float(v) for (name, _), v in zip(self.reward_funcs, parts)},
                 "advantage": float(a),
             }
-            for r, t, tr, a in zip(rows, texts, total.tolist(), adv.tolist())
+            for r, t, tr, parts, a in zip(rows, texts, total.tolist(), per_func.tolist(), adv.tolist())
         ]
         return batch, adv, stats, samples
 
@@ -315,8 +325,8 @@ class GRPOTrainer:
                 self.history.append({"step": self.step, **metrics})
                 if self.step % g.logging_steps == 0 or self.step == g.max_steps:
                     self.tracker.log_metrics(metrics, step=self.step)
-                if self.step % g.log_completions_steps == 0 or self.step == g.max_steps:
-                    self._log_samples(r.samples)
+                for name in completion_tables(self.step, g.max_steps) if g.log_completions else ():
+                    self._log_samples(r.samples, name)
                 if self.step % g.save_steps == 0 and self.step < g.max_steps:
                     self.save_checkpoint()
                 advance(reward=metrics["reward"], loss=metrics.get("loss", 0.0))
@@ -358,9 +368,9 @@ class GRPOTrainer:
                 window["sampling/sampling_logp_difference/mean"].append(diff.mean().item())
                 window["sampling/sampling_logp_difference/max"].append(diff.max().item())
 
-    def _log_samples(self, samples: list[dict]) -> None:
-        table = {k: [s[k] for s in samples] for k in samples[0]}
-        self.tracker.log_table(table, f"completions/step_{self.step:05d}.json")
+    def _log_samples(self, samples: list[dict], name: str) -> None:
+        table = {"step": [self.step] * len(samples), **{k: [s[k] for s in samples] for k in samples[0]}}
+        self.tracker.log_table(table, f"completions/{name}.json")
 
     # ---------------------------------------------------------------- checkpoints
     def save_checkpoint(self) -> Path:

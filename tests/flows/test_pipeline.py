@@ -1,15 +1,23 @@
 """End to end: the real Prefect flow on a micro config, logging to a real MLflow store."""
 
+import json
 from pathlib import Path
 
 import pytest
 import yaml
 from mlflow.tracking import MlflowClient
+from PIL import Image
 
 from flows.cli import main
 
 MICRO = Path(__file__).parents[1] / "fixtures" / "micro.yaml"
 STAGES = {"data", "sft", "grpo", "eval", "export"}
+
+
+def read_table(client: MlflowClient, run_id: str, name: str) -> dict[str, list]:
+    """An MLflow table artifact (pandas 'split' JSON) as {column: values}."""
+    data = json.loads(Path(client.download_artifacts(run_id, name)).read_text())
+    return {c: [row[i] for row in data["data"]] for i, c in enumerate(data["columns"])}
 
 
 @pytest.fixture(scope="module")
@@ -28,6 +36,18 @@ def test_pipeline_writes_every_stage(finished_run):
     assert (ws / "export" / "adapter" / "adapter_model.safetensors").is_file()
     assert list((ws / "export" / "merged").glob("*.safetensors"))
     assert (ws / "eval" / "report.md").read_text().startswith("Evaluation on 8 held-out rows")
+    report = json.loads((ws / "eval" / "report.json").read_text())
+    assert report["rows"] == 8 and report["sampling"]["n"] == 4 and report["sampling"]["temperature"] == 1.0
+    for label in ("before", "after"):
+        m = report[label]
+        assert m["rows"] == 8
+        assert 0 <= m["pass_at_1"] <= m["pass_at_4"] <= 1
+        for key in ("accuracy", "format_compliance", "sampled/format_compliance"):
+            assert 0 <= m[key] <= 1, key
+        assert 0 < m["mean_completion_length"] <= 16
+        for f in ("correctness", "proximity", "strict_format"):
+            assert f"rewards/{f}/mean" in m and f"rewards/{f}/std" in m
+    assert report["accuracy_gain"] == report["after"]["accuracy"] - report["before"]["accuracy"]
 
 
 @pytest.mark.slow
@@ -64,10 +84,30 @@ def test_mlflow_layout(finished_run):
     assert [m.step for m in client.get_metric_history(children["sft"].info.run_id, "loss")] == list(range(1, 21))
     grpo_art = {a.path for a in client.list_artifacts(grpo)}
     assert {"learning_curves.png", "history.jsonl", "completions"} <= grpo_art
-    assert len(client.list_artifacts(grpo, "completions")) == 2  # steps 2 and 3 (log_completions_steps=2, last)
+    # three tables under fixed names: the first, middle ((3 + 1) // 2) and last step
+    tables = {a.path: a for a in client.list_artifacts(grpo, "completions")}
+    assert set(tables) == {"completions/start.json", "completions/middle.json", "completions/end.json"}
+    for name, step in (("start", 1), ("middle", 2), ("end", 3)):
+        table = read_table(client, grpo, f"completions/{name}.json")
+        assert set(table["step"]) == {step}
+        assert len(table["completion"]) == 8  # the round: 2 prompts x 4 generations
+        assert {"reward", "advantage", "rewards/correctness", "rewards/proximity"} <= set(table)
     artifacts = {a.path for a in client.list_artifacts(parent.info.run_id)}
     assert "config.yaml" in artifacts
-    assert "report.json" in {a.path for a in client.list_artifacts(children["eval"].info.run_id)}
+    ev = children["eval"].info.run_id
+    assert {"report.json", "report.md", "accuracy.png", "eval"} <= {a.path for a in client.list_artifacts(ev)}
+    assert {a.path for a in client.list_artifacts(ev, "eval")} == {
+        "eval/completions_before.json",
+        "eval/completions_after.json",
+    }
+    for label in ("before", "after"):
+        table = read_table(client, ev, f"eval/completions_{label}.json")
+        assert len(table["completion"]) == 8
+        assert {"correct", "rewards/correctness", "rewards/strict_format", "samples_correct_of_4"} <= set(table)
+        assert client.get_run(ev).data.metrics[f"{label}/accuracy"] == sum(table["correct"]) / 8
+    png = Path(client.download_artifacts(ev, "accuracy.png"))
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert Image.open(png).size[0] > 300
     export_art = {a.path for a in client.list_artifacts(children["export"].info.run_id)}
     assert {"adapter", "merged"} <= export_art
     # the merged model is registered (the local SQLite store has a registry too) and, the first, is champion
@@ -78,7 +118,6 @@ def test_mlflow_layout(finished_run):
 
 @pytest.mark.slow
 def test_export_matches_trained_model(finished_run):
-    import json
 
     manifest = json.loads((finished_run / "e2e" / "export" / "manifest.json").read_text())
     assert manifest["verify_prompts"] == 2

@@ -76,7 +76,7 @@ def test_a_change_propagates_downstream(override, changed):
         "run.torch_threads=2",
         "grpo.save_steps=7",
         "grpo.logging_steps=3",
-        "grpo.log_completions_steps=9",
+        "grpo.log_completions=false",
         "grpo.resume=never",
         "sft.logging_steps=5",
         "generation.torch_threads=1",

@@ -237,17 +237,20 @@ def test_unsupported_architecture_fails_before_writing(tmp_path):
     assert not out.exists()
 
 
-def test_q4_k_m_needs_llama_quantize(models, tmp_path, monkeypatch):
+def test_q4_k_m_needs_llama_cpp(models, tmp_path, monkeypatch):
     path = models[("qwen2", True)][0]
+    monkeypatch.setattr(gguf_export, "llama_cpp_module", lambda: None)
     monkeypatch.setattr(gguf_export, "llama_quantize_binary", lambda: None)
-    with pytest.raises(GGUFUnavailable, match="q4_k_m is not available: it needs llama.cpp's llama-quantize"):
+    with pytest.raises(GGUFUnavailable, match="q4_k_m is not available: it needs llama.cpp, either llama-cpp-py"):
         write_gguf(path, tmp_path / "out" / "m.gguf", "q4_k_m")
     assert not (tmp_path / "out").exists()
 
 
 def test_q4_k_m_runs_llama_quantize_on_a_16_bit_gguf(models, tmp_path, monkeypatch):
-    """A stand-in llama-quantize (copies its input, records its arguments): the plumbing around the binary."""
+    """A stand-in llama-quantize (copies its input, records its arguments): the plumbing around the binary,
+    used when llama-cpp-python does not import."""
     path = models[("qwen2", True)][0]
+    monkeypatch.setattr(gguf_export, "llama_cpp_module", lambda: None)
     fake = tmp_path / "bin" / "llama-quantize"
     fake.parent.mkdir()
     fake.write_text(f'#!/bin/sh\necho "$3" > {tmp_path}/args\ncp "$1" "$2"\n')
@@ -258,10 +261,12 @@ def test_q4_k_m_runs_llama_quantize_on_a_16_bit_gguf(models, tmp_path, monkeypat
     assert [p.name for p in (tmp_path / "out").iterdir()] == ["m.gguf"]  # source and temp files removed
     r = gguf.GGUFReader(tmp_path / "out" / "m.gguf")
     assert info["tensors"] == len(r.tensors) and field(r, "general.file_type") == gguf.LlamaFileType.MOSTLY_F16
+    assert info["quantizer"] == str(fake)
 
 
 def test_export_stage_writes_and_lists_gguf(models, tmp_path, monkeypatch):
     path = models[("qwen2", True)][0]
+    monkeypatch.setattr(gguf_export, "llama_cpp_module", lambda: None)
     monkeypatch.setattr(gguf_export, "llama_quantize_binary", lambda: None)
     cfg = load_config(MICRO, ["export.adapter=false", "export.verify_prompts=1", "export.gguf=[f16,q8_0,q4_k_m]"])
     ws = Workspace(tmp_path / "ws")
@@ -270,7 +275,7 @@ def test_export_stage_writes_and_lists_gguf(models, tmp_path, monkeypatch):
     summary = run_export(cfg, ws, RunLogger.disabled(), str(path), str(path), is_adapter=False)
     gguf_dir = ws.root / "export" / "gguf"
     assert summary["gguf"] == {t: str(gguf_dir / f"model-{t}.gguf") for t in ("f16", "q8_0")}
-    assert "llama-quantize" in summary["gguf_skipped"]["q4_k_m"]
+    assert "llama-cpp-python" in summary["gguf_skipped"]["q4_k_m"]
     assert sorted(p.name for p in gguf_dir.iterdir()) == ["model-f16.gguf", "model-q8_0.gguf"]
     r = gguf.GGUFReader(gguf_dir / "model-f16.gguf")
     assert field(r, "general.file_type") == gguf.LlamaFileType.MOSTLY_F16 and len(r.tensors) == 2 + 2 * 12
@@ -363,3 +368,64 @@ def test_default_gguf_follows_the_merged_export():
     assert ExportConfig(merged=False).gguf == []  # the default needs the merged folder: none without it
     with pytest.raises(ValidationError, match="gguf converts the merged model"):
         ExportConfig(merged=False, gguf=["q8_0"])
+
+
+@pytest.mark.llamacpp
+@pytest.mark.parametrize(
+    ("hidden", "inner", "want_types"), [(256, 512, {"Q4_K", "Q6_K", "F32"}), (128, 384, {"Q5_0", "Q8_0", "F32"})]
+)
+def test_llama_cpp_q4_k_m(tmp_path, hidden, inner, want_types):
+    """q4_k_m quantized in process by llama-cpp-python from the 16-bit GGUF: llama.cpp loads it, tokenizes as
+    the HF tokenizer, and its logits stay close to transformers'. Hidden size 256 gets real k-quants (Q4_K,
+    Q6_K for the output and some attn_v/ffn_down); 128 x 384, the default tiny model's, is not a multiple of 256,
+    so llama.cpp falls back to Q5_0 / Q8_0 per tensor. 4-bit weights move near-tied logits: the bounds are on
+    the error relative to the logit range and on how often the top-1 token agrees, not on exact tokens."""
+    llama_cpp = pytest.importorskip("llama_cpp")
+    save_tiny(tmp_path / "hf", "qwen2", tied=False, hidden_size=hidden, intermediate_size=inner)
+    hf_tok = AutoTokenizer.from_pretrained(tmp_path / "hf")
+    hf = AutoModelForCausalLM.from_pretrained(tmp_path / "hf", dtype=torch.float32).eval()
+    info = write_gguf(tmp_path / "hf", tmp_path / "model-q4_k_m.gguf", "q4_k_m")
+    assert info["quantizer"] == "llama-cpp-python"
+    assert set(info["tensor_types"]) == want_types
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["hf", "model-q4_k_m.gguf"]  # source GGUF removed
+    r = gguf.GGUFReader(tmp_path / "model-q4_k_m.gguf")
+    assert field(r, "general.file_type") == gguf.LlamaFileType.MOSTLY_Q4_K_M
+    del r
+    texts = [hf_tok.apply_chat_template(p, tokenize=False, add_generation_prompt=True) for p in PROMPTS]
+    prompts = [hf_tok(t, add_special_tokens=False)["input_ids"] for t in texts]
+    f32 = llama_cpp.GGML_TYPE_F32
+    llm = llama_cpp.Llama(
+        model_path=str(tmp_path / "model-q4_k_m.gguf"),
+        n_ctx=256,
+        n_batch=256,
+        logits_all=True,
+        type_k=f32,
+        type_v=f32,
+        verbose=False,
+    )
+    diffs, corrs, top1, positions, agree = [], [], 0, 0, 0
+    for text, ids in zip(texts, prompts):
+        assert llm.tokenize(text.encode(), add_bos=False, special=True) == ids, text
+        with torch.no_grad():
+            want = hf(torch.tensor([ids])).logits[0].numpy()
+        llm.reset()
+        llm.eval(ids)
+        got = np.array(llm.scores[: len(ids)])
+        diffs.append(np.abs(got - want).max() / np.abs(want).max())
+        corrs.append(np.corrcoef(got.ravel(), want.ravel())[0, 1])
+        top1 += int((got.argmax(-1) == want.argmax(-1)).sum())
+        positions += len(ids)
+        out = []
+        for _ in range(GREEDY_TOKENS):
+            out.append(int(np.argmax(llm.scores[llm.n_tokens - 1])))
+            llm.eval([out[-1]])
+        agree += sum(a == b for a, b in zip(out, hf_greedy(hf, ids, GREEDY_TOKENS)))
+    del llm
+    print(
+        f"\nq4_k_m, hidden {hidden} ({info['tensor_types']}): logits max |diff| {max(diffs):.1e} of the range, "
+        f"correlation >= {min(corrs):.4f}, "
+        f"top-1 {top1}/{positions} prompt positions, greedy {agree}/{GREEDY_TOKENS * len(prompts)} tokens"
+    )
+    assert min(corrs) > 0.95
+    assert max(diffs) < 0.4
+    assert top1 / positions >= 0.7
