@@ -1,0 +1,189 @@
+"""Config sections of the training stages: the optimizer keys they share, SFT, and GRPO with TRL's names
+(tasks/config.py assembles them into the run config and re-exports them)."""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import AliasChoices, BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from tasks.config_base import _Section
+
+
+# --------------------------------------------------------------------------------------------
+# stages
+# --------------------------------------------------------------------------------------------
+class _OptimFields(_Section):
+    learning_rate: float = Field(1e-5, gt=0)
+    weight_decay: float = Field(0.0, ge=0)
+    warmup_ratio: float = Field(0.0, ge=0, le=1)
+    warmup_steps: int = Field(0, ge=0, description="Warm-up steps; overrides warmup_ratio when > 0 (as in HF).")
+    lr_scheduler_type: Literal["linear", "cosine", "constant", "constant_with_warmup"] = "linear"
+    max_grad_norm: float | None = Field(1.0, gt=0)
+    optim: Literal["adamw_torch", "adamw_8bit", "paged_adamw_8bit"] = "adamw_torch"
+    adam_beta1: float = Field(0.9, ge=0, lt=1)
+    adam_beta2: float = Field(0.999, ge=0, lt=1)
+    per_device_train_batch_size: int = Field(8, ge=1)
+    gradient_accumulation_steps: int = Field(1, ge=1)
+    logging_steps: int = Field(1, ge=1)
+
+
+class SFTConfig(_OptimFields):
+    enabled: bool = True
+    num_train_epochs: float = Field(1.0, gt=0)
+    max_steps: int | None = Field(None, ge=1, description="Overrides num_train_epochs when set.")
+    max_length: int = Field(512, ge=8)
+    use_lora: bool = Field(True, description="Train model.lora adapters (merged into the checkpoint) or all weights.")
+    completion_only_loss: bool = True
+
+
+ScaleRewards = Literal["group", "batch", "none"]
+
+
+class GRPOConfig(_OptimFields):
+    """GRPO settings, with TRL GRPOConfig names and defaults (see ../shared/GRPO-REFERENCE.md)."""
+
+    learning_rate: float = Field(1e-6, gt=0)
+    max_steps: int = Field(100, ge=1, description="Optimizer steps.")
+    num_generations: int = Field(8, description="Completions per prompt (G).")
+    steps_per_generation: int | None = Field(None, ge=1)
+    generation_batch_size: int | None = Field(None, ge=1)
+    num_iterations: int = Field(1, ge=1, description="PPO epochs over each generation round (mu).")
+    beta: float = Field(0.0, ge=0, description="KL coefficient (k3). 0 loads no reference model.")
+    epsilon: float = Field(0.2, gt=0, lt=1)
+    epsilon_high: float | None = Field(None, gt=0, description="Upper clip; defaults to epsilon.")
+    delta: float | None = Field(None, gt=1, description="Two-sided GRPO: cap on the unclipped ratio.")
+    importance_sampling_level: Literal["token", "sequence"] = "token"
+    loss_type: Literal["grpo", "bnpo", "dr_grpo", "dapo", "gspo"] = "dapo"
+    scale_rewards: ScaleRewards = "group"
+    reward_funcs: list[str] = Field(
+        default_factory=lambda: ["correctness", "strict_format", "soft_format", "int", "xmlcount"],
+        min_length=1,
+        description="Built-in names or 'module:function' import paths.",
+    )
+    reward_weights: list[float] | None = None
+    mask_truncated_completions: bool = False
+    use_bias_correction_kl: bool = True
+    vllm_importance_sampling_correction: bool = True
+    vllm_importance_sampling_mode: Literal["token_truncate", "token_mask", "sequence_truncate", "sequence_mask"] = (
+        "token_truncate"
+    )
+    vllm_importance_sampling_cap: float = Field(
+        2.0,
+        gt=0,
+        validation_alias=AliasChoices("vllm_importance_sampling_cap", "vllm_importance_sampling_clip_max"),
+        description="Upper bound of the correction ratio (TRL 1.16 calls it vllm_importance_sampling_clip_max).",
+    )
+    vllm_importance_sampling_clip_min: float | None = Field(None, ge=0, description="Lower bound (none by default).")
+    temperature: float = Field(1.0, gt=0)
+    top_p: float = Field(1.0, gt=0, le=1)
+    top_k: int | None = Field(None, ge=0)
+    min_p: float | None = Field(None, ge=0, le=1)
+    repetition_penalty: float = Field(1.0, gt=0)
+    max_prompt_length: int | None = Field(512, ge=1)
+    max_completion_length: int = Field(256, ge=1)
+    shuffle_dataset: bool = True
+    shuffle_generation_batch: bool = Field(
+        True,
+        description="Shuffle a round's completions before splitting it into micro-batches, as TRL always does; "
+        "false keeps them prompt-major (the layout of the seed's batch tables).",
+    )
+    gradient_checkpointing: bool | None = Field(None, description="Overrides model.gradient_checkpointing for GRPO.")
+    save_steps: int = Field(50, ge=1, description="Checkpoint every N optimizer steps.")
+    resume: Literal["auto", "never"] = Field(
+        "auto", description="auto: continue from the newest complete checkpoint of this run's GRPO stage."
+    )
+    log_completions: bool = Field(
+        True,
+        description="Log the round's completions with their rewards as three MLflow tables: "
+        "completions/start.json, middle.json, end.json (the first, (max_steps + 1) // 2-th and last step).",
+    )
+
+    @model_validator(mode="before")
+    @classmethod
+    def _retired_keys(cls, raw: Any) -> Any:
+        if isinstance(raw, dict) and "log_completions_steps" in raw:
+            raise ValueError(
+                "log_completions_steps was retired: completion tables are logged at the first, middle and last "
+                "step under fixed names (MLflow limits its logged-artifact tag); use log_completions: true/false"
+            )
+        return raw
+
+    @field_validator("scale_rewards", mode="before")
+    @classmethod
+    def _scale_alias(cls, v: Any) -> Any:
+        return {True: "group", False: "none"}.get(v, v) if isinstance(v, bool) else v
+
+    @field_validator("num_generations")
+    @classmethod
+    def _g(cls, v: int) -> int:
+        if v < 2:
+            raise ValueError(f"must be >= 2: group-relative advantages need at least 2 completions (got {v})")
+        return v
+
+    @model_validator(mode="after")
+    def _batching(self) -> GRPOConfig:
+        if self.steps_per_generation is not None and self.generation_batch_size is not None:
+            raise ValueError(
+                "steps_per_generation and generation_batch_size are mutually exclusive "
+                "(generation_batch_size = per_device_train_batch_size * num_processes * steps_per_generation)"
+            )
+        self.batching()  # raises with the formula
+        if self.reward_weights is not None and len(self.reward_weights) != len(self.reward_funcs):
+            raise ValueError(
+                f"reward_weights has {len(self.reward_weights)} values for {len(self.reward_funcs)} reward_funcs"
+            )
+        return self
+
+    def batching(self, num_processes: int = 1) -> Batching:
+        """Resolve the generation-round layout exactly as TRL's GRPOConfig.__post_init__."""
+        pdb, ga = self.per_device_train_batch_size, self.gradient_accumulation_steps
+        if self.generation_batch_size is None:
+            spg = self.steps_per_generation or ga
+            gbs = pdb * num_processes * spg
+        else:
+            gbs = self.generation_batch_size
+            if gbs % (pdb * num_processes):
+                raise ValueError(
+                    f"generation_batch_size ({gbs}) must be divisible by per_device_train_batch_size * "
+                    f"num_processes ({pdb} * {num_processes} = {pdb * num_processes})"
+                )
+            spg = gbs // (pdb * num_processes)
+        if gbs % self.num_generations:
+            raise ValueError(
+                f"generation_batch_size = per_device_train_batch_size * num_processes * steps_per_generation "
+                f"= {pdb} * {num_processes} * {spg} = {gbs} must be divisible by num_generations "
+                f"({self.num_generations})"
+            )
+        return Batching(
+            generation_batch_size=gbs,
+            steps_per_generation=spg,
+            unique_prompts=gbs // self.num_generations,
+            micro_batch_size=pdb,
+            gradient_accumulation_steps=ga,
+            num_iterations=self.num_iterations,
+        )
+
+    @property
+    def effective_epsilon_high(self) -> float:
+        return self.epsilon if self.epsilon_high is None else self.epsilon_high
+
+
+class Batching(BaseModel):
+    """The resolved layout of one generation round (per process)."""
+
+    model_config = ConfigDict(frozen=True)
+    generation_batch_size: int
+    steps_per_generation: int
+    unique_prompts: int
+    micro_batch_size: int
+    gradient_accumulation_steps: int
+    num_iterations: int
+
+    @property
+    def micro_steps_per_round(self) -> int:
+        return self.steps_per_generation * self.num_iterations
+
+    @property
+    def optimizer_steps_per_round(self) -> float:
+        return self.micro_steps_per_round / self.gradient_accumulation_steps
