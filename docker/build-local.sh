@@ -60,19 +60,23 @@ if [ -n "${PIP_FIND_LINKS:-}" ] && ls "$PIP_FIND_LINKS"/torch-2.13.0+cpu-*.whl >
   TORCH_INDEX_URL="${idx:-https://pypi.org/simple}"
 fi
 
-# 3. Build (no layer cache: vfs copies the whole filesystem for every layer).
+# 3. Build (no layer cache: vfs copies the whole filesystem for every layer; docker format keeps SHELL).
 log "buildah bud -> $TAG (base $BASE_TAG, torch from $TORCH_INDEX_URL)"
 start=$(date +%s)
-buildah "${STORAGE[@]}" bud --isolation chroot --layers=false \
+buildah "${STORAGE[@]}" bud --isolation chroot --layers=false --format docker \
   --secret id=pipconf,src="$PIPCONF" "${VOLUMES[@]}" \
   --build-arg BASE_IMAGE="$BASE_TAG" --build-arg TORCH_INDEX_URL="$TORCH_INDEX_URL" \
   -f docker/Dockerfile.cpu -t "$TAG" .
 log "built in $(( $(date +%s) - start )) s"
 buildah "${STORAGE[@]}" images "$TAG"
 
-# 4. Run the CLI inside the image: podman first, then buildah's chroot as the fallback.
+# 4. Run the CLI inside the image: podman first, then buildah's chroot as the fallback. In a sandbox with a hybrid
+# cgroup layout and no CAP_SYS_RESOURCE, podman needs runc with cgroupfs (crun refuses hybrid cgroups) and limits
+# no higher than this shell's (podman's defaults raise nofile and nproc, which fails with EPERM).
 log "grpoflow --help inside $TAG"
-if podman "${STORAGE[@]}" run --rm --network none --cgroups disabled "$TAG" --help; then
+PODMAN=(podman "${STORAGE[@]}" --runtime runc --cgroup-manager cgroupfs)
+LIMITS=(--ulimit "nofile=$(ulimit -Hn):$(ulimit -Hn)" --ulimit "nproc=4096:4096")
+if "${PODMAN[@]}" run --rm --network none "${LIMITS[@]}" "$TAG" --help; then
   log "podman run: ok"
 else
   log "podman run failed; trying buildah run --isolation chroot"

@@ -87,8 +87,11 @@ def test_images_are_multi_stage_with_dependencies_before_code(name):
     deps = [i for i in ins if i.stage < stages - 1]
     final = [i for i in ins if i.stage == stages - 1]
     # The dependency stage sees pyproject.toml only: a code change cannot invalidate its layers.
-    copies = [i.args for i in deps if i.keyword in ("COPY", "ADD")]
-    assert copies and all(c.split()[0] == "pyproject.toml" for c in copies), f"{name}: deps stage copies {copies}"
+    copies = [i.args.split()[:-1] for i in deps if i.keyword in ("COPY", "ADD")]
+    extra = name.split(".")[-1]
+    allowed = {"pyproject.toml", f"docker/requirements-{extra}.lock"}
+    assert copies and all(set(c) <= allowed for c in copies), f"{name}: deps stage copies {copies}"
+    assert any("-c /tmp/requirements-" in i.args for i in deps if i.keyword == "RUN"), f"{name}: lock not applied"
     runs = [i.args for i in deps if i.keyword == "RUN"]
     torch_at = next(k for k, r in enumerate(runs) if re.search(r"pip install \"?torch==", r))
     reqs_at = next(k for k, r in enumerate(runs) if "pip install -r" in r)
@@ -206,3 +209,28 @@ def test_readme_tells_the_build_and_stack_commands(built_images):
         "prefect work-pool create grpoflow-k8s-gpu --type kubernetes "
         "--base-job-template infra/work-pools/kubernetes-gpu.json" in infra_readme
     )
+
+
+@pytest.mark.parametrize(("extra", "python"), [("gpu", "3.12"), ("cpu", "3.11")])
+def test_lock_satisfies_pyproject(extra, python, pyproject):
+    """docker/requirements-<extra>.lock pins a version of every dependency that satisfies pyproject.toml, so a
+    dependency change without `docker/lock.sh` fails here rather than in a build."""
+    from packaging.requirements import Requirement
+    from packaging.utils import canonicalize_name
+
+    lock = {}
+    for line in (DOCKER / f"requirements-{extra}.lock").read_text().splitlines():
+        if line and not line.startswith("#"):
+            name, _, version = line.partition("==")
+            lock[canonicalize_name(name)] = version
+    project = pyproject["project"]
+    env = {"sys_platform": "linux", "platform_system": "Linux", "platform_machine": "x86_64", "python_version": python}
+    for spec in project["dependencies"] + project["optional-dependencies"][extra]:
+        req = Requirement(spec)
+        if req.marker and not req.marker.evaluate(env):
+            continue
+        name = canonicalize_name(req.name)
+        if extra == "cpu" and name == "torch":
+            continue  # the CPU torch comes from its own index (TORCH_VERSION), not from the lock
+        assert name in lock, f"requirements-{extra}.lock lacks {req.name}: run docker/lock.sh"
+        assert req.specifier.contains(lock[name], prereleases=True), f"{req.name}=={lock[name]} violates {spec}"
