@@ -1,7 +1,8 @@
 """`grpoflow deploy` and `grpoflow data-landed`: the Prefect server side of deployments, for a user.
 
 deploy: create the work pools infra/prefect.yaml names when they are missing (a pool's base job template from
-infra/work-pools/<pool>.json when that file exists, else Prefect's default for the pool type), then run
+infra/work-pools/<type>-gpu.json for a docker or kubernetes pool, with its GPU requests; else Prefect's default for
+the pool type), then run
 `prefect deploy --prefect-file infra/prefect.yaml` from the repo root (``--all`` unless names are given).
 
 data-landed: emit the ``grpoflow.data.landed`` event for a file, folder or s3:// prefix; the trigger of
@@ -60,7 +61,7 @@ def ensure_pools(pools: dict[str, str] = POOLS) -> list[str]:
                 continue
             except ObjectNotFound:
                 pass
-            path = REPO / "infra" / "work-pools" / f"{name}.json"
+            path = REPO / "infra" / "work-pools" / f"{kind}-gpu.json"  # docker-gpu.json, kubernetes-gpu.json
             try:
                 template = json.loads(path.read_text()) if path.is_file() else None
             except json.JSONDecodeError as e:
