@@ -57,6 +57,16 @@ def export_gguf(merged_dir: Path, gguf_dir: Path, types: list[str], tracker: Run
     return written, skipped
 
 
+def save_merged(trained, tokenizer, merged_dir: Path, dtype: str, is_adapter: bool) -> None:
+    """The merged export: LoRA folded into the weights (peft's merge_and_unload, when ``trained`` has adapters),
+    cast to ``dtype`` and saved as safetensors with the tokenizer: a plain model folder that transformers, vLLM
+    (tests/tasks/test_vllm_engine.py loads one) and the GGUF writer read."""
+    shutil.rmtree(merged_dir, ignore_errors=True)
+    merged = trained.merge_and_unload() if is_adapter else trained
+    merged.to(DTYPES[dtype]).save_pretrained(merged_dir, safe_serialization=True)
+    tokenizer.save_pretrained(merged_dir)
+
+
 def run_export(
     cfg: PipelineConfig, ws: Workspace, tracker: RunLogger, base_model: str, trained_model: str, is_adapter: bool
 ) -> dict:
@@ -86,11 +96,7 @@ def run_export(
 
     if x.merged:
         merged_dir = out / "merged"
-        shutil.rmtree(merged_dir, ignore_errors=True)
-        merged = trained.merge_and_unload() if is_adapter else trained
-        merged = merged.to(DTYPES[x.merged_dtype])
-        merged.save_pretrained(merged_dir, safe_serialization=True)
-        tokenizer.save_pretrained(merged_dir)
+        save_merged(trained, tokenizer, merged_dir, x.merged_dtype, is_adapter)
         summary["merged_path"] = str(merged_dir)
         summary["merged_dtype"] = x.merged_dtype
         if prompts:

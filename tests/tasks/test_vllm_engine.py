@@ -340,3 +340,52 @@ def test_only_the_per_sync_chatter_is_dropped_from_vllm_logs():
     assert not f.filter(rec("Successfully reset prefix cache"))
     assert f.filter(rec("%s: Failed to load weights", "ParallelLMHead"))
     assert f.filter(rec("KV cache size: %d tokens", 100))
+
+
+@needs_vllm
+def test_exported_merged_16bit_folder_is_served_by_vllm(tok, tmp_path):
+    """The export stage's merged folder (LoRA folded in, bfloat16 safetensors, tokenizer) is a model vLLM serves
+    from disk alone, no weight sync: it greedy-decodes the tokens transformers decodes from the same folder (both
+    compute in float32 from the same 16-bit weights, so they agree exactly)."""
+    import vllm
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from tasks.export import greedy_tokens, save_merged
+    from tasks.vllm_engine import engine_kwargs
+
+    model = tiny(tok, tied=False, lora=True, seed=3)
+    with torch.no_grad():  # trained adapters: B != 0, so the merge changes the weights
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0.0, 0.05, generator=torch.Generator().manual_seed(7))
+    out = tmp_path / "merged"
+    save_merged(model, tok, out, "bfloat16", is_adapter=True)
+    assert (out / "model.safetensors").is_file() and not (out / "adapter_config.json").exists()
+    assert AutoConfig.from_pretrained(out).dtype == torch.bfloat16
+    prompts = [tok(t)["input_ids"] for t in ("What is 3 + 4?", "<reasoning>\n3 +", "<answer>")]
+    ref = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
+    expected = greedy_tokens(ref, tok, prompts, 12)
+
+    cfg = GenerationConfig(vllm_max_num_seqs=4, vllm_kv_cache_gib=0.02)
+    kw = engine_kwargs(
+        cfg,
+        model_path=str(out),
+        dtype="float32",
+        max_model_len=64,
+        seed=0,
+        hf_config=AutoConfig.from_pretrained(out),
+        device="cpu",
+        sleep_available=False,
+    )
+    llm = vllm.LLM(**kw)
+    try:
+        outs = llm.generate(
+            [{"prompt_token_ids": p} for p in prompts],
+            vllm.SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True),
+            use_tqdm=False,
+        )
+    finally:
+        del llm
+    got = [list(o.outputs[0].token_ids) for o in outs]
+    assert all(len(e) > 0 for e in expected)
+    assert [g[: len(e)] for g, e in zip(got, expected)] == expected
