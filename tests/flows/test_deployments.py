@@ -153,8 +153,13 @@ def arithmetic_rows(n: int, seed: int) -> str:
 
 def test_deploy_pipeline_run_and_continuous_cycle(deployed, tmp_path):
     env = deployed
-    pools = {p["name"]: p["type"] for p in api(env, "POST", "/work_pools/filter", {})}
+    listed = api(env, "POST", "/work_pools/filter", {})
+    pools = {p["name"]: p["type"] for p in listed}
     assert pools == {"grpoflow-process": "process", "grpoflow-docker-gpu": "docker", "grpoflow-k8s-gpu": "kubernetes"}
+    # the GPU pools got the GPU job templates of infra/work-pools/, not Prefect's defaults
+    templates = {p["name"]: json.dumps(p["base_job_template"]) for p in listed}
+    assert "nvidia.com/gpu" in templates["grpoflow-k8s-gpu"] and "tolerations" in templates["grpoflow-k8s-gpu"]
+    assert "gpu_count" in templates["grpoflow-docker-gpu"] and "nvidia.com/gpu" not in templates["grpoflow-process"]
     names = ("grpo-pipeline/local", "grpo-pipeline/docker-gpu", "grpo-pipeline/k8s-gpu", "grpo-continuous/local")
     deps = {name: api(env, "GET", f"/deployments/name/{name}") for name in names}
     assert deps["grpo-pipeline/docker-gpu"]["job_variables"]["image"] == "grpoflow:0.1.0-gpu"
