@@ -1,8 +1,7 @@
 """`grpoflow deploy` and `grpoflow data-landed`: the Prefect server side of deployments, for a user.
 
-deploy: create the work pools infra/prefect.yaml names when they are missing (a pool's base job template from
-infra/work-pools/<type>-gpu.json for a docker or kubernetes pool, with its GPU requests; else Prefect's default for
-the pool type), then run
+deploy: create the work pools of POOLS when they are missing (the docker and kubernetes pools with their GPU base
+job templates from infra/work-pools/; the process pool with Prefect's default), then run
 `prefect deploy --prefect-file infra/prefect.yaml` from the repo root (``--all`` unless names are given).
 
 data-landed: emit the ``grpoflow.data.landed`` event for a file, folder or s3:// prefix; the trigger of
@@ -21,7 +20,13 @@ from tasks.config import ConfigError
 
 REPO = Path(__file__).resolve().parents[1]
 PREFECT_FILE = REPO / "infra" / "prefect.yaml"
-POOLS = {"grpoflow-process": "process", "grpoflow-docker-gpu": "docker", "grpoflow-k8s-gpu": "kubernetes"}
+# The work pools every part of the repo agrees on (infra/prefect.yaml, docker/, tests/infra):
+# name -> (worker type, its GPU base job template under infra/work-pools/, or None for Prefect's default)
+POOLS: dict[str, tuple[str, str | None]] = {
+    "grpoflow-process": ("process", None),
+    "grpoflow-docker-gpu": ("docker", "docker-gpu.json"),
+    "grpoflow-k8s-gpu": ("kubernetes", "kubernetes-gpu.json"),
+}
 EVENT = "grpoflow.data.landed"
 
 
@@ -43,7 +48,7 @@ def _prefect(*args: str) -> list[str]:
     return [str(exe) if exe.exists() else "prefect", *args]
 
 
-def ensure_pools(pools: dict[str, str] = POOLS) -> list[str]:
+def ensure_pools(pools: dict[str, tuple[str, str | None]] = POOLS) -> list[str]:
     """Create the work pools that do not exist yet (through the API: one `prefect` CLI start costs seconds);
     returns the names created."""
     import asyncio
@@ -55,19 +60,20 @@ def ensure_pools(pools: dict[str, str] = POOLS) -> list[str]:
 
     created = []
     with get_client(sync_client=True) as client:
-        for name, kind in pools.items():
+        for name, (kind, template_file) in pools.items():
             try:
                 client.read_work_pool(name)
                 continue
             except ObjectNotFound:
                 pass
-            path = REPO / "infra" / "work-pools" / f"{kind}-gpu.json"  # docker-gpu.json, kubernetes-gpu.json
-            try:
-                template = json.loads(path.read_text()) if path.is_file() else None
-            except json.JSONDecodeError as e:
-                raise ConfigError(f"{path}: not valid JSON: {e}") from None
-            if template is None:  # Prefect's default for the type, as `prefect work-pool create --type` uses
+            if template_file is None:  # Prefect's default for the type, as `prefect work-pool create --type` uses
                 template = asyncio.run(get_default_base_job_template_for_infrastructure_type(kind)) or {}
+            else:
+                path = REPO / "infra" / "work-pools" / template_file
+                try:
+                    template = json.loads(path.read_text())
+                except (OSError, json.JSONDecodeError) as e:
+                    raise ConfigError(f"{path}: the base job template of work pool {name}: {e}") from None
             client.create_work_pool(WorkPoolCreate(name=name, type=kind, base_job_template=template))
             created.append(name)
     return created
@@ -77,7 +83,7 @@ def deploy(extra: list[str]) -> int:
     """Pools, then `prefect deploy` of infra/prefect.yaml from the repo root (local pull steps use $PWD)."""
     _api_url()
     for name in ensure_pools():
-        print(f"created work pool {name} ({POOLS[name]})")
+        print(f"created work pool {name} ({POOLS[name][0]})")
     args = list(extra) if any(a in ("-n", "--name") or a.startswith("--name=") for a in extra) else ["--all", *extra]
     env = dict(os.environ, PWD=str(REPO))
     return subprocess.run(_prefect("deploy", "--prefect-file", str(PREFECT_FILE), *args), cwd=REPO, env=env).returncode

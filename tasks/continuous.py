@@ -93,14 +93,15 @@ def champion_model(cfg: PipelineConfig, dest: Path) -> tuple[str, dict] | None:
 
 
 def _merge_adapter(adapter_dir: Path, out: Path, cfg: PipelineConfig) -> Path:
+    from tasks.export import save_merged
     from tasks.modeling import load_tokenizer, load_with_adapter
 
     base = json.loads((adapter_dir / "adapter_config.json").read_text()).get("base_model_name_or_path")
     if not base or (base.startswith(("/", ".")) and not Path(base).exists()):
         raise ValueError(f"champion adapter {adapter_dir}: its base model {base!r} is not available here")
-    model = load_with_adapter(base, str(adapter_dir), cfg.model, quantize=False).merge_and_unload()
-    model.save_pretrained(out)
-    load_tokenizer(str(adapter_dir), cfg.model).save_pretrained(out)
+    model = load_with_adapter(base, str(adapter_dir), cfg.model, quantize=False)
+    dtype = cfg.model.dtype if cfg.model.dtype != "auto" else str(model.dtype).removeprefix("torch.")
+    save_merged(model, load_tokenizer(str(adapter_dir), cfg.model), out, dtype, is_adapter=True)
     return out
 
 

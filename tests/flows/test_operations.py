@@ -99,3 +99,36 @@ def test_a_failed_cycle_consumes_nothing(tmp_path):
     assert [f.name for f in Ledger(tmp_path / "state" / "ledger.json").new_files(list_source(str(src)))] == [
         "bad.jsonl"
     ]
+
+
+def test_a_champion_adapter_is_merged_onto_its_base(tmp_path):
+    """A champion registered as a LoRA adapter becomes a plain model folder (base + B @ A) GRPO can start from."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from tasks.config import ModelConfig, PipelineConfig, TinyModelConfig
+    from tasks.continuous import _merge_adapter
+    from tasks.modeling import add_lora, build_tiny_model, train_tiny_tokenizer
+
+    tok = train_tiny_tokenizer(["What is 1 + 2?", "<answer>\n3\n</answer>"] * 10, 280)
+    tiny = TinyModelConfig(
+        hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1
+    )
+    build_tiny_model(tiny, tok, seed=0).save_pretrained(tmp_path / "base")
+    model = add_lora(AutoModelForCausalLM.from_pretrained(tmp_path / "base"), ModelConfig().lora)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0.0, 0.05)
+    model.save_pretrained(tmp_path / "adapter")
+    tok.save_pretrained(tmp_path / "adapter")
+    expected = {k: v.clone() for k, v in model.merge_and_unload().state_dict().items()}
+
+    out = _merge_adapter(tmp_path / "adapter", tmp_path / "merged", PipelineConfig())
+    merged = AutoModelForCausalLM.from_pretrained(out).state_dict()
+    assert not (out / "adapter_config.json").exists() and (out / "tokenizer.json").is_file()
+    base = AutoModelForCausalLM.from_pretrained(tmp_path / "base").state_dict()
+    changed = [k for k in expected if not torch.equal(expected[k], base[k])]
+    assert changed, "the adapter changed no weight: the test would prove nothing"
+    for k in expected:
+        torch.testing.assert_close(merged[k], expected[k])

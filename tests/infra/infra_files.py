@@ -1,5 +1,5 @@
 """Readers for the container and infrastructure checks (tests/infra): Dockerfile parsing, compose-style env
-interpolation, and the paths and work-pool names every part of the repo agrees on. Everything here reads files."""
+interpolation, and the repo's paths (the work pools are flows/operations.py's POOLS). Everything here reads files."""
 
 from __future__ import annotations
 
@@ -10,13 +10,6 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[2]
 DOCKER = REPO / "docker"
 INFRA = REPO / "infra"
-
-# The work pools every part of the repo agrees on: name -> (worker type, base job template under infra/work-pools).
-POOLS = {
-    "grpoflow-process": ("process", None),
-    "grpoflow-docker-gpu": ("docker", "docker-gpu.json"),
-    "grpoflow-k8s-gpu": ("kubernetes", "kubernetes-gpu.json"),
-}
 
 
 @dataclass(frozen=True)

@@ -14,7 +14,9 @@ from urllib.parse import urlparse
 
 import pytest
 import yaml
-from infra_files import DOCKER, INFRA, POOLS, REPO, env_placeholders, interpolate, parse_dockerfile
+from infra_files import DOCKER, INFRA, REPO, env_placeholders, interpolate, parse_dockerfile
+
+from flows.operations import POOLS  # the pools `grpoflow deploy` creates, with their templates
 
 EXTERNAL_IMAGE = re.compile(r"^(?:[a-z0-9.-]+(?::\d+)?/)?[a-z0-9._/-]+:(?=[^:]*\d)[A-Za-z0-9._-]+$")
 WORKER_SERVICES = ("worker", "worker-cpu")
@@ -341,14 +343,11 @@ def test_helm_worker_values_name_the_kubernetes_pool(built_images):
     )
 
 
-# ---------------------------------------------------------------- infra/prefect.yaml (written by the operations issue)
+# ---------------------------------------------------------------- infra/prefect.yaml
 
 
 def test_prefect_yaml_deployments_use_pools_and_images_that_exist(templates, built_images):
-    path = INFRA / "prefect.yaml"
-    if not path.exists():
-        pytest.skip("infra/prefect.yaml not written yet")
-    doc = yaml.safe_load(path.read_text())
+    doc = yaml.safe_load((INFRA / "prefect.yaml").read_text())
     deployments = doc.get("deployments") or []
     assert deployments, "infra/prefect.yaml has no deployments"
     for dep in deployments:
