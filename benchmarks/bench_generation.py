@@ -64,9 +64,9 @@ def make_generator(backend, model_dir, tok, prompts):
     """A fresh LoRA model (r=16, all-linear, as the default config) and its generator; start-up seconds."""
     import torch
 
-    from tasks.config import GenerationConfig, ModelConfig
-    from tasks.generation import TransformersGenerator
-    from tasks.modeling import add_lora, load_causal_lm
+    from grpoflow.tasks.config import GenerationConfig, ModelConfig
+    from grpoflow.tasks.generation.transformers_loop import TransformersGenerator
+    from grpoflow.tasks.model.loading import add_lora, load_causal_lm
 
     torch.manual_seed(0)
     lora = ModelConfig(lora={"target_modules": "all-linear"}).lora
@@ -75,7 +75,7 @@ def make_generator(backend, model_dir, tok, prompts):
     if backend.startswith("transformers"):  # -unmerged: LoRA applied as three matmuls per layer while decoding
         gen = TransformersGenerator(model, tok, batch_size=64, merge_lora=backend == "transformers")
     else:
-        from tasks.vllm_engine import VLLMGenerator
+        from grpoflow.tasks.generation.vllm_engine import VLLMGenerator
 
         cfg = GenerationConfig(vllm_lora_sync=backend.split("-")[1], vllm_max_num_seqs=128)
         gen = VLLMGenerator(model, tok, str(model_dir), cfg, max_model_len=max(map(len, prompts)) + 32, seed=0)
@@ -84,9 +84,9 @@ def make_generator(backend, model_dir, tok, prompts):
 
 def grpo_steps(model, gen, tok, rows, prompts, gcfg, steps: int) -> dict:
     """Median step time over ``steps`` GRPO steps after a warm-up step; vLLM: sync time and log-prob gap."""
-    from tasks.grpo.trainer import GRPOTrainer
-    from tasks.rewards import resolve_reward_funcs
-    from tasks.tracking import RunLogger
+    from grpoflow.tasks.grpo.trainer import GRPOTrainer
+    from grpoflow.tasks.rewards import resolve_reward_funcs
+    from grpoflow.tasks.runtime.tracking import RunLogger
 
     with tempfile.TemporaryDirectory() as ckpt:
         trainer = GRPOTrainer(
@@ -105,7 +105,7 @@ def grpo_steps(model, gen, tok, rows, prompts, gcfg, steps: int) -> dict:
 
 def run_model(name, model_dir, tok, rows, prompts, gcfg, args) -> dict[str, dict]:
     """Generation rounds interleaved over the backends (so load bursts hit all), then GRPO steps."""
-    from tasks.generation import SamplingParams
+    from grpoflow.tasks.generation.types import SamplingParams
 
     params = SamplingParams.from_grpo(gcfg)
     batch = prompts[: gcfg.batching().unique_prompts]
@@ -141,8 +141,9 @@ def main() -> None:
 
     import torch
 
-    from tasks.config import DEFAULT_CONFIG, TinyModelConfig, load_config
-    from tasks.modeling import build_tiny_model, prompt_ids, train_tiny_tokenizer
+    from grpoflow.tasks.config import DEFAULT_CONFIG, TinyModelConfig, load_config
+    from grpoflow.tasks.model.loading import prompt_ids
+    from grpoflow.tasks.model.tiny import build_tiny_model, train_tiny_tokenizer
 
     gcfg = load_config(DEFAULT_CONFIG).grpo
     rows, texts = rows_and_texts()

@@ -43,10 +43,11 @@ def make_step(impl: str, vocab: int, b: int, p: int, c: int):
     """A LoRA tiny model with vocabulary ``vocab``, a random batch, and a closure running one micro-step."""
     import torch
 
-    from tasks.config import LoraConfig, TinyModelConfig
-    from tasks.grpo.batch import build_round, policy_logprobs
-    from tasks.grpo.loss import LossSettings, grpo_loss
-    from tasks.modeling import add_lora, build_tiny_model
+    from grpoflow.tasks.config import LoraConfig, TinyModelConfig
+    from grpoflow.tasks.grpo.batch import build_round, policy_logprobs
+    from grpoflow.tasks.grpo.loss import LossSettings, grpo_loss
+    from grpoflow.tasks.model.loading import add_lora
+    from grpoflow.tasks.model.tiny import build_tiny_model
 
     model = add_lora(build_tiny_model(TinyModelConfig(num_hidden_layers=2), _Vocab(vocab), seed=0), LoraConfig())
     g = torch.Generator().manual_seed(0)

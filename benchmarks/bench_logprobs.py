@@ -53,7 +53,7 @@ def make_step(case: str, n: int, d: int, v: int):
     """Inputs and a closure running one forward + backward of ``case``."""
     import torch
 
-    from kernels.logprobs import token_logprobs, token_logprobs_reference
+    from grpoflow.kernels.logprobs import token_logprobs, token_logprobs_reference
 
     torch.manual_seed(0)
     h = torch.randn(n, d, requires_grad=True)

@@ -42,7 +42,7 @@ def inputs(n: int, d: int, v: int, dtype: torch.dtype, train_head: bool, seed: i
 
 def logprobs(case: str, h: torch.Tensor, w: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     """logp [N] of ``case`` (with autograd), entropy requested where the implementation offers it."""
-    from kernels.logprobs import token_logprobs, token_logprobs_reference
+    from grpoflow.kernels.logprobs import token_logprobs, token_logprobs_reference
 
     if case == "naive":
         return token_logprobs_reference(h, w, y)[0]

@@ -18,9 +18,16 @@ import sys
 import time
 from pathlib import Path
 
-from tasks import s3
-from tasks.config import ConfigError, PipelineConfig, apply_overrides, config_from_dict, load_config
-from tasks.workspace import join_location, local_dir
+from grpoflow.tasks.config import (
+    ConfigError,
+    PipelineConfig,
+    apply_overrides,
+    config_from_dict,
+    load_config,
+    load_run_config,
+)
+from grpoflow.tasks.runtime import s3
+from grpoflow.tasks.runtime.workspace import join_location, local_dir
 
 
 def busy_cores(seconds: float = 0.5) -> float:
@@ -56,7 +63,6 @@ def _openmp_wait_policy() -> None:
 
 
 def _setup_env(cfg: PipelineConfig) -> None:
-    s3.configure(cfg.storage)
     out = local_dir(cfg.run.output_dir, cfg.storage.cache_dir)  # an s3:// output_dir: its local mirror
     out.mkdir(parents=True, exist_ok=True)
     _openmp_wait_policy()
@@ -87,20 +93,6 @@ def _setup_env(cfg: PipelineConfig) -> None:
         )
 
 
-def load_run_config(config: str | None, overrides: list[str] | None = None, name: bool = True) -> PipelineConfig:
-    """The config of a run, as `grpoflow run` and the deployed flows read it: CONFIG (default: the embedded one)
-    plus key=value overrides (a first argument with "=" that is no file is an override); run.name defaults to
-    run-<time>."""
-    overrides = list(overrides or [])
-    if config and "=" in config and not Path(config).exists():  # `grpoflow run key=value` without a file
-        overrides.insert(0, config)
-        config = None
-    cfg = load_config(config, overrides)
-    if name and cfg.run.name is None:
-        cfg = cfg.model_copy(update={"run": cfg.run.model_copy(update={"name": time.strftime("run-%Y%m%d-%H%M%S")})})
-    return cfg
-
-
 def _load(args) -> PipelineConfig:
     return load_run_config(args.config, args.overrides, name=args.command == "run")
 
@@ -112,17 +104,18 @@ def cmd_run(args) -> int:
 def cmd_resume(args) -> int:
     """Rerun the pipeline in RUN_DIR with its config.yaml (+ overrides): complete stages whose key matches are
     skipped; --from-stage first forgets that stage and every later one (manifest and files), so they rerun."""
-    from tasks.workspace import STAGES, Workspace, stages_from
+    from grpoflow.tasks.runtime.workspace import STAGES, Workspace, stages_from
 
     if args.from_stage is not None and args.from_stage not in STAGES:
         raise ConfigError(f"--from-stage: unknown stage {args.from_stage!r}; expected one of {', '.join(STAGES)}")
     missing = f"{args.run_dir}: no config.yaml; RUN_DIR must be a run workspace (<output_dir>/<name>)"
     if s3.is_s3_uri(args.run_dir):  # read config.yaml with the endpoint of the env or of storage.* overrides
         run_dir = s3.join_uri(args.run_dir)
-        storage = apply_overrides({}, list(args.overrides)).get("storage", {})
-        s3.configure(config_from_dict({"storage": storage}).storage)
+        storage = config_from_dict({"storage": apply_overrides({}, list(args.overrides)).get("storage", {})}).storage
         try:
-            config = s3.download_file(s3.join_uri(run_dir, "config.yaml"), local_dir(run_dir) / "config.yaml")
+            config = s3.S3Store(storage).download_file(
+                s3.join_uri(run_dir, "config.yaml"), local_dir(run_dir, storage.cache_dir) / "config.yaml"
+            )
         except s3.S3NoSuchBucketError:
             raise
         except s3.S3NotFoundError:
@@ -137,7 +130,7 @@ def cmd_resume(args) -> int:
     # the workspace is RUN_DIR wherever it now lies (its MLflow store, by default, beside it)
     cfg = cfg.model_copy(update={"run": cfg.run.model_copy(update={"name": name, "output_dir": parent})})
     forget = stages_from(args.from_stage) if args.from_stage else ()
-    return _run_pipeline(cfg, lambda: Workspace(run_dir).forget(forget, attempts=True))
+    return _run_pipeline(cfg, lambda: Workspace(run_dir, cfg.storage).forget(forget, attempts=True))
 
 
 def cmd_compare(args) -> int:
@@ -146,7 +139,7 @@ def cmd_compare(args) -> int:
     from rich.console import Console
     from rich.table import Table
 
-    from tasks.compare import resolve_run, run_summary, table_rows
+    from grpoflow.tasks.ops.compare import resolve_run, run_summary, table_rows
 
     uri = args.tracking_uri or os.environ.get("MLFLOW_TRACKING_URI") or None
     try:
@@ -167,13 +160,15 @@ def cmd_compare(args) -> int:
 def _run_pipeline(cfg: PipelineConfig, before=None) -> int:
     _setup_env(cfg)
     if s3.is_s3_uri(cfg.run.output_dir):
-        s3.check_access(cfg.run.output_dir)  # bucket, credentials, endpoint: before Prefect and MLflow start
+        s3.S3Store(cfg.storage).check_access(
+            cfg.run.output_dir
+        )  # bucket, credentials, endpoint: before Prefect and MLflow start
     if cfg.generation.backend == "vllm":  # fail now, not after data prep and SFT
-        from tasks.vllm_engine import config_problem
+        from grpoflow.tasks.generation.vllm_engine import config_problem
 
         if problem := config_problem(cfg):
             raise ConfigError(f"generation.backend=vllm: {problem}")
-    from flows.pipeline import grpo_pipeline  # heavy imports only after the config is valid
+    from grpoflow.flows.pipeline import grpo_pipeline  # heavy imports only after the config is valid
 
     if before is not None:
         before()
@@ -220,13 +215,13 @@ def print_summary(result: dict, seconds: float) -> None:
 
 def cmd_deploy(args) -> int:
     """Work pools (created when missing) and the deployments of infra/prefect.yaml (flows/operations.py)."""
-    from flows.operations import deploy
+    from grpoflow.flows.operations import deploy
 
     return deploy(args.prefect_args)
 
 
 def cmd_data_landed(args) -> int:
-    from flows.operations import EVENT, emit_data_landed
+    from grpoflow.flows.operations import EVENT, emit_data_landed
 
     print(f"emitted {EVENT} for {args.path} (event {emit_data_landed(args.path)})")
     return 0

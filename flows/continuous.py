@@ -20,10 +20,8 @@ from pathlib import Path
 
 from prefect import flow, get_run_logger, task
 
-from flows.cli import load_run_config
-from tasks import s3
-from tasks.config import ConfigError
-from tasks.datasource import DataFile, Ledger, list_source
+from grpoflow.tasks.config import ConfigError, StorageConfig, load_run_config
+from grpoflow.tasks.ops.datasource import DataFile, Ledger, list_source
 
 # flows.pipeline (torch, transformers) and tasks.continuous (mlflow) are imported where used: `prefect deploy`
 # imports this module, and a cycle with no new data should start in seconds
@@ -32,15 +30,16 @@ LEDGER = "ledger.json"
 
 
 @task(name="new-data-files")
-def new_files_task(source: str, ledger_path: str) -> list[dict]:
-    files = Ledger(ledger_path).new_files(list_source(source))
+def new_files_task(source: str, ledger_path: str, storage: dict | None = None) -> list[dict]:
+    settings = StorageConfig.model_validate(storage) if storage else None  # the endpoint of an s3:// source
+    files = Ledger(ledger_path).new_files(list_source(source, settings))
     return [f.__dict__ for f in files]
 
 
 @task(name="champion")
 def champion_task(cfg_dict: dict, dest: str) -> tuple[str, dict] | None:
-    from tasks.config import config_from_dict
-    from tasks.continuous import champion_model
+    from grpoflow.tasks.config import config_from_dict
+    from grpoflow.tasks.ops.continuous import champion_model
 
     return champion_model(config_from_dict(cfg_dict), Path(dest))
 
@@ -57,26 +56,25 @@ def grpo_continuous(
     ``config``/``overrides`` as for grpo-pipeline (the config must name a fixed held-out file,
     ``data.eval_source``); ``state_dir`` holds the ledger and one workspace per cycle (default
     <run.output_dir>/continuous)."""
-    from tasks.continuous import check_continuous_config
+    from grpoflow.tasks.ops.continuous import check_continuous_config
 
     logger = get_run_logger()
     if not source:
         raise ConfigError("source: the continuous flow needs a data source (a folder or s3://bucket/prefix)")
     cfg = load_run_config(config, overrides)
     check_continuous_config(cfg)
-    s3.configure(cfg.storage)  # the endpoint of an s3:// source
     state = Path(state_dir or Path(cfg.run.output_dir) / "continuous").resolve()
     ledger = Ledger(state / LEDGER)
-    new = [DataFile(**f) for f in new_files_task(source, str(ledger.path))]
+    new = [DataFile(**f) for f in new_files_task(source, str(ledger.path), cfg.storage.model_dump())]
     if not new:
         logger.info("no new data files in %s (ledger %s): nothing to do", source, ledger.path)
         return {"consumed": [], "decision": None}
-    from flows.pipeline import grpo_pipeline
-    from tasks.continuous import cycle_config, gather
+    from grpoflow.flows.pipeline import grpo_pipeline
+    from grpoflow.tasks.ops.continuous import cycle_config, gather
 
     name = time.strftime("cycle-%Y%m%d-%H%M%S")
     ws = state / "cycles" / name
-    data_file, rows = gather(new, ws / "incoming" / "train.jsonl")
+    data_file, rows = gather(new, ws / "incoming" / "train.jsonl", cfg.storage)
     logger.info("%d new data files (%d rows) in %s: %s", len(new), rows, source, [f.name for f in new])
     champion = champion_task(cfg.to_dict(), str(ws / "incoming" / "champion"))
     if champion is None:

@@ -16,13 +16,13 @@ from pathlib import Path
 
 from prefect import flow, get_run_logger
 
-from flows.cli import load_run_config
+from grpoflow.tasks.config import load_run_config
 
 
 @flow(name="grpo-pipeline")
 def pipeline_deployment(config: str | None = None, overrides: list[str] | None = None) -> dict:
     """Run the pipeline on CONFIG (default: the embedded offline config) plus key=value overrides."""
-    from flows.pipeline import grpo_pipeline  # torch and friends: not when `prefect deploy` loads this module
+    from grpoflow.flows.pipeline import grpo_pipeline  # torch and friends: not when `prefect deploy` loads this module
 
     cfg = load_run_config(config, overrides)
     workspace = Path(cfg.run.output_dir).resolve() / cfg.run.name

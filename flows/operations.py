@@ -2,7 +2,8 @@
 
 deploy: create the work pools of POOLS when they are missing (the docker and kubernetes pools with their GPU base
 job templates from infra/work-pools/; the process pool with Prefect's default), then run
-`prefect deploy --prefect-file infra/prefect.yaml` from the repo root (``--all`` unless names are given).
+`prefect deploy --prefect-file infra/prefect.yaml` from the checkout (``--all`` unless names are given); the
+deployments' entry points are module paths of the installed package (grpoflow.flows.deployment...).
 
 data-landed: emit the ``grpoflow.data.landed`` event for a file, folder or s3:// prefix; the trigger of
 grpo-continuous/local matches it and starts a continuous cycle. Both need PREFECT_API_URL (a Prefect server).
@@ -16,10 +17,9 @@ import subprocess
 import sys
 from pathlib import Path
 
-from tasks.config import ConfigError
+from grpoflow.tasks.config import ConfigError
 
-REPO = Path(__file__).resolve().parents[1]
-PREFECT_FILE = REPO / "infra" / "prefect.yaml"
+PREFECT_YAML = Path("infra") / "prefect.yaml"
 # The work pools every part of the repo agrees on (infra/prefect.yaml, docker/, tests/infra):
 # name -> (worker type, its GPU base job template under infra/work-pools/, or None for Prefect's default)
 POOLS: dict[str, tuple[str, str | None]] = {
@@ -28,6 +28,18 @@ POOLS: dict[str, tuple[str, str | None]] = {
     "grpoflow-k8s-gpu": ("kubernetes", "kubernetes-gpu.json"),
 }
 EVENT = "grpoflow.data.landed"
+
+
+def project_root() -> Path:
+    """The grpoflow checkout that deployments are made from: the working directory when it holds infra/prefect.yaml,
+    else the source tree of an editable install. A wheel install has neither: deploy from a checkout."""
+    for root in (Path.cwd(), Path(__file__).resolve().parents[1]):
+        if (root / PREFECT_YAML).is_file():
+            return root
+    raise ConfigError(
+        f"{PREFECT_YAML}: not found in {Path.cwd()}; `grpoflow deploy` deploys the repository's infra/prefect.yaml, "
+        "so run it from a checkout of grpoflow"
+    )
 
 
 def _api_url() -> str:
@@ -69,7 +81,7 @@ def ensure_pools(pools: dict[str, tuple[str, str | None]] = POOLS) -> list[str]:
             if template_file is None:  # Prefect's default for the type, as `prefect work-pool create --type` uses
                 template = asyncio.run(get_default_base_job_template_for_infrastructure_type(kind)) or {}
             else:
-                path = REPO / "infra" / "work-pools" / template_file
+                path = project_root() / "infra" / "work-pools" / template_file
                 try:
                     template = json.loads(path.read_text())
                 except (OSError, json.JSONDecodeError) as e:
@@ -85,8 +97,10 @@ def deploy(extra: list[str]) -> int:
     for name in ensure_pools():
         print(f"created work pool {name} ({POOLS[name][0]})")
     args = list(extra) if any(a in ("-n", "--name") or a.startswith("--name=") for a in extra) else ["--all", *extra]
-    env = dict(os.environ, PWD=str(REPO))
-    return subprocess.run(_prefect("deploy", "--prefect-file", str(PREFECT_FILE), *args), cwd=REPO, env=env).returncode
+    root = project_root()
+    env = dict(os.environ, PWD=str(root))
+    cmd = _prefect("deploy", "--prefect-file", str(root / PREFECT_YAML), *args)
+    return subprocess.run(cmd, cwd=root, env=env).returncode
 
 
 def resource_id(path: str) -> str:

@@ -19,17 +19,16 @@ import logging
 import yaml
 from prefect import flow, runtime
 
-from tasks import s3
-from tasks.config import config_from_dict
-from tasks.data import data_task
-from tasks.evaluate import eval_task
-from tasks.export import export_task
-from tasks.grpo.stage import grpo_task
-from tasks.registry import register_pipeline_model
-from tasks.resume import open_pipeline_run
-from tasks.sft import sft_task
-from tasks.tracking import end_run
-from tasks.workspace import Workspace
+from grpoflow.tasks.config import config_from_dict
+from grpoflow.tasks.runtime.registry import register_pipeline_model
+from grpoflow.tasks.runtime.resume import open_pipeline_run
+from grpoflow.tasks.runtime.tracking import end_run
+from grpoflow.tasks.runtime.workspace import Workspace
+from grpoflow.tasks.stages.data import data_task
+from grpoflow.tasks.stages.evaluate import eval_task
+from grpoflow.tasks.stages.export import export_task
+from grpoflow.tasks.stages.grpo import grpo_task
+from grpoflow.tasks.stages.sft import sft_task
 
 log = logging.getLogger(__name__)
 
@@ -40,8 +39,7 @@ def grpo_pipeline(config: dict, workspace: str, init_model: str | None = None) -
     e.g. the registry champion the continuous flow warm-starts from) replaces the SFT stage: GRPO starts from it
     and evaluation measures it as the "before" model."""
     cfg = config_from_dict(config)
-    s3.configure(cfg.storage)
-    ws = Workspace(workspace)
+    ws = Workspace(workspace, cfg.storage)
     ws.write_text("config.yaml", yaml.safe_dump(config, sort_keys=False))
     parent = open_pipeline_run(cfg, ws, tags={"prefect_flow_run_id": runtime.flow_run.id, "workspace": ws.location})
     args = (config, ws.location, parent.run_id)

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import torch
 
-from kernels.chunked_logprobs import ChunkedTokenLogProbs
+from grpoflow.kernels.chunked_logprobs import ChunkedTokenLogProbs
 
 IMPLS = ("auto", "triton", "torch", "reference")
 
@@ -62,7 +62,7 @@ def token_logprobs(
         logp, ent = ChunkedTokenLogProbs.apply(h, weight, bias, y, *args)
     else:
         # Imported on first use: triton reads TRITON_INTERPRET when the kernels are defined.
-        from kernels.triton_logprobs import TritonTokenLogProbs
+        from grpoflow.kernels.triton_logprobs import TritonTokenLogProbs
 
         b = None if bias is None else bias.contiguous()
         args = (temperature, compute_entropy, keep_j)

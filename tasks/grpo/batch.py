@@ -16,9 +16,9 @@ from dataclasses import dataclass
 
 import torch
 
-from kernels.logprobs import token_logprobs
-from tasks.generation import left_pad
-from tasks.modeling import backbone_and_head
+from grpoflow.kernels.logprobs import token_logprobs
+from grpoflow.tasks.generation.types import left_pad
+from grpoflow.tasks.model.loading import backbone_and_head
 
 
 @dataclass

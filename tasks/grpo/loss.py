@@ -40,7 +40,6 @@ class LossSettings:
     max_completion_length: int = 256
     gradient_accumulation_steps: int = 1
     steps_per_generation: int = 1
-    world_size: int = 1
 
 
 def grpo_loss(
@@ -94,7 +93,7 @@ def grpo_loss(
     elif s.loss_type == "dapo":
         if num_items_in_round is None:
             raise ValueError("loss_type=dapo needs num_items_in_round (active tokens of the generation round)")
-        normalizer = max(1.0, float(num_items_in_round)) / s.world_size * ga / s.steps_per_generation
+        normalizer = max(1.0, float(num_items_in_round)) * ga / s.steps_per_generation
         loss = (per_token * mask).sum() / normalizer
     else:
         raise ValueError(f"unknown loss_type {s.loss_type!r}")

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
-from tasks.config import Batching
+from grpoflow.tasks.config import Batching
 
 
 def micro_batch_rows(b: Batching, position: int, order: torch.Tensor) -> tuple[int, torch.Tensor]:

@@ -30,16 +30,16 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from tasks.config import GRPOConfig
-from tasks.generation import SamplingParams
-from tasks.grpo.advantages import combine_rewards, group_advantages, nanstd
-from tasks.grpo.batch import RoundTensors, build_round, policy_logprobs
-from tasks.grpo.loss import LossSettings, grpo_loss, importance_sampling_ratio, masked_mean
-from tasks.grpo.schedule import is_optimizer_step, micro_batch_rows
-from tasks.optim import build_optimizer, build_scheduler, clip_and_step
-from tasks.progress import progress_bar
-from tasks.rewards import score_completions
-from tasks.tracking import RunLogger
+from grpoflow.tasks.config import GRPOConfig
+from grpoflow.tasks.generation.types import SamplingParams
+from grpoflow.tasks.grpo.advantages import combine_rewards, group_advantages, nanstd
+from grpoflow.tasks.grpo.batch import RoundTensors, build_round, policy_logprobs
+from grpoflow.tasks.grpo.loss import LossSettings, grpo_loss, importance_sampling_ratio, masked_mean
+from grpoflow.tasks.grpo.schedule import is_optimizer_step, micro_batch_rows
+from grpoflow.tasks.model.optim import build_optimizer, build_scheduler, clip_and_step
+from grpoflow.tasks.rewards import score_completions
+from grpoflow.tasks.runtime.progress import progress_bar
+from grpoflow.tasks.runtime.tracking import RunLogger
 
 log = logging.getLogger(__name__)
 

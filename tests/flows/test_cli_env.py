@@ -3,7 +3,7 @@
 import subprocess
 import sys
 
-from flows import cli
+from grpoflow.flows import cli
 
 
 def test_busy_cores_sees_a_busy_process():

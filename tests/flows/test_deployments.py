@@ -21,7 +21,7 @@ from mlflow.tracking import MlflowClient
 REPO = Path(__file__).resolve().parents[2]
 MICRO = REPO / "tests" / "fixtures" / "micro.yaml"
 PREFECT = [str(Path(sys.executable).with_name("prefect"))]
-GRPOFLOW = [sys.executable, "-m", "flows.cli"]
+GRPOFLOW = [sys.executable, "-m", "grpoflow.flows.cli"]
 pytestmark = pytest.mark.slow
 
 

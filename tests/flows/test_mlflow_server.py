@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 from mlflow.tracking import MlflowClient
 
-from flows.cli import main
-from tasks.registry import ACCURACY_TAG, register_run_model
+from grpoflow.flows.cli import main
+from grpoflow.tasks.runtime.registry import ACCURACY_TAG, register_run_model
 
 MICRO = Path(__file__).parents[1] / "fixtures" / "micro.yaml"
 

@@ -8,10 +8,10 @@ import pytest
 import yaml
 from prefect.settings import PREFECT_API_URL, temporary_settings
 
-from flows.cli import main
-from tasks.config import ConfigError, load_config
-from tasks.continuous import check_continuous_config, cycle_config, gather
-from tasks.datasource import Ledger, list_source
+from grpoflow.flows.cli import main
+from grpoflow.tasks.config import ConfigError, load_config
+from grpoflow.tasks.ops.continuous import check_continuous_config, cycle_config, gather
+from grpoflow.tasks.ops.datasource import Ledger, list_source
 
 MICRO = Path(__file__).parents[1] / "fixtures" / "micro.yaml"
 PREFECT_FILE = Path(__file__).parents[2] / "infra" / "prefect.yaml"
@@ -63,7 +63,13 @@ def test_commands_need_a_server_and_an_existing_path(tmp_path, capsys):
 
 def test_prefect_yaml_declares_the_fixed_names():
     spec = yaml.safe_load(PREFECT_FILE.read_text())
-    deps = {(d["entrypoint"].split(":")[1], d["name"]): d for d in spec["deployments"]}
+    deps = {(d["entrypoint"].rsplit(".", 1)[1], d["name"]): d for d in spec["deployments"]}
+    for d in spec["deployments"]:  # module paths in the installed package: they load from any working directory
+        from prefect.flows import load_flow_from_entrypoint
+
+        assert d["entrypoint"].startswith("grpoflow.flows.") and ":" not in d["entrypoint"]
+        flow = load_flow_from_entrypoint(d["entrypoint"], use_placeholder_flow=False)
+        assert flow.name in ("grpo-pipeline", "grpo-continuous"), d["entrypoint"]
     pools = {k: d["work_pool"]["name"] for k, d in deps.items()}
     assert pools == {
         ("pipeline_deployment", "local"): "grpoflow-process",
@@ -82,7 +88,7 @@ def test_prefect_yaml_declares_the_fixed_names():
 def test_a_failed_cycle_consumes_nothing(tmp_path):
     """The flow in-process: a new file the data stage rejects fails the cycle, and the ledger stays empty, so the
     next cycle sees the file again."""
-    from flows.continuous import grpo_continuous
+    from grpoflow.flows.continuous import grpo_continuous
 
     src = tmp_path / "incoming"
     src.mkdir()
@@ -106,9 +112,10 @@ def test_a_champion_adapter_is_merged_onto_its_base(tmp_path):
     import torch
     from transformers import AutoModelForCausalLM
 
-    from tasks.config import ModelConfig, PipelineConfig, TinyModelConfig
-    from tasks.continuous import _merge_adapter
-    from tasks.modeling import add_lora, build_tiny_model, train_tiny_tokenizer
+    from grpoflow.tasks.config import ModelConfig, PipelineConfig, TinyModelConfig
+    from grpoflow.tasks.model.loading import add_lora
+    from grpoflow.tasks.model.tiny import build_tiny_model, train_tiny_tokenizer
+    from grpoflow.tasks.ops.continuous import _merge_adapter
 
     tok = train_tiny_tokenizer(["What is 1 + 2?", "<answer>\n3\n</answer>"] * 10, 280)
     tiny = TinyModelConfig(

@@ -8,7 +8,7 @@ import yaml
 from mlflow.tracking import MlflowClient
 from PIL import Image
 
-from flows.cli import main
+from grpoflow.flows.cli import main
 
 MICRO = Path(__file__).parents[1] / "fixtures" / "micro.yaml"
 STAGES = {"data", "sft", "grpo", "eval", "export"}

@@ -27,7 +27,7 @@ def _cmd(out: Path) -> list[str]:
     return [
         sys.executable,
         "-m",
-        "flows.cli",
+        "grpoflow.flows.cli",
         "run",
         str(MICRO),
         f"run.output_dir={out}",

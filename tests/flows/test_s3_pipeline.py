@@ -16,9 +16,10 @@ import pytest
 from mlflow.artifacts import download_artifacts
 from mlflow.tracking import MlflowClient
 
-from tasks import s3
-from tasks.workspace import MANIFEST, STAGES
+from grpoflow.tasks.runtime import s3
+from grpoflow.tasks.runtime.workspace import MANIFEST, STAGES
 
+STORE = s3.S3Store()  # the default storage settings: endpoint and credentials from the AWS environment variables
 MICRO = Path(__file__).parents[1] / "fixtures" / "micro.yaml"
 SLOW_REWARD = """
 import time
@@ -30,18 +31,20 @@ def slow_length(prompts, completions, **columns):
 
 
 def _cli(ctx, *args: str) -> subprocess.CompletedProcess:
-    res = subprocess.run([sys.executable, "-m", "flows.cli", *args], env=ctx["env"], capture_output=True, text=True)
+    res = subprocess.run(
+        [sys.executable, "-m", "grpoflow.flows.cli", *args], env=ctx["env"], capture_output=True, text=True
+    )
     assert res.returncode == 0, res.stderr[-4000:]
     return res
 
 
 def _objects(uri: str) -> dict[str, dict]:
     """{key below uri: object} of everything under the prefix."""
-    return {o["uri"][len(uri) + 1 :]: o for o in s3.list_objects(uri + "/")}
+    return {o["uri"][len(uri) + 1 :]: o for o in STORE.list_objects(uri + "/")}
 
 
 def _manifests(ws: str) -> dict[str, dict | None]:
-    return {stage: s3.get_json(f"{ws}/{stage}/{MANIFEST}", None) for stage in STAGES}
+    return {stage: STORE.get_json(f"{ws}/{stage}/{MANIFEST}", None) for stage in STAGES}
 
 
 @pytest.fixture(scope="module")
@@ -57,7 +60,7 @@ def ctx(seaweedfs, mlflow_s3_server, tmp_path_factory):
     )
     env.pop("MLFLOW_TRACKING_URI", None)
     saved = {k: os.environ.get(k) for k in seaweedfs.env()}
-    os.environ.update(seaweedfs.env())  # this process checks the bucket with tasks/s3.py, as the pipeline does
+    os.environ.update(seaweedfs.env())  # this process reads the bucket with runtime/s3.py, as the pipeline does
     ws = f"s3://{seaweedfs.bucket}/runs/s3run"
     c = {"env": env, "server": seaweedfs, "mlflow": mlflow_s3_server, "ws": ws, "first_cache": tmp / "cache"}
     c["cache"] = tmp / "another-cache"
@@ -76,7 +79,7 @@ def ctx(seaweedfs, mlflow_s3_server, tmp_path_factory):
     log = tmp / "killed-run.log"
     with log.open("w") as out:  # its own process group: SIGKILL reaches the flow and Prefect's server
         proc = subprocess.Popen(
-            [sys.executable, "-m", "flows.cli", *args],
+            [sys.executable, "-m", "grpoflow.flows.cli", *args],
             env=env,
             stdout=out,
             stderr=subprocess.STDOUT,
@@ -85,7 +88,7 @@ def ctx(seaweedfs, mlflow_s3_server, tmp_path_factory):
     marker = f"{ws}/grpo/checkpoints/checkpoint-1/trainer_state.json"  # uploaded last: the checkpoint is complete
     deadline = time.time() + 600
     try:
-        while proc.poll() is None and not s3.exists(marker):
+        while proc.poll() is None and not STORE.exists(marker):
             assert time.time() < deadline, "no GRPO checkpoint on S3 in 10 minutes"
             time.sleep(0.1)
     finally:
@@ -120,7 +123,7 @@ def test_killed_grpo_resumes_from_s3_on_an_empty_cache(ctx):
     assert not ctx["first_cache"].exists()
     # one MLflow parent run throughout: run.json on S3 led the resume back to it
     client = MlflowClient(ctx["mlflow"])
-    parent = client.get_run(json.loads(s3.get_bytes(f"{ctx['ws']}/run.json"))["mlflow_run_id"])
+    parent = client.get_run(json.loads(STORE.get_bytes(f"{ctx['ws']}/run.json"))["mlflow_run_id"])
     assert parent.data.tags["grpoflow.resumes"] == "1" and parent.info.status == "FINISHED"
     children = client.search_runs([parent.info.experiment_id], f"tags.mlflow.parentRunId = '{parent.info.run_id}'")
     stages = sorted((r.data.tags["grpoflow.stage"], r.info.status) for r in children)
@@ -151,7 +154,7 @@ def test_every_stage_is_published_on_s3(ctx):
     local = ctx["local"]
     assert "local copy" in ctx["resume"].stdout and (local / "config.yaml").is_file()  # the mirror, in the summary
     for stage in STAGES:
-        manifest = s3.get_json(f"{ctx['ws']}/{stage}/{MANIFEST}")
+        manifest = STORE.get_json(f"{ctx['ws']}/{stage}/{MANIFEST}")
         assert manifest["stage"] == stage and len(manifest["key"]) == 64 and manifest["summary"], stage
         files = {k: o for k, o in objects.items() if k.startswith(f"{stage}/") and k != f"{stage}/attempt.json"}
         # the manifest is the newest object of its stage (S3 times are whole seconds)
@@ -160,8 +163,8 @@ def test_every_stage_is_published_on_s3(ctx):
         # S3 holds exactly the local mirror's files (size and ETag)
         mirrored = {p.relative_to(local).as_posix() for p in (local / stage).rglob("*") if p.is_file()}
         assert set(files) | {f"{stage}/attempt.json"} == mirrored, stage
-        assert all(s3.same_content(local / k, o) for k, o in files.items()), stage
-    grpo = s3.get_json(f"{ctx['ws']}/grpo/{MANIFEST}")["summary"]
+        assert all(STORE.same_content(local / k, o) for k, o in files.items()), stage
+    grpo = STORE.get_json(f"{ctx['ws']}/grpo/{MANIFEST}")["summary"]
     assert grpo["steps"] == 3 and grpo["model_path"] == str(local / "grpo" / "final")
 
 
@@ -171,7 +174,7 @@ def test_mlflow_artifacts_are_objects_in_the_bucket(ctx):
     exp = client.get_experiment_by_name("s3-e2e")
     runs = client.search_runs([exp.experiment_id])
     parent = next(r for r in runs if "mlflow.parentRunId" not in r.data.tags)
-    assert json.loads(s3.get_bytes(f"{ctx['ws']}/run.json"))["mlflow_run_id"] == parent.info.run_id
+    assert json.loads(STORE.get_bytes(f"{ctx['ws']}/run.json"))["mlflow_run_id"] == parent.info.run_id
     export = next(r for r in runs if r.data.tags.get("grpoflow.stage") == "export")
     stored = _objects(f"s3://{ctx['server'].bucket}/mlflow")
     in_bucket = {k.split("/artifacts/", 1)[1]: o for k, o in stored.items() if f"/{export.info.run_id}/" in k}
@@ -181,7 +184,7 @@ def test_mlflow_artifacts_are_objects_in_the_bucket(ctx):
     back = Path(download_artifacts(run_id=export.info.run_id, artifact_path="merged", tracking_uri=ctx["mlflow"]))
     merged = ctx["local"] / "export" / "merged"
     assert (back / "model.safetensors").read_bytes() == (merged / "model.safetensors").read_bytes()
-    assert s3.same_content(back / "model.safetensors", in_bucket["merged/model.safetensors"])
+    assert STORE.same_content(back / "model.safetensors", in_bucket["merged/model.safetensors"])
 
 
 @pytest.mark.slow
@@ -198,16 +201,16 @@ def test_credentials_appear_nowhere(ctx):
     # every object of the workspace (config.yaml, run.json, manifests, models) and of the MLflow artifact store
     # (logged config.yaml, summaries, tables, models)
     for prefix in (ctx["ws"], f"s3://{server.bucket}/mlflow"):
-        objects = s3.list_objects(prefix + "/")
+        objects = STORE.list_objects(prefix + "/")
         assert len(objects) > 20
         for o in objects:
-            assert secret.encode() not in s3.get_bytes(o["uri"]), o["uri"]
-    assert "storage" in s3.get_bytes(f"{ctx['ws']}/config.yaml").decode()  # the config is there, without it
+            assert secret.encode() not in STORE.get_bytes(o["uri"]), o["uri"]
+    assert "storage" in STORE.get_bytes(f"{ctx['ws']}/config.yaml").decode()  # the config is there, without it
     assert "stage grpo: running" in ctx["log"] and "stage eval: running" in ctx["log"]  # both runs' output
     assert secret not in ctx["log"]
     # a credential in the config never gets that far
     res = subprocess.run(
-        [sys.executable, "-m", "flows.cli", "validate", str(MICRO), f"storage.aws_secret_access_key={secret}"],
+        [sys.executable, "-m", "grpoflow.flows.cli", "validate", str(MICRO), f"storage.aws_secret_access_key={secret}"],
         env=ctx["env"],
         capture_output=True,
         text=True,

@@ -12,10 +12,10 @@ from pathlib import Path
 import pytest
 from mlflow.tracking import MlflowClient
 
-from flows.cli import main
-from tasks.config import load_config
-from tasks.resume import stage_keys
-from tasks.workspace import STAGES, Workspace
+from grpoflow.flows.cli import main
+from grpoflow.tasks.config import load_config
+from grpoflow.tasks.runtime.resume import stage_keys
+from grpoflow.tasks.runtime.workspace import STAGES, Workspace
 
 MICRO = Path(__file__).parents[1] / "fixtures" / "micro.yaml"
 SLOW_REWARD = """
@@ -122,7 +122,7 @@ def test_resume_errors(tmp_path, capsys):
 
 # ------------------------------------------------------------------------------- the real CLI
 def _cli(*args: str) -> list[str]:
-    return [sys.executable, "-m", "flows.cli", *args]
+    return [sys.executable, "-m", "grpoflow.flows.cli", *args]
 
 
 def _finished_at(ws: Path) -> dict[str, float]:

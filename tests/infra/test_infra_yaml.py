@@ -16,7 +16,7 @@ import pytest
 import yaml
 from infra_files import DOCKER, INFRA, REPO, env_placeholders, interpolate, parse_dockerfile
 
-from flows.operations import POOLS  # the pools `grpoflow deploy` creates, with their templates
+from grpoflow.flows.operations import POOLS  # the pools `grpoflow deploy` creates, with their templates
 
 EXTERNAL_IMAGE = re.compile(r"^(?:[a-z0-9.-]+(?::\d+)?/)?[a-z0-9._/-]+:(?=[^:]*\d)[A-Za-z0-9._-]+$")
 WORKER_SERVICES = ("worker", "worker-cpu")

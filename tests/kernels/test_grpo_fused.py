@@ -5,10 +5,11 @@ tied and untied embeddings."""
 import pytest
 import torch
 
-from tasks.config import LoraConfig, TinyModelConfig
-from tasks.grpo.batch import build_round, policy_logprobs
-from tasks.grpo.loss import LossSettings, grpo_loss
-from tasks.modeling import add_lora, backbone_and_head, build_tiny_model, train_tiny_tokenizer
+from grpoflow.tasks.config import LoraConfig, TinyModelConfig
+from grpoflow.tasks.grpo.batch import build_round, policy_logprobs
+from grpoflow.tasks.grpo.loss import LossSettings, grpo_loss
+from grpoflow.tasks.model.loading import add_lora, backbone_and_head
+from grpoflow.tasks.model.tiny import build_tiny_model, train_tiny_tokenizer
 
 TEXTS = ["What is 3 + 4?", "<reasoning>\n3 + 4 = 7\n</reasoning>\n<answer>\n7\n</answer>"] * 20
 TEMPERATURE = 0.9

@@ -1,4 +1,4 @@
-"""kernels.token_logprobs: the chunked torch path and the Triton kernel (TRITON_INTERPRET=1 on CPU) against the
+"""grpoflow.kernels.token_logprobs: the chunked torch path and the Triton kernel (TRITON_INTERPRET=1 on CPU) against the
 naive float32 reference (materialized logits + log_softmax), values and gradients."""
 
 import os
@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from kernels.logprobs import token_logprobs
+from grpoflow.kernels.logprobs import token_logprobs
 
 
 def make_inputs(n, d, v, *, bias=False, head_trainable=False, dtype=torch.float32, seed=0):
@@ -125,12 +125,12 @@ def test_leading_dims_are_kept_and_auto_is_torch_on_cpu():
 
 
 def test_bad_impl_and_triton_on_cpu_fail_clearly(monkeypatch):
-    import kernels.triton_logprobs
+    from grpoflow.kernels import triton_logprobs
 
     h, w, _, y, _ = make_inputs(4, 8, 20)
     with pytest.raises(ValueError, match="impl='fast'"):
         token_logprobs(h, w, y, impl="fast")
-    monkeypatch.setattr(kernels.triton_logprobs, "INTERPRET", False)  # whichever way this session imported it
+    monkeypatch.setattr(triton_logprobs, "INTERPRET", False)  # whichever way this session imported it
     with pytest.raises(ValueError, match="needs CUDA tensors"):
         token_logprobs(h, w, y, impl="triton")
 

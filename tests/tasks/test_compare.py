@@ -4,10 +4,10 @@ import json
 
 from mlflow.tracking import MlflowClient
 
-from flows.cli import main
-from tasks.compare import config_differences, run_summary
-from tasks.config import load_config
-from tasks.tracking import stage_run, start_pipeline_run, tracking_uri
+from grpoflow.flows.cli import main
+from grpoflow.tasks.config import load_config
+from grpoflow.tasks.ops.compare import config_differences, run_summary
+from grpoflow.tasks.runtime.tracking import stage_run, start_pipeline_run, tracking_uri
 
 
 def logged_run(out, name, overrides, rewards, accuracy):

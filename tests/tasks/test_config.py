@@ -3,7 +3,7 @@ from pathlib import Path
 import pytest
 from pydantic import ValidationError
 
-from tasks.config import ConfigError, config_from_dict, load_config, resolve_eval_size
+from grpoflow.tasks.config import ConfigError, config_from_dict, load_config, resolve_eval_size
 
 
 def test_default_config_loads_and_resolves_batching():
@@ -67,7 +67,7 @@ def test_generation_batch_size_sets_steps_per_generation():
         }
     )
     b = cfg.grpo.batching()
-    assert (b.steps_per_generation, b.unique_prompts, b.optimizer_steps_per_round) == (4, 4, 2)
+    assert (b.steps_per_generation, b.unique_prompts, b.micro_steps_per_round) == (4, 4, 4)
 
 
 def test_config_is_frozen():

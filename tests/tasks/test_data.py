@@ -9,18 +9,13 @@ from pathlib import Path
 import pandas as pd
 import pytest
 
-from tasks.config import GSM8K_SYSTEM_PROMPT, config_from_dict
-from tasks.data import (
-    corpus_text,
-    data_task,
-    generate_arithmetic,
-    load_source,
-    load_split,
-    parse_row,
-    prepare_data,
-)
-from tasks.rewards import correctness, strict_format
-from tasks.workspace import Workspace
+from grpoflow.tasks.config import GSM8K_SYSTEM_PROMPT, config_from_dict
+from grpoflow.tasks.dataio.rows import generate_arithmetic, parse_row
+from grpoflow.tasks.dataio.sources import load_source
+from grpoflow.tasks.dataio.splits import corpus_text, load_split
+from grpoflow.tasks.rewards import correctness, strict_format
+from grpoflow.tasks.runtime.workspace import Workspace
+from grpoflow.tasks.stages.data import data_task, prepare_data
 
 FIXTURES = Path(__file__).parents[1] / "fixtures"
 GSM8K_SAMPLE = FIXTURES / "gsm8k_sample.jsonl"
@@ -265,7 +260,7 @@ def test_invalid_row_errors_with_index(tmp_path):
 
 def test_invalid_rows_skipped_and_counted(tmp_path, caplog):
     path = _bad_gsm8k(tmp_path)
-    with caplog.at_level(logging.WARNING, logger="tasks.data"):
+    with caplog.at_level(logging.WARNING, logger="grpoflow.tasks.dataio.rows"):
         summary, ws = run(tmp_path, source=str(path), format="gsm8k", on_invalid_row="skip", eval_size=2)
     assert summary["skipped_rows"] == 3
     assert (summary["train_rows"], summary["eval_rows"]) == (15, 2)
@@ -337,7 +332,7 @@ def test_full_gsm8k_train_parses(tmp_path):
 
 
 def test_arithmetic_reasoning_styles():
-    from tasks.data import arithmetic_reasoning
+    from grpoflow.tasks.dataio.rows import arithmetic_reasoning
 
     assert arithmetic_reasoning(37, "+", 58, "95", "direct", "q") == "37 + 58 = 95"
     assert arithmetic_reasoning(37, "+", 58, "95", "steps", "q") == "37 + 58 = 37 + 50 + 8 = 87 + 8 = 95"

@@ -5,7 +5,7 @@ import json
 
 import pytest
 
-from tasks.datasource import DataFile, Ledger, list_source, sha256_file
+from grpoflow.tasks.ops.datasource import DataFile, Ledger, list_source, sha256_file
 
 
 def write(path, rows):
@@ -61,20 +61,21 @@ def test_a_broken_ledger_is_an_error_naming_it(tmp_path):
 def test_s3_prefix_source_lists_fetches_and_gathers(seaweedfs, monkeypatch, tmp_path):
     """An s3://bucket/prefix source on a real S3 server: data objects only, identified by ETag; a rewritten object
     is new again; fetch and gather read the bytes back."""
-    from tasks import s3
-    from tasks.continuous import gather
-    from tasks.datasource import fetch
+    from grpoflow.tasks.config import StorageConfig
+    from grpoflow.tasks.ops.continuous import gather
+    from grpoflow.tasks.ops.datasource import fetch
+    from grpoflow.tasks.runtime import s3
 
     for k, v in seaweedfs.env().items():
         monkeypatch.setenv(k, v)
-    monkeypatch.setattr(s3, "_settings", s3.StorageConfig(cache_dir=str(tmp_path / "cache")))
+    store = s3.S3Store(StorageConfig(cache_dir=str(tmp_path / "cache")))
     prefix = f"s3://{seaweedfs.bucket}/incoming-{tmp_path.name}"
     a = write(tmp_path / "a.jsonl", [{"question": "What is 1 + 2?", "answer": "3"}])
     b = write(tmp_path / "b.jsonl", [{"question": "What is 2 + 2?", "answer": "4"}])
-    s3.upload_file(a, f"{prefix}/a.jsonl")
-    s3.upload_file(b, f"{prefix}/sub/b.jsonl")
-    s3.upload_file(b, f"{prefix}/.uploading.jsonl")  # hidden: skipped
-    s3.put_bytes(b"notes", f"{prefix}/notes.txt")  # not a data file
+    store.upload_file(a, f"{prefix}/a.jsonl")
+    store.upload_file(b, f"{prefix}/sub/b.jsonl")
+    store.upload_file(b, f"{prefix}/.uploading.jsonl")  # hidden: skipped
+    store.put_bytes(b"notes", f"{prefix}/notes.txt")  # not a data file
     files = list_source(prefix)
     assert [f.name for f in files] == ["a.jsonl", "sub/b.jsonl"]
     assert files[0].uri == f"{prefix}/a.jsonl" and files[0].size == a.stat().st_size
@@ -85,7 +86,7 @@ def test_s3_prefix_source_lists_fetches_and_gathers(seaweedfs, monkeypatch, tmp_
     ledger.record(files, cycle="c1")
     assert ledger.new_files(list_source(prefix)) == []
     write(tmp_path / "a.jsonl", [{"question": "What is 5 + 5?", "answer": "10"}])
-    s3.upload_file(tmp_path / "a.jsonl", f"{prefix}/a.jsonl")
+    store.upload_file(tmp_path / "a.jsonl", f"{prefix}/a.jsonl")
     assert [f.name for f in ledger.new_files(list_source(prefix))] == ["a.jsonl"]
 
     out, rows = gather(list_source(prefix), tmp_path / "cycle" / "train.jsonl")

@@ -8,8 +8,14 @@ import pytest
 import torch
 from PIL import Image
 
-from tasks.config import EvalConfig, GRPOConfig, TinyModelConfig
-from tasks.evaluate import (
+from grpoflow.tasks.config import EvalConfig, GRPOConfig, TinyModelConfig
+from grpoflow.tasks.generation.types import SamplingParams
+from grpoflow.tasks.grpo.trainer import completion_tables
+from grpoflow.tasks.model.loading import prompt_ids
+from grpoflow.tasks.model.tiny import build_tiny_model, train_tiny_tokenizer
+from grpoflow.tasks.rewards import resolve_reward_funcs
+from grpoflow.tasks.runtime.plots import plot_eval_report
+from grpoflow.tasks.stages.evaluate import (
     eval_reward_funcs,
     evaluate_model,
     greedy_metrics,
@@ -17,11 +23,6 @@ from tasks.evaluate import (
     report_markdown,
     sampled_metrics,
 )
-from tasks.generation import SamplingParams
-from tasks.grpo.trainer import completion_tables
-from tasks.modeling import build_tiny_model, prompt_ids, train_tiny_tokenizer
-from tasks.plots import plot_eval_report
-from tasks.rewards import resolve_reward_funcs
 
 GOOD = "<reasoning>\n3 + 4 = 7\n</reasoning>\n<answer>\n7\n</answer>"
 PROMPT = [{"role": "user", "content": "What is 3 + 4?"}]

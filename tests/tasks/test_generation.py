@@ -3,9 +3,11 @@
 import pytest
 import torch
 
-from tasks.config import TinyModelConfig
-from tasks.generation import SamplingParams, TransformersGenerator, left_pad, sample, torch_threads
-from tasks.modeling import build_tiny_model, lora_layers, lora_merged, merge_blocker, train_tiny_tokenizer
+from grpoflow.tasks.config import TinyModelConfig
+from grpoflow.tasks.generation.transformers_loop import TransformersGenerator, sample
+from grpoflow.tasks.generation.types import SamplingParams, left_pad, torch_threads
+from grpoflow.tasks.model.lora import lora_layers, lora_merged, merge_blocker
+from grpoflow.tasks.model.tiny import build_tiny_model, train_tiny_tokenizer
 
 TEXTS = ["What is 3 + 4?", "<reasoning>\n3 + 4 = 7\n</reasoning>\n<answer>\n7\n</answer>"] * 20
 

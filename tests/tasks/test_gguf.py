@@ -16,13 +16,13 @@ import torch
 from gguf import GGMLQuantizationType as Q
 from transformers import AutoModelForCausalLM, AutoTokenizer, GPT2Config, GPT2LMHeadModel
 
-from tasks import gguf_export
-from tasks.config import TinyModelConfig, load_config
-from tasks.export import run_export
-from tasks.gguf_export import GGUFUnavailable, encode, write_gguf
-from tasks.modeling import build_tiny_model, train_tiny_tokenizer
-from tasks.tracking import RunLogger
-from tasks.workspace import Workspace
+from grpoflow.tasks.config import TinyModelConfig, load_config
+from grpoflow.tasks.model import gguf as gguf_export
+from grpoflow.tasks.model.gguf import GGUFUnavailable, encode, write_gguf
+from grpoflow.tasks.model.tiny import build_tiny_model, train_tiny_tokenizer
+from grpoflow.tasks.runtime.tracking import RunLogger
+from grpoflow.tasks.runtime.workspace import Workspace
+from grpoflow.tasks.stages.export import run_export
 from tests.tasks.test_qlora import MICRO
 
 TEXTS = [
@@ -362,7 +362,7 @@ def test_llama_cpp_matches_transformers(tmp_path, arch):
 def test_default_gguf_follows_the_merged_export():
     from pydantic import ValidationError
 
-    from tasks.config import ExportConfig
+    from grpoflow.tasks.config import ExportConfig
 
     assert ExportConfig().gguf == ["f16"]
     assert ExportConfig(merged=False).gguf == []  # the default needs the merged folder: none without it

@@ -13,11 +13,11 @@ from collections import Counter
 import pytest
 import torch
 
-from tasks.config import GRPOConfig
-from tasks.generation import TransformersGenerator
-from tasks.grpo.schedule import plan
-from tasks.grpo.trainer import GRPOTrainer
-from tasks.tracking import RunLogger
+from grpoflow.tasks.config import GRPOConfig
+from grpoflow.tasks.generation.transformers_loop import TransformersGenerator
+from grpoflow.tasks.grpo.schedule import plan
+from grpoflow.tasks.grpo.trainer import GRPOTrainer
+from grpoflow.tasks.runtime.tracking import RunLogger
 from tests.tasks.test_grpo_trainer import addition_rows, length, make
 
 # (GRPOConfig keywords, the tables: per cycle, per micro-step (prompts of the batch, optimizer steps after it))

@@ -5,8 +5,8 @@ import math
 import pytest
 import torch
 
-from tasks.grpo.advantages import combine_rewards, group_advantages
-from tasks.grpo.loss import LossSettings, grpo_loss
+from grpoflow.tasks.grpo.advantages import combine_rewards, group_advantages
+from grpoflow.tasks.grpo.loss import LossSettings, grpo_loss
 
 
 def test_combine_rewards_is_weighted_and_nan_aware():

@@ -3,13 +3,15 @@
 import pytest
 import torch
 
-from tasks.config import GRPOConfig, ModelConfig, TinyModelConfig
-from tasks.generation import SamplingParams, TransformersGenerator
-from tasks.grpo.batch import build_round, policy_logprobs
-from tasks.grpo.trainer import GRPOTrainer, PromptSampler
-from tasks.modeling import add_lora, build_tiny_model, prompt_ids, train_tiny_tokenizer
-from tasks.rewards import resolve_reward_funcs
-from tasks.tracking import RunLogger
+from grpoflow.tasks.config import GRPOConfig, ModelConfig, TinyModelConfig
+from grpoflow.tasks.generation.transformers_loop import TransformersGenerator
+from grpoflow.tasks.generation.types import SamplingParams
+from grpoflow.tasks.grpo.batch import build_round, policy_logprobs
+from grpoflow.tasks.grpo.trainer import GRPOTrainer, PromptSampler
+from grpoflow.tasks.model.loading import add_lora, prompt_ids
+from grpoflow.tasks.model.tiny import build_tiny_model, train_tiny_tokenizer
+from grpoflow.tasks.rewards import resolve_reward_funcs
+from grpoflow.tasks.runtime.tracking import RunLogger
 
 TEXTS = ["What is 3 + 4?", "<reasoning>\n3 + 4 = 7\n</reasoning>\n<answer>\n7\n</answer>"] * 20
 

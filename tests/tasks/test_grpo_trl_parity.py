@@ -13,7 +13,7 @@ import pytest
 import torch
 from trl.trainer.grpo_trainer import GRPOTrainer as TRLGRPOTrainer
 
-from tasks.grpo.loss import LossSettings, grpo_loss
+from grpoflow.tasks.grpo.loss import LossSettings, grpo_loss
 
 
 class _Accelerator:
@@ -148,7 +148,7 @@ def test_advantages_match_trl_formulas_with_nan_rewards(scale):
     TRL's own nanstd and compares (NaN = a reward function that did not score the sample)."""
     from trl.trainer.utils import nanstd as trl_nanstd
 
-    from tasks.grpo.advantages import combine_rewards, group_advantages
+    from grpoflow.tasks.grpo.advantages import combine_rewards, group_advantages
 
     G = 4
     per_func = torch.tensor(
@@ -195,7 +195,7 @@ def test_importance_sampling_ratio_matches_trl(mode, floor):
     """Restates TRL 1.16's vLLM correction lines (grpo_trainer._generate_and_score_completions)."""
     import math
 
-    from tasks.grpo.loss import importance_sampling_ratio
+    from grpoflow.tasks.grpo.loss import importance_sampling_ratio
 
     g = torch.Generator().manual_seed(5)
     old = -torch.rand(4, 6, generator=g) * 2

@@ -1,7 +1,8 @@
 import torch
 
-from tasks.config import ModelConfig, TinyModelConfig
-from tasks.modeling import add_lora, backbone_and_head, build_tiny_model, count_parameters, train_tiny_tokenizer
+from grpoflow.tasks.config import ModelConfig, TinyModelConfig
+from grpoflow.tasks.model.loading import add_lora, backbone_and_head, count_parameters
+from grpoflow.tasks.model.tiny import build_tiny_model, train_tiny_tokenizer
 
 TEXTS = ["What is 12 + 345?", "<reasoning>\n12 + 345 = 357\n</reasoning>\n<answer>\n357\n</answer>"] * 20
 

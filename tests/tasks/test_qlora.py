@@ -6,15 +6,15 @@ from pathlib import Path
 import bitsandbytes as bnb
 import torch
 
-from tasks.config import GRPOConfig, ModelConfig, load_config
-from tasks.data import prepare_data
-from tasks.evaluate import run_eval
-from tasks.export import run_export
-from tasks.grpo.stage import run_grpo
-from tasks.modeling import load_trainable
-from tasks.sft import run_sft
-from tasks.tracking import RunLogger
-from tasks.workspace import Workspace
+from grpoflow.tasks.config import GRPOConfig, ModelConfig, load_config
+from grpoflow.tasks.model.loading import load_trainable
+from grpoflow.tasks.runtime.tracking import RunLogger
+from grpoflow.tasks.runtime.workspace import Workspace
+from grpoflow.tasks.stages.data import prepare_data
+from grpoflow.tasks.stages.evaluate import run_eval
+from grpoflow.tasks.stages.export import run_export
+from grpoflow.tasks.stages.grpo import run_grpo
+from grpoflow.tasks.stages.sft import run_sft
 from tests.tasks.test_grpo_trainer import make, make_trainer
 
 MICRO = Path(__file__).parents[1] / "fixtures" / "micro.yaml"

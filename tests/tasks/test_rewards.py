@@ -7,7 +7,7 @@ import textwrap
 
 import pytest
 
-from tasks.rewards import (
+from grpoflow.tasks.rewards import (
     BUILTIN_REWARDS,
     completion_text,
     correctness,
@@ -219,12 +219,12 @@ def test_resolve_not_callable(plugin):
 
 def test_resolve_malformed_path():
     with pytest.raises(ValueError, match="package.module:function"):
-        resolve_reward_funcs(["tasks.rewards:"])
+        resolve_reward_funcs(["grpoflow.tasks.rewards:"])
 
 
 def test_resolve_duplicate_names(plugin):
     with pytest.raises(ValueError, match="unique"):
-        resolve_reward_funcs(["correctness", "tasks.rewards:correctness"])
+        resolve_reward_funcs(["correctness", "grpoflow.tasks.rewards:correctness"])
 
 
 # ---------------------------------------------------------------------------- scoring

@@ -17,22 +17,17 @@ import time
 import torch
 from prefect import task
 
-from tasks.config import PipelineConfig
-from tasks.data import corpus_text, load_split
-from tasks.modeling import count_parameters, ensure_base_model, load_tokenizer, load_trainable, prompt_ids
-from tasks.optim import build_optimizer, build_scheduler, clip_and_step
-from tasks.progress import progress_bar
-from tasks.stage import run_stage
-from tasks.tracking import RunLogger
-from tasks.workspace import Workspace
+from grpoflow.tasks.config import PipelineConfig
+from grpoflow.tasks.dataio.splits import load_split
+from grpoflow.tasks.model.loading import count_parameters, load_tokenizer, load_trainable, prompt_ids
+from grpoflow.tasks.model.optim import build_optimizer, build_scheduler, clip_and_step
+from grpoflow.tasks.runtime.progress import progress_bar
+from grpoflow.tasks.runtime.stage import run_stage
+from grpoflow.tasks.runtime.tracking import RunLogger
+from grpoflow.tasks.runtime.workspace import Workspace
+from grpoflow.tasks.stages.common import base_model_path
 
 log = logging.getLogger(__name__)
-
-
-def base_model_path(cfg: PipelineConfig, ws: Workspace) -> str:
-    """The configured base model; for ``tiny`` it is built (once) from the training text."""
-    texts = corpus_text(load_split(ws, "train")) if cfg.model.name == "tiny" else None
-    return ensure_base_model(cfg.model, texts, ws.stage_dir("base_model"), cfg.run.seed)
 
 
 def tokenize_sft(rows, tokenizer, max_length: int, completion_only: bool) -> list[tuple[list[int], list[int]]]:

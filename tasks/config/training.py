@@ -7,13 +7,13 @@ from typing import Any, Literal
 
 from pydantic import AliasChoices, BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from tasks.config_base import _Section
+from grpoflow.tasks.config.base import _Section
 
 
 # --------------------------------------------------------------------------------------------
 # stages
 # --------------------------------------------------------------------------------------------
-class _OptimFields(_Section):
+class OptimizerFields(_Section):
     learning_rate: float = Field(1e-5, gt=0)
     weight_decay: float = Field(0.0, ge=0)
     warmup_ratio: float = Field(0.0, ge=0, le=1)
@@ -28,7 +28,7 @@ class _OptimFields(_Section):
     logging_steps: int = Field(1, ge=1)
 
 
-class SFTConfig(_OptimFields):
+class SFTConfig(OptimizerFields):
     enabled: bool = True
     num_train_epochs: float = Field(1.0, gt=0)
     max_steps: int | None = Field(None, ge=1, description="Overrides num_train_epochs when set.")
@@ -40,7 +40,7 @@ class SFTConfig(_OptimFields):
 ScaleRewards = Literal["group", "batch", "none"]
 
 
-class GRPOConfig(_OptimFields):
+class GRPOConfig(OptimizerFields):
     """GRPO settings, with TRL GRPOConfig names and defaults (see ../shared/GRPO-REFERENCE.md)."""
 
     learning_rate: float = Field(1e-6, gt=0)
@@ -135,8 +135,10 @@ class GRPOConfig(_OptimFields):
             )
         return self
 
-    def batching(self, num_processes: int = 1) -> Batching:
-        """Resolve the generation-round layout exactly as TRL's GRPOConfig.__post_init__."""
+    def batching(self) -> Batching:
+        """Resolve the generation-round layout exactly as TRL's GRPOConfig.__post_init__ (one process: TRL's
+        num_processes is 1)."""
+        num_processes = 1
         pdb, ga = self.per_device_train_batch_size, self.gradient_accumulation_steps
         if self.generation_batch_size is None:
             spg = self.steps_per_generation or ga
@@ -183,7 +185,3 @@ class Batching(BaseModel):
     @property
     def micro_steps_per_round(self) -> int:
         return self.steps_per_generation * self.num_iterations
-
-    @property
-    def optimizer_steps_per_round(self) -> float:
-        return self.micro_steps_per_round / self.gradient_accumulation_steps

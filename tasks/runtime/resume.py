@@ -27,9 +27,9 @@ from typing import Any
 
 import yaml
 
-from tasks.config import PipelineConfig
-from tasks.tracking import RunLogger, flatten, start_pipeline_run, tracking_uri
-from tasks.workspace import STAGES, Workspace
+from grpoflow.tasks.config import PipelineConfig
+from grpoflow.tasks.runtime.tracking import RunLogger, flatten, start_pipeline_run, tracking_uri
+from grpoflow.tasks.runtime.workspace import STAGES, Workspace
 
 log = logging.getLogger(__name__)
 

@@ -35,7 +35,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from tasks import s3
+from grpoflow.tasks.config.storage import StorageConfig
+from grpoflow.tasks.runtime import s3
 
 STAGES = ("data", "sft", "grpo", "eval", "export")
 MANIFEST = "manifest.json"
@@ -50,8 +51,11 @@ def stages_from(stage: str) -> tuple[str, ...]:
     return STAGES[STAGES.index(stage) :]
 
 
-def local_dir(location: str | Path, cache_dir: str | Path | None = None) -> Path:
-    """A local folder, resolved; or the local mirror of an s3:// location."""
+DEFAULT_CACHE_DIR = StorageConfig().cache_dir
+
+
+def local_dir(location: str | Path, cache_dir: str | Path = DEFAULT_CACHE_DIR) -> Path:
+    """A local folder, resolved; or the local mirror of an s3:// location under ``cache_dir``."""
     if s3.is_s3_uri(str(location)):
         return s3.local_path(str(location), cache_dir)
     return Path(location).resolve()
@@ -80,12 +84,14 @@ def _write_atomic(path: Path, text: str) -> None:
 
 
 class Workspace:
-    def __init__(self, root: str | Path, cache_dir: str | Path | None = None):
-        """A local folder, or an s3://bucket/prefix URI mirrored under ``cache_dir`` (default storage.cache_dir)."""
+    def __init__(self, root: str | Path, storage: StorageConfig | None = None):
+        """A local folder, or an s3://bucket/prefix URI reached with the ``storage`` settings (endpoint, retries)
+        and mirrored under storage.cache_dir."""
         self.uri = s3.join_uri(str(root)) if s3.is_s3_uri(str(root)) else None
+        self.s3 = s3.S3Store(storage)
         if self.uri is not None:
             s3.split_s3_uri(self.uri)  # a clear error for a malformed URI
-        self.root = local_dir(self.uri or root, cache_dir)
+        self.root = local_dir(self.uri or root, self.s3.settings.cache_dir)
         self.root.mkdir(parents=True, exist_ok=True)
 
     def __repr__(self) -> str:
@@ -124,7 +130,7 @@ class Workspace:
         path = self.manifest_path(stage)
         _write_atomic(path, json.dumps(body, indent=2, sort_keys=True, default=str))
         if self.uri is not None:
-            s3.put_bytes(path.read_bytes(), self._remote(stage, MANIFEST))
+            self.s3.put_bytes(path.read_bytes(), self._remote(stage, MANIFEST))
         return path
 
     def push(self, stage: str, sub: str = "") -> None:
@@ -132,13 +138,13 @@ class Workspace:
         GRPO calls it after each checkpoint, so a killed stage resumes from S3."""
         if self.uri is None:
             return
-        s3.upload_dir(
+        self.s3.upload_dir(
             self.root / stage / sub, self._remote(stage, sub), delete=True, markers=MARKERS, exclude=(MANIFEST,)
         )
 
     def read_manifest(self, stage: str) -> dict[str, Any] | None:
         if self.uri is not None:
-            return s3.get_json(self._remote(stage, MANIFEST), None)
+            return self.s3.get_json(self._remote(stage, MANIFEST), None)
         path = self.manifest_path(stage)
         if not path.is_file():
             return None
@@ -165,7 +171,7 @@ class Workspace:
             for name in names:
                 (self.root / stage / name).unlink(missing_ok=True)
         if self.uri is not None:
-            s3.delete_objects([self._remote(stage, name) for stage in stages for name in names])
+            self.s3.delete_objects([self._remote(stage, name) for stage in stages for name in names])
 
     # ------------------------------------------------------------------ running a stage
     def begin(self, stage: str, key: str) -> None:
@@ -176,20 +182,20 @@ class Workspace:
         local_key = json.loads(attempt.read_text()).get("key") if attempt.is_file() else None
         remote_files = []
         if self.uri is not None:
-            remote_files = s3.list_objects(self._remote(stage) + "/")
-            last = s3.get_json(self._remote(stage, ATTEMPT), None)
+            remote_files = self.s3.list_objects(self._remote(stage) + "/")
+            last = self.s3.get_json(self._remote(stage, ATTEMPT), None)
             if remote_files and (last or {}).get("key") != key:
-                s3.delete_prefix(self._remote(stage) + "/", markers=MARKERS)
+                self.s3.delete_prefix(self._remote(stage) + "/", markers=MARKERS)
                 remote_files = []
         if folder.is_dir() and any(folder.iterdir()) and local_key != key:
             shutil.rmtree(folder)
         folder.mkdir(parents=True, exist_ok=True)
         if remote_files:
-            s3.download_dir(self._remote(stage), folder, delete=True, markers=MARKERS, exclude=(MANIFEST,))
+            self.s3.download_dir(self._remote(stage), folder, delete=True, markers=MARKERS, exclude=(MANIFEST,))
         body = json.dumps({"key": key, "started_at": time.time()})
         _write_atomic(attempt, body)
         if self.uri is not None:
-            s3.put_bytes(body.encode(), self._remote(stage, ATTEMPT))
+            self.s3.put_bytes(body.encode(), self._remote(stage, ATTEMPT))
 
     def fetch(self, stages: tuple[str, ...]) -> None:
         """Pull these stages into the local mirror when the local copy is not the published one (S3 only).
@@ -201,7 +207,7 @@ class Workspace:
             return
         for stage in stages:
             if stage == "base_model":
-                s3.download_dir(self._remote(stage), self.root / stage, markers=MARKERS)
+                self.s3.download_dir(self._remote(stage), self.root / stage, markers=MARKERS)
                 continue
             remote = self.read_manifest(stage)
             if remote is None:
@@ -210,7 +216,9 @@ class Workspace:
             if local.is_file() and json.loads(local.read_text()) == remote:
                 continue
             local.unlink(missing_ok=True)
-            s3.download_dir(self._remote(stage), self.root / stage, delete=True, markers=MARKERS, exclude=(MANIFEST,))
+            self.s3.download_dir(
+                self._remote(stage), self.root / stage, delete=True, markers=MARKERS, exclude=(MANIFEST,)
+            )
             _write_atomic(local, json.dumps(remote, indent=2, sort_keys=True, default=str))
 
     # ------------------------------------------------------------------ run-level files
@@ -218,13 +226,13 @@ class Workspace:
         """A file at the workspace root (config.yaml, run.json), written atomically; on S3 uploaded too."""
         _write_atomic(self.root / name, text)
         if self.uri is not None:
-            s3.put_bytes(text.encode(), self._remote(name))
+            self.s3.put_bytes(text.encode(), self._remote(name))
 
     def read_text(self, name: str) -> str | None:
         """A file at the workspace root, None when absent (on S3: read from S3)."""
         if self.uri is not None:
             try:
-                return s3.get_bytes(self._remote(name)).decode()
+                return self.s3.get_bytes(self._remote(name)).decode()
             except s3.S3NoSuchBucketError:
                 raise
             except s3.S3NotFoundError:

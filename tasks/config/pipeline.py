@@ -1,30 +1,21 @@
-"""Run configuration: one YAML file -> typed, frozen objects.
+"""The run configuration's sections (run, data, model, generation, eval, export, tracking) and their root,
+:class:`PipelineConfig`; the sft/grpo sections are in training.py, storage in storage.py.
 
 Every section is a pydantic model with ``extra="forbid"`` and ``frozen=True``: unknown keys,
-wrong types and impossible combinations fail in :func:`load_config`, before any model is
-loaded, with a :class:`ConfigError` whose message names the dotted key (``grpo.num_generations``).
-
-GRPO keys keep the names of TRL's / Unsloth's ``GRPOConfig`` so that users can paste theirs; the
-batching rules (``steps_per_generation`` / ``generation_batch_size``) follow
-``trl/trainer/grpo_config.py`` and are resolved once (:meth:`GRPOConfig.batching`, in tasks/config_training.py).
+wrong types and impossible combinations fail in :func:`grpoflow.tasks.config.load.load_config`, before any model
+is loaded, with a :class:`ConfigError` whose message names the dotted key (``grpo.num_generations``).
 """
 
 from __future__ import annotations
 
 import math
-import re
-from pathlib import Path
 from typing import Any, Literal
 
-import yaml
-from pydantic import Field, ValidationError, field_validator, model_validator
+from pydantic import Field, field_validator, model_validator
 
-# the training sections live in tasks/config_training.py; importing them from here keeps one import path
-from tasks.config_base import ConfigError, _Section  # noqa: F401
-from tasks.config_training import Batching, GRPOConfig, ScaleRewards, SFTConfig, _OptimFields  # noqa: F401
-from tasks.s3 import StorageConfig
-
-DEFAULT_CONFIG = Path(__file__).resolve().parent.parent / "configs" / "default.yaml"
+from grpoflow.tasks.config.base import _Section
+from grpoflow.tasks.config.storage import StorageConfig
+from grpoflow.tasks.config.training import GRPOConfig, SFTConfig
 
 
 # --------------------------------------------------------------------------------------------
@@ -303,100 +294,6 @@ class PipelineConfig(_Section):
 
     def to_dict(self) -> dict[str, Any]:
         return self.model_dump(mode="json")
-
-
-# --------------------------------------------------------------------------------------------
-# loading
-# --------------------------------------------------------------------------------------------
-def parse_override(item: str) -> tuple[list[str], Any]:
-    """'grpo.beta=0.04' -> (['grpo', 'beta'], 0.04); the value is parsed as YAML."""
-    if "=" not in item:
-        raise ConfigError(f"override {item!r}: expected key=value, e.g. grpo.beta=0.04")
-    key, raw = item.split("=", 1)
-    path = [p for p in key.strip().split(".") if p]
-    if not path:
-        raise ConfigError(f"override {item!r}: empty key")
-    try:
-        value = yaml.safe_load(raw) if raw.strip() else ""
-    except yaml.YAMLError as e:
-        raise ConfigError(f"override {key}: cannot parse value {raw!r}: {e}") from None
-    return path, value
-
-
-def apply_overrides(raw: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
-    for item in overrides:
-        path, value = parse_override(item)
-        node = raw
-        for i, part in enumerate(path[:-1]):
-            nxt = node.setdefault(part, {})
-            if not isinstance(nxt, dict):
-                raise ConfigError(f"override {item!r}: {'.'.join(path[: i + 1])} is not a section")
-            node = nxt
-        node[path[-1]] = value
-    return raw
-
-
-def _format_error(err: ValidationError) -> str:
-    lines = []
-    for e in err.errors():
-        key = ".".join(str(p) for p in e["loc"]) or "<root>"
-        msg = e["msg"].removeprefix("Value error, ")
-        if e["type"] == "extra_forbidden":
-            msg = "unknown key"
-        elif "input" in e and e["type"] not in ("missing",) and not isinstance(e["input"], dict):
-            msg = f"{msg} (got {e['input']!r})"
-        lines.append(f"  {key}: {msg}")
-    return "invalid config:\n" + "\n".join(lines)
-
-
-# Credentials come from the AWS chain (env, ~/.aws), never from the config, which is logged to MLflow and saved
-# in the workspace: a key that looks like one, or a URI with user:password in it, is refused by name.
-_CREDENTIAL_KEY = re.compile(
-    r"(^|_)(secret|secret_key|password|passwd|credentials?|api_key|access_key|access_key_id|session_token|"
-    r"auth_token|hf_token)$|^token$"
-)
-_URI_USERINFO = re.compile(r"^[a-z][a-z0-9+.-]*://[^/@\s]+:[^/@\s]*@", re.IGNORECASE)
-
-
-def _reject_credentials(node: Any, path: str = "") -> None:
-    if not isinstance(node, dict):
-        return
-    for k, v in node.items():
-        key = f"{path}{k}"
-        if _CREDENTIAL_KEY.search(str(k).lower()):
-            raise ConfigError(
-                f"{key}: credentials do not belong in the config (it is logged to MLflow and saved with the run); "
-                "use the standard AWS chain instead: AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY, or AWS_PROFILE with "
-                "~/.aws/credentials (MLflow servers: MLFLOW_TRACKING_USERNAME / MLFLOW_TRACKING_PASSWORD)"
-            )
-        if isinstance(v, str) and _URI_USERINFO.match(v):
-            raise ConfigError(
-                f"{key}: holds a user:password in the URI; credentials do not belong in the config "
-                "(for an MLflow server use MLFLOW_TRACKING_USERNAME / MLFLOW_TRACKING_PASSWORD)"
-            )
-        _reject_credentials(v, f"{key}.")
-
-
-def config_from_dict(raw: dict[str, Any]) -> PipelineConfig:
-    _reject_credentials(raw)
-    try:
-        return PipelineConfig.model_validate(raw)
-    except ValidationError as err:
-        raise ConfigError(_format_error(err)) from None
-
-
-def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> PipelineConfig:
-    """Read a YAML config (the embedded default when path is None), apply key=value overrides, validate."""
-    path = Path(path) if path is not None else DEFAULT_CONFIG
-    if not path.is_file():
-        raise ConfigError(f"config file not found: {path}")
-    try:
-        raw = yaml.safe_load(path.read_text()) or {}
-    except yaml.YAMLError as e:
-        raise ConfigError(f"{path}: not valid YAML: {e}") from None
-    if not isinstance(raw, dict):
-        raise ConfigError(f"{path}: the top level must be a mapping of sections")
-    return config_from_dict(apply_overrides(raw, list(overrides or [])))
 
 
 def resolve_eval_size(eval_size: float, n_rows: int) -> int:

@@ -7,10 +7,10 @@ import math
 import torch
 from transformers import get_scheduler
 
-from tasks.config import _OptimFields
+from grpoflow.tasks.config.training import OptimizerFields
 
 
-def build_optimizer(params, cfg: _OptimFields) -> torch.optim.Optimizer:
+def build_optimizer(params, cfg: OptimizerFields) -> torch.optim.Optimizer:
     """torch AdamW, or bitsandbytes 8-bit AdamW (``optim: adamw_8bit | paged_adamw_8bit``)."""
     params = [p for p in params if p.requires_grad]
     if not params:
@@ -24,7 +24,7 @@ def build_optimizer(params, cfg: _OptimFields) -> torch.optim.Optimizer:
     return cls(params, **kw)
 
 
-def build_scheduler(optimizer: torch.optim.Optimizer, cfg: _OptimFields, total_steps: int):
+def build_scheduler(optimizer: torch.optim.Optimizer, cfg: OptimizerFields, total_steps: int):
     warmup = cfg.warmup_steps or math.ceil(cfg.warmup_ratio * total_steps)
     return get_scheduler(cfg.lr_scheduler_type, optimizer, num_warmup_steps=warmup, num_training_steps=total_steps)
 

@@ -23,8 +23,8 @@ from typing import Any
 from mlflow.entities import Metric, Param, RunTag
 from mlflow.tracking import MlflowClient
 
-from tasks.config import PipelineConfig
-from tasks.workspace import local_dir
+from grpoflow.tasks.config import PipelineConfig
+from grpoflow.tasks.runtime.workspace import local_dir
 
 log = logging.getLogger(__name__)
 PARENT_TAG = "mlflow.parentRunId"

@@ -14,17 +14,17 @@ import time
 import torch
 from prefect import task
 
-from tasks.config import PipelineConfig
-from tasks.data import load_split
-from tasks.generation import make_generator
-from tasks.grpo.trainer import GRPOTrainer, list_checkpoints
-from tasks.modeling import count_parameters, load_causal_lm, load_tokenizer, load_trainable, prompt_ids
-from tasks.plots import plot_learning_curves
-from tasks.rewards import resolve_reward_funcs
-from tasks.sft import base_model_path
-from tasks.stage import run_stage
-from tasks.tracking import RunLogger
-from tasks.workspace import Workspace
+from grpoflow.tasks.config import PipelineConfig
+from grpoflow.tasks.dataio.splits import load_split
+from grpoflow.tasks.generation.backend import make_generator
+from grpoflow.tasks.grpo.trainer import GRPOTrainer, list_checkpoints
+from grpoflow.tasks.model.loading import count_parameters, load_causal_lm, load_tokenizer, load_trainable, prompt_ids
+from grpoflow.tasks.rewards import resolve_reward_funcs
+from grpoflow.tasks.runtime.plots import plot_learning_curves
+from grpoflow.tasks.runtime.stage import run_stage
+from grpoflow.tasks.runtime.tracking import RunLogger
+from grpoflow.tasks.runtime.workspace import Workspace
+from grpoflow.tasks.stages.common import base_model_path
 
 log = logging.getLogger(__name__)
 

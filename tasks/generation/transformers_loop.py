@@ -21,73 +21,14 @@ different distribution. A completion ends at (and includes) the first EOS token:
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterator
-from contextlib import contextmanager, nullcontext
-from dataclasses import dataclass, field
+from contextlib import nullcontext
 
 import torch
 
-from tasks.modeling import lora_merged
+from grpoflow.tasks.generation.types import Generation, SamplingParams, left_pad, torch_threads
+from grpoflow.tasks.model.lora import lora_merged, unwrap
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class SamplingParams:
-    max_new_tokens: int
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int | None = None
-    min_p: float | None = None
-    repetition_penalty: float = 1.0
-    greedy: bool = False
-
-    @classmethod
-    def from_grpo(cls, g) -> SamplingParams:
-        return cls(
-            max_new_tokens=g.max_completion_length,
-            temperature=g.temperature,
-            top_p=g.top_p,
-            top_k=g.top_k,
-            min_p=g.min_p,
-            repetition_penalty=g.repetition_penalty,
-        )
-
-
-@dataclass
-class Generation:
-    completion_ids: list[list[int]] = field(default_factory=list)
-    logprobs: list[list[float]] = field(default_factory=list)
-    finish_reasons: list[str] = field(default_factory=list)
-
-    def extend(self, other: Generation) -> None:
-        self.completion_ids += other.completion_ids
-        self.logprobs += other.logprobs
-        self.finish_reasons += other.finish_reasons
-
-
-def left_pad(seqs: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
-    width = max(len(s) for s in seqs)
-    ids = torch.full((len(seqs), width), pad_id, dtype=torch.long)
-    mask = torch.zeros((len(seqs), width), dtype=torch.long)
-    for i, s in enumerate(seqs):
-        if s:
-            ids[i, width - len(s) :] = torch.tensor(s, dtype=torch.long)
-            mask[i, width - len(s) :] = 1
-    return ids, mask
-
-
-@contextmanager
-def torch_threads(n: int | None) -> Iterator[None]:
-    """torch.set_num_threads(n) inside, the previous count after (None: leave it)."""
-    before = torch.get_num_threads()
-    if n:
-        torch.set_num_threads(n)
-    try:
-        yield
-    finally:
-        if n:
-            torch.set_num_threads(before)
 
 
 class TransformersGenerator:
@@ -181,7 +122,7 @@ def sample(
     transformers' logits processors, then softmax and torch.multinomial (argmax when greedy)."""
     from transformers import DynamicCache
 
-    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    base = unwrap(model)
     B, T = ids.shape[0], p.max_new_tokens
     warp = logits_warpers(p)
     temp = 1.0 if p.greedy else p.temperature
@@ -229,48 +170,3 @@ def sample(
         logits = out.logits[:, -1].float()
         position = position + 1
     return tokens, logps, lengths, stopped
-
-
-def choose_backend(requested: str, vllm_problem: str | None) -> tuple[str, str]:
-    """(backend, why) for generation.backend = auto | vllm | transformers.
-
-    ``vllm_problem`` is why vLLM cannot serve the model here (None: it can). auto takes vLLM when it
-    can; an explicit ``vllm`` that cannot is an error naming the reason, never a silent fallback."""
-    if requested == "transformers":
-        return "transformers", "generation.backend=transformers"
-    if vllm_problem is None:
-        return "vllm", "generation.backend=vllm" if requested == "vllm" else "auto: vLLM imports and supports the model"
-    if requested == "vllm":
-        raise ValueError(f"generation.backend=vllm: {vllm_problem}")
-    return "transformers", f"auto: {vllm_problem}"
-
-
-def make_generator(
-    cfg,
-    model,
-    tokenizer,
-    *,
-    model_path: str,
-    dtype: str = "float32",
-    load_in_4bit: bool = False,
-    max_model_len: int = 1024,
-    seed: int = 0,
-):
-    """Pick the generation backend for ``cfg`` (a GenerationConfig), log which one and why, build it.
-
-    The vLLM engine starts from ``model_path`` (the model as trained from) and then follows
-    ``model``'s weights in memory."""
-    problem = None
-    if cfg.backend != "transformers":
-        from tasks.vllm_engine import model_architectures, model_head_dim, unsupported_reason
-
-        problem = unsupported_reason(model_architectures(model), model_head_dim(model), load_in_4bit)
-    backend, why = choose_backend(cfg.backend, problem)
-    log.info("generation backend: %s (%s)", backend, why)
-    if backend == "transformers":
-        return TransformersGenerator(
-            model, tokenizer, cfg.batch_size, merge_lora=cfg.merge_lora, threads=cfg.torch_threads
-        )
-    from tasks.vllm_engine import VLLMGenerator
-
-    return VLLMGenerator(model, tokenizer, model_path, cfg, dtype=dtype, max_model_len=max_model_len, seed=seed)

@@ -19,11 +19,10 @@ from typing import Any
 
 import torch
 
-from tasks import s3
-from tasks.config import PipelineConfig, config_from_dict
-from tasks.resume import stage_keys
-from tasks.tracking import stage_run
-from tasks.workspace import STAGES, Workspace, stages_from
+from grpoflow.tasks.config import PipelineConfig, config_from_dict
+from grpoflow.tasks.runtime.resume import stage_keys
+from grpoflow.tasks.runtime.tracking import stage_run
+from grpoflow.tasks.runtime.workspace import STAGES, Workspace, stages_from
 
 StageFn = Callable[..., dict[str, Any]]
 log = logging.getLogger(__name__)
@@ -33,8 +32,7 @@ def run_stage(
     name: str, fn: StageFn, cfg_dict: dict, workspace_root: str, parent_run_id: str | None, **inputs: Any
 ) -> dict[str, Any]:
     cfg: PipelineConfig = config_from_dict(cfg_dict)
-    s3.configure(cfg.storage)
-    ws = Workspace(workspace_root)
+    ws = Workspace(workspace_root, cfg.storage)
     keys = stage_keys(cfg.to_dict())
     key = keys[name]
     stored = ws.completed(name, key)

@@ -16,8 +16,8 @@ import logging
 import shutil
 from pathlib import Path
 
-from tasks.config import ConfigError, PipelineConfig
-from tasks.datasource import DataFile, fetch
+from grpoflow.tasks.config import ConfigError, PipelineConfig, StorageConfig
+from grpoflow.tasks.ops.datasource import DataFile, fetch
 
 log = logging.getLogger(__name__)
 
@@ -35,16 +35,17 @@ def check_continuous_config(cfg: PipelineConfig) -> None:
         raise ConfigError("tracking.register_model: must be true for the continuous flow (it promotes in the registry)")
 
 
-def gather(files: list[DataFile], dest: Path) -> tuple[Path, int]:
-    """Every row of ``files`` (any format the data stage reads) in one JSON-lines file; (path, rows)."""
-    from tasks.data import load_source
+def gather(files: list[DataFile], dest: Path, storage: StorageConfig | None = None) -> tuple[Path, int]:
+    """Every row of ``files`` (any format the data stage reads; S3 ones fetched with ``storage``) in one JSON-lines
+    file; (path, rows)."""
+    from grpoflow.tasks.dataio.sources import load_source
 
     download_dir = dest.parent / "downloads"
     rows = 0
     dest.parent.mkdir(parents=True, exist_ok=True)
     with open(dest, "w") as out:
         for f in files:
-            path = fetch(f, download_dir)
+            path = fetch(f, download_dir, storage)
             try:
                 ds = load_source(str(path))
             except (ValueError, FileNotFoundError) as e:
@@ -63,8 +64,8 @@ def champion_model(cfg: PipelineConfig, dest: Path) -> tuple[str, dict] | None:
     from mlflow.exceptions import MlflowException
     from mlflow.tracking import MlflowClient
 
-    from tasks.registry import ACCURACY_TAG, registered_model_name
-    from tasks.tracking import tracking_uri
+    from grpoflow.tasks.runtime.registry import ACCURACY_TAG, registered_model_name
+    from grpoflow.tasks.runtime.tracking import tracking_uri
 
     uri = tracking_uri(cfg)
     name = cfg.tracking.registered_model or registered_model_name(cfg.model.name)
@@ -93,8 +94,8 @@ def champion_model(cfg: PipelineConfig, dest: Path) -> tuple[str, dict] | None:
 
 
 def _merge_adapter(adapter_dir: Path, out: Path, cfg: PipelineConfig) -> Path:
-    from tasks.export import save_merged
-    from tasks.modeling import load_tokenizer, load_with_adapter
+    from grpoflow.tasks.model.loading import load_tokenizer, load_with_adapter
+    from grpoflow.tasks.model.save import save_merged
 
     base = json.loads((adapter_dir / "adapter_config.json").read_text()).get("base_model_name_or_path")
     if not base or (base.startswith(("/", ".")) and not Path(base).exists()):
@@ -108,7 +109,7 @@ def _merge_adapter(adapter_dir: Path, out: Path, cfg: PipelineConfig) -> Path:
 def cycle_config(cfg: PipelineConfig, name: str, data_file: Path, warm_start: bool) -> PipelineConfig:
     """The pipeline config of one cycle: the new rows as the source, the tracking store pinned (its default lies
     under run.output_dir), and no SFT when GRPO warm-starts from the champion."""
-    from tasks.tracking import tracking_uri
+    from grpoflow.tasks.runtime.tracking import tracking_uri
 
     update = {
         "run": cfg.run.model_copy(update={"name": name}),

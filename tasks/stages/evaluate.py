@@ -31,16 +31,17 @@ from collections.abc import Callable
 import torch
 from prefect import task
 
-from tasks.config import PipelineConfig
-from tasks.data import load_split
-from tasks.generation import SamplingParams, TransformersGenerator
-from tasks.modeling import load_causal_lm, load_tokenizer, load_with_adapter, prompt_ids
-from tasks.plots import plot_eval_report
-from tasks.progress import progress_bar
-from tasks.rewards import BUILTIN_REWARDS, resolve_reward_funcs, score_completions
-from tasks.stage import run_stage
-from tasks.tracking import RunLogger
-from tasks.workspace import Workspace
+from grpoflow.tasks.config import PipelineConfig
+from grpoflow.tasks.dataio.splits import load_split
+from grpoflow.tasks.generation.transformers_loop import TransformersGenerator
+from grpoflow.tasks.generation.types import SamplingParams
+from grpoflow.tasks.model.loading import load_causal_lm, load_tokenizer, load_with_adapter, prompt_ids
+from grpoflow.tasks.rewards import BUILTIN_REWARDS, resolve_reward_funcs, score_completions
+from grpoflow.tasks.runtime.plots import plot_eval_report
+from grpoflow.tasks.runtime.progress import progress_bar
+from grpoflow.tasks.runtime.stage import run_stage
+from grpoflow.tasks.runtime.tracking import RunLogger
+from grpoflow.tasks.runtime.workspace import Workspace
 
 log = logging.getLogger(__name__)
 

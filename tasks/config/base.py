@@ -1,4 +1,4 @@
-"""The base of every config section (tasks/config.py, tasks/config_training.py) and the config error type."""
+"""The base of every config section and the config error type."""
 
 from __future__ import annotations
 

@@ -21,13 +21,15 @@ from pathlib import Path
 
 from prefect import task
 
-from tasks.config import PipelineConfig
-from tasks.data import load_split
-from tasks.generation import SamplingParams, TransformersGenerator
-from tasks.modeling import DTYPES, load_causal_lm, load_tokenizer, load_with_adapter, prompt_ids
-from tasks.stage import run_stage
-from tasks.tracking import RunLogger
-from tasks.workspace import Workspace
+from grpoflow.tasks.config import PipelineConfig
+from grpoflow.tasks.dataio.splits import load_split
+from grpoflow.tasks.generation.transformers_loop import TransformersGenerator
+from grpoflow.tasks.generation.types import SamplingParams
+from grpoflow.tasks.model.loading import DTYPES, load_causal_lm, load_tokenizer, load_with_adapter, prompt_ids
+from grpoflow.tasks.model.save import save_merged
+from grpoflow.tasks.runtime.stage import run_stage
+from grpoflow.tasks.runtime.tracking import RunLogger
+from grpoflow.tasks.runtime.workspace import Workspace
 
 log = logging.getLogger(__name__)
 
@@ -39,7 +41,7 @@ def greedy_tokens(model, tokenizer, prompts: list[list[int]], max_new_tokens: in
 
 def export_gguf(merged_dir: Path, gguf_dir: Path, types: list[str], tracker: RunLogger) -> tuple[dict, dict]:
     """export/gguf/model-<type>.gguf for each type: ({type: path}, {skipped type: reason})."""
-    from tasks.gguf_export import GGUFUnavailable, write_gguf
+    from grpoflow.tasks.model.gguf import GGUFUnavailable, write_gguf
 
     shutil.rmtree(gguf_dir, ignore_errors=True)
     written, skipped = {}, {}
@@ -55,16 +57,6 @@ def export_gguf(merged_dir: Path, gguf_dir: Path, types: list[str], tracker: Run
     if written:
         tracker.log_artifact(gguf_dir, "gguf")
     return written, skipped
-
-
-def save_merged(trained, tokenizer, merged_dir: Path, dtype: str, is_adapter: bool) -> None:
-    """The merged export: LoRA folded into the weights (peft's merge_and_unload, when ``trained`` has adapters),
-    cast to ``dtype`` and saved as safetensors with the tokenizer: a plain model folder that transformers, vLLM
-    (tests/tasks/test_vllm_engine.py loads one) and the GGUF writer read."""
-    shutil.rmtree(merged_dir, ignore_errors=True)
-    merged = trained.merge_and_unload() if is_adapter else trained
-    merged.to(DTYPES[dtype]).save_pretrained(merged_dir, safe_serialization=True)
-    tokenizer.save_pretrained(merged_dir)
 
 
 def run_export(

@@ -48,9 +48,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from tasks.config import GenerationConfig
-from tasks.generation import Generation, SamplingParams
-from tasks.modeling import lora_layers, merged_weight
+from grpoflow.tasks.config import GenerationConfig
+from grpoflow.tasks.generation.types import Generation, SamplingParams
+from grpoflow.tasks.model.lora import lora_layers, merged_weight, unwrap
 
 log = logging.getLogger(__name__)
 
@@ -123,12 +123,8 @@ def config_problem(cfg) -> str | None:
     return unsupported_reason(archs, head_dim, m.load_in_4bit)
 
 
-def _base(model):
-    return model.get_base_model() if hasattr(model, "get_base_model") else model
-
-
 def model_architectures(model) -> list[str]:
-    base = _base(model)
+    base = unwrap(model)
     return list(getattr(base.config, "architectures", None) or [type(base).__name__])
 
 
@@ -138,7 +134,7 @@ def config_head_dim(config) -> int:
 
 
 def model_head_dim(model) -> int:
-    return config_head_dim(_base(model).config)
+    return config_head_dim(unwrap(model).config)
 
 
 # --------------------------------------------------------------------------------------------
@@ -235,7 +231,7 @@ def sync_state(model, merge: bool = True) -> Iterator[tuple[str, torch.Tensor]]:
     A peft model yields merged weights W + scale * B @ A computed on the side (the training model is
     not modified) under the base model's names (``merge=False``: the base weights alone); a tied
     head is also yielded as ``lm_head.weight``."""
-    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    base = unwrap(model)
     layers = lora_layers(model)
     for name, param in base.named_parameters():
         if ".lora_" in name or "lora_magnitude" in name:
@@ -348,7 +344,7 @@ class VLLMGenerator:
         self.cfg = cfg
         self.device = "cpu" if current_platform.is_cpu() else "cuda"
         self.sleep_enabled = sleep_mode_on(cfg, self.device, current_platform.is_sleep_mode_available())
-        base = model.get_base_model() if hasattr(model, "get_base_model") else model
+        base = unwrap(model)
         self.lora_sync = cfg.vllm_lora_sync if hasattr(model, "peft_config") else None
         lora_rank = model.peft_config[model.active_adapter].r if self.lora_sync == "adapter" else None
         kwargs = engine_kwargs(
@@ -444,19 +440,6 @@ class VLLMGenerator:
             gc.collect()
 
     # ------------------------------------------------------------------ sampling
-    def score(self, prompt: list[int], completion: list[int]) -> list[float]:
-        """The engine's log-probs of a fixed completion (prompt log-probs: raw logits, temperature 1)."""
-        from vllm import SamplingParams as VLLMSamplingParams
-
-        self.sync_weights()
-        self.resume()
-        ids = prompt + completion
-        sp = VLLMSamplingParams(max_tokens=1, prompt_logprobs=0, detokenize=False)
-        with torch.random.fork_rng(devices=[]):
-            out = self.llm.generate([{"prompt_token_ids": ids}], sp, use_tqdm=False, lora_request=self.lora_request)[0]
-        self.release()
-        return [out.prompt_logprobs[len(prompt) + i][t].logprob for i, t in enumerate(completion)]
-
     def generate(self, prompts: list[list[int]], n: int, params: SamplingParams) -> Generation:
         from vllm import SamplingParams as VLLMSamplingParams
 

@@ -42,7 +42,7 @@ import torch
 from gguf import GGMLQuantizationType as QType
 from gguf import LlamaFileType, TokenType
 
-from tasks.modeling import QWEN2_PRETOKENIZE_REGEX
+from grpoflow.tasks.model.tiny import QWEN2_PRETOKENIZE_REGEX
 
 log = logging.getLogger(__name__)
 

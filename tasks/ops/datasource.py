@@ -20,7 +20,8 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from tasks.s3 import download_file, is_s3_uri, list_objects
+from grpoflow.tasks.config.storage import StorageConfig
+from grpoflow.tasks.runtime.s3 import S3Store, is_s3_uri
 
 
 @dataclass(frozen=True)
@@ -39,7 +40,9 @@ class DataFile:
 
 
 def _is_data_name(name: str) -> bool:
-    from tasks.data import FILE_BUILDERS  # here: tasks.data imports datasets, slow for a deployment's entry module
+    from grpoflow.tasks.dataio.sources import (
+        FILE_BUILDERS,  # here: dataio imports datasets, slow for a deployment's entry module
+    )
 
     base = name.rsplit("/", 1)[-1]
     return bool(base) and not base.startswith((".", "_")) and Path(base).suffix.lower() in FILE_BUILDERS
@@ -53,13 +56,14 @@ def sha256_file(path: Path, chunk: int = 1 << 20) -> str:
     return h.hexdigest()
 
 
-def list_source(source: str) -> list[DataFile]:
-    """Every data file under ``source`` (a local folder, or an s3://bucket/prefix), sorted by name."""
+def list_source(source: str, storage: StorageConfig | None = None) -> list[DataFile]:
+    """Every data file under ``source`` (a local folder, or an s3://bucket/prefix reached with ``storage``), sorted
+    by name."""
     if is_s3_uri(source):
         prefix = source.rstrip("/") + "/"
         files = [
             DataFile(o["uri"][len(prefix) :], o["uri"], int(o["size"]), str(o["etag"]).strip('"'))
-            for o in list_objects(prefix)
+            for o in S3Store(storage).list_objects(prefix)
             if o["uri"].startswith(prefix) and _is_data_name(o["uri"][len(prefix) :])
         ]
         return sorted(files, key=lambda f: f.name)
@@ -74,13 +78,13 @@ def list_source(source: str) -> list[DataFile]:
     return files
 
 
-def fetch(file: DataFile, dest_dir: Path) -> Path:
+def fetch(file: DataFile, dest_dir: Path, storage: StorageConfig | None = None) -> Path:
     """A local path holding ``file``'s bytes: the file itself when local, else a download into ``dest_dir``."""
     if not is_s3_uri(file.uri):
         return Path(file.uri)
     dest = dest_dir / file.name
     dest.parent.mkdir(parents=True, exist_ok=True)
-    download_file(file.uri, str(dest))
+    S3Store(storage).download_file(file.uri, str(dest))
     return dest
 
 

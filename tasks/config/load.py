@@ -1,0 +1,145 @@
+"""Loading a run's config: a YAML file (or one shipped with the package) plus ``key=value`` overrides, validated
+into a :class:`PipelineConfig`; credentials are refused by name."""
+
+from __future__ import annotations
+
+import re
+import time
+from importlib.resources import files
+from pathlib import Path
+from typing import Any
+
+import yaml
+from pydantic import ValidationError
+
+from grpoflow.tasks.config.base import ConfigError
+from grpoflow.tasks.config.pipeline import PipelineConfig
+
+PACKAGED_CONFIGS = files("grpoflow.configs")  # configs/*.yaml, shipped with the package
+DEFAULT_CONFIG = Path(str(PACKAGED_CONFIGS / "default.yaml"))
+
+
+def packaged_configs() -> list[str]:
+    """Names of the configs shipped with the package (configs/*.yaml)."""
+    return sorted(p.name for p in PACKAGED_CONFIGS.iterdir() if p.name.endswith(".yaml"))
+
+
+def resolve_config_path(config: str | Path | None) -> Path:
+    """A config file: an existing path as given; else one shipped with the package named by its file name, with or
+    without the folder and suffix (``configs/default.yaml``, ``default.yaml`` and ``default`` all name it), so
+    ``grpoflow run configs/gsm8k-qwen2.5-0.5b.yaml`` works from any folder; None is the default config."""
+    if config is None:
+        return DEFAULT_CONFIG
+    path = Path(config).expanduser()
+    if path.is_file():
+        return path
+    name = path.name if path.suffix in (".yaml", ".yml") else f"{path.name}.yaml"
+    packaged = PACKAGED_CONFIGS / name
+    if packaged.is_file() and (len(path.parts) == 1 or path.parent.name == "configs"):
+        return Path(str(packaged))
+    raise ConfigError(f"config file not found: {config} (packaged configs: {', '.join(packaged_configs())})")
+
+
+def parse_override(item: str) -> tuple[list[str], Any]:
+    """'grpo.beta=0.04' -> (['grpo', 'beta'], 0.04); the value is parsed as YAML."""
+    if "=" not in item:
+        raise ConfigError(f"override {item!r}: expected key=value, e.g. grpo.beta=0.04")
+    key, raw = item.split("=", 1)
+    path = [p for p in key.strip().split(".") if p]
+    if not path:
+        raise ConfigError(f"override {item!r}: empty key")
+    try:
+        value = yaml.safe_load(raw) if raw.strip() else ""
+    except yaml.YAMLError as e:
+        raise ConfigError(f"override {key}: cannot parse value {raw!r}: {e}") from None
+    return path, value
+
+
+def apply_overrides(raw: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
+    for item in overrides:
+        path, value = parse_override(item)
+        node = raw
+        for i, part in enumerate(path[:-1]):
+            nxt = node.setdefault(part, {})
+            if not isinstance(nxt, dict):
+                raise ConfigError(f"override {item!r}: {'.'.join(path[: i + 1])} is not a section")
+            node = nxt
+        node[path[-1]] = value
+    return raw
+
+
+def _format_error(err: ValidationError) -> str:
+    lines = []
+    for e in err.errors():
+        key = ".".join(str(p) for p in e["loc"]) or "<root>"
+        msg = e["msg"].removeprefix("Value error, ")
+        if e["type"] == "extra_forbidden":
+            msg = "unknown key"
+        elif "input" in e and e["type"] not in ("missing",) and not isinstance(e["input"], dict):
+            msg = f"{msg} (got {e['input']!r})"
+        lines.append(f"  {key}: {msg}")
+    return "invalid config:\n" + "\n".join(lines)
+
+
+# Credentials come from the AWS chain (env, ~/.aws), never from the config, which is logged to MLflow and saved
+# in the workspace: a key that looks like one, or a URI with user:password in it, is refused by name.
+_CREDENTIAL_KEY = re.compile(
+    r"(^|_)(secret|secret_key|password|passwd|credentials?|api_key|access_key|access_key_id|session_token|"
+    r"auth_token|hf_token)$|^token$"
+)
+
+
+_URI_USERINFO = re.compile(r"^[a-z][a-z0-9+.-]*://[^/@\s]+:[^/@\s]*@", re.IGNORECASE)
+
+
+def _reject_credentials(node: Any, path: str = "") -> None:
+    if not isinstance(node, dict):
+        return
+    for k, v in node.items():
+        key = f"{path}{k}"
+        if _CREDENTIAL_KEY.search(str(k).lower()):
+            raise ConfigError(
+                f"{key}: credentials do not belong in the config (it is logged to MLflow and saved with the run); "
+                "use the standard AWS chain instead: AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY, or AWS_PROFILE with "
+                "~/.aws/credentials (MLflow servers: MLFLOW_TRACKING_USERNAME / MLFLOW_TRACKING_PASSWORD)"
+            )
+        if isinstance(v, str) and _URI_USERINFO.match(v):
+            raise ConfigError(
+                f"{key}: holds a user:password in the URI; credentials do not belong in the config "
+                "(for an MLflow server use MLFLOW_TRACKING_USERNAME / MLFLOW_TRACKING_PASSWORD)"
+            )
+        _reject_credentials(v, f"{key}.")
+
+
+def config_from_dict(raw: dict[str, Any]) -> PipelineConfig:
+    _reject_credentials(raw)
+    try:
+        return PipelineConfig.model_validate(raw)
+    except ValidationError as err:
+        raise ConfigError(_format_error(err)) from None
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> PipelineConfig:
+    """Read a YAML config (the embedded default when path is None), apply key=value overrides, validate."""
+    path = resolve_config_path(path)
+    try:
+        raw = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as e:
+        raise ConfigError(f"{path}: not valid YAML: {e}") from None
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{path}: the top level must be a mapping of sections")
+    return config_from_dict(apply_overrides(raw, list(overrides or [])))
+
+
+def load_run_config(config: str | None, overrides: list[str] | None = None, name: bool = True) -> PipelineConfig:
+    """The config of a run, as `grpoflow run` and the deployed flows read it: CONFIG (default: the embedded one)
+    plus key=value overrides (a first argument with "=" that is no file is an override); run.name defaults to
+    run-<time>."""
+    overrides = list(overrides or [])
+    if config and "=" in config and not Path(config).exists():  # `grpoflow run key=value` without a file
+        overrides.insert(0, config)
+        config = None
+    cfg = load_config(config, overrides)
+    if name and cfg.run.name is None:
+        cfg = cfg.model_copy(update={"run": cfg.run.model_copy(update={"name": time.strftime("run-%Y%m%d-%H%M%S")})})
+    return cfg

@@ -1,0 +1,55 @@
+"""Choosing the generation backend for ``generation.backend`` (auto | vllm | transformers), logged with the
+reason."""
+
+from __future__ import annotations
+
+import logging
+
+from grpoflow.tasks.generation.transformers_loop import TransformersGenerator
+
+log = logging.getLogger(__name__)
+
+
+def choose_backend(requested: str, vllm_problem: str | None) -> tuple[str, str]:
+    """(backend, why) for generation.backend = auto | vllm | transformers.
+
+    ``vllm_problem`` is why vLLM cannot serve the model here (None: it can). auto takes vLLM when it
+    can; an explicit ``vllm`` that cannot is an error naming the reason, never a silent fallback."""
+    if requested == "transformers":
+        return "transformers", "generation.backend=transformers"
+    if vllm_problem is None:
+        return "vllm", "generation.backend=vllm" if requested == "vllm" else "auto: vLLM imports and supports the model"
+    if requested == "vllm":
+        raise ValueError(f"generation.backend=vllm: {vllm_problem}")
+    return "transformers", f"auto: {vllm_problem}"
+
+
+def make_generator(
+    cfg,
+    model,
+    tokenizer,
+    *,
+    model_path: str,
+    dtype: str = "float32",
+    load_in_4bit: bool = False,
+    max_model_len: int = 1024,
+    seed: int = 0,
+):
+    """Pick the generation backend for ``cfg`` (a GenerationConfig), log which one and why, build it.
+
+    The vLLM engine starts from ``model_path`` (the model as trained from) and then follows
+    ``model``'s weights in memory."""
+    problem = None
+    if cfg.backend != "transformers":
+        from grpoflow.tasks.generation.vllm_engine import model_architectures, model_head_dim, unsupported_reason
+
+        problem = unsupported_reason(model_architectures(model), model_head_dim(model), load_in_4bit)
+    backend, why = choose_backend(cfg.backend, problem)
+    log.info("generation backend: %s (%s)", backend, why)
+    if backend == "transformers":
+        return TransformersGenerator(
+            model, tokenizer, cfg.batch_size, merge_lora=cfg.merge_lora, threads=cfg.torch_threads
+        )
+    from grpoflow.tasks.generation.vllm_engine import VLLMGenerator
+
+    return VLLMGenerator(model, tokenizer, model_path, cfg, dtype=dtype, max_model_len=max_model_len, seed=seed)

@@ -1,0 +1,132 @@
+"""Model and tokenizer loading shared by the stages.
+
+- ``model.name: tiny`` builds a small Qwen2/Llama-style causal LM from config, with a byte-level
+  BPE tokenizer trained on the task's own text (Qwen2's pre-tokenizer regex, so digits are single
+  tokens and llama.cpp's "qwen2" pre-tokenizer matches) and a ChatML chat template. Nothing is
+  downloaded; the result is saved once under the run workspace (``base_model/``) and reloaded.
+- Any other name is a Hugging Face model id or a local path, loaded with transformers.
+- LoRA adapters via peft; QLoRA (4-bit NF4 base) via bitsandbytes.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
+
+from grpoflow.tasks.config import LoraConfig, ModelConfig
+from grpoflow.tasks.model.lora import unwrap
+
+log = logging.getLogger(__name__)
+
+CHATML_TEMPLATE = (
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def load_tokenizer(name_or_path: str, cfg: ModelConfig) -> PreTrainedTokenizerBase:
+    tok = AutoTokenizer.from_pretrained(name_or_path, revision=cfg.revision, trust_remote_code=cfg.trust_remote_code)
+    if tok.pad_token is None:
+        tok.pad_token = tok.eos_token
+    tok.padding_side = "left"
+    if tok.chat_template is None:
+        tok.chat_template = CHATML_TEMPLATE
+    return tok
+
+
+def prompt_ids(tokenizer, prompt_messages: list[dict], max_prompt_length: int | None = None) -> list[int]:
+    """Chat-templated prompt token ids, left-truncated to max_prompt_length (as TRL does)."""
+    text = tokenizer.apply_chat_template(prompt_messages, tokenize=False, add_generation_prompt=True)
+    ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+    if max_prompt_length is not None and len(ids) > max_prompt_length:
+        ids = ids[-max_prompt_length:]
+    return ids
+
+
+def load_causal_lm(name_or_path: str, cfg: ModelConfig, *, quantize: bool | None = None) -> PreTrainedModel:
+    """Load a causal LM with the configured dtype, attention and (optionally) 4-bit quantization."""
+    kwargs: dict = {"revision": cfg.revision, "trust_remote_code": cfg.trust_remote_code}
+    kwargs["dtype"] = DTYPES.get(cfg.dtype, "auto")
+    if cfg.attn_implementation:
+        kwargs["attn_implementation"] = cfg.attn_implementation
+    if cfg.load_in_4bit if quantize is None else quantize:
+        from transformers import BitsAndBytesConfig
+
+        compute = DTYPES.get(cfg.dtype, torch.bfloat16)
+        kwargs["quantization_config"] = BitsAndBytesConfig(
+            load_in_4bit=True,
+            bnb_4bit_quant_type="nf4",
+            bnb_4bit_use_double_quant=True,
+            bnb_4bit_compute_dtype=compute,
+        )
+    try:
+        model = AutoModelForCausalLM.from_pretrained(name_or_path, **kwargs)
+    except OSError as e:
+        raise ValueError(
+            f"model.name: cannot load {name_or_path!r} (not a local model folder or reachable id): {e}"
+        ) from e
+    return model
+
+
+def add_lora(model: PreTrainedModel, cfg: LoraConfig, gradient_checkpointing: bool = False):
+    """Wrap ``model`` with fresh trainable LoRA adapters (peft)."""
+    from peft import LoraConfig as PeftLoraConfig
+    from peft import get_peft_model, prepare_model_for_kbit_training
+
+    if getattr(model, "is_loaded_in_4bit", False):
+        model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=gradient_checkpointing)
+    peft_cfg = PeftLoraConfig(
+        r=cfg.r,
+        lora_alpha=cfg.alpha,
+        lora_dropout=cfg.dropout,
+        target_modules=cfg.target_modules,
+        task_type="CAUSAL_LM",
+    )
+    return get_peft_model(model, peft_cfg)
+
+
+def load_trainable(name_or_path: str, cfg: ModelConfig, use_lora: bool):
+    """Model ready to train: LoRA-wrapped (frozen base) or all weights trainable."""
+    model = load_causal_lm(name_or_path, cfg, quantize=cfg.load_in_4bit and use_lora)
+    if cfg.gradient_checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        model.config.use_cache = False
+    if use_lora:
+        model = add_lora(model, cfg.lora, cfg.gradient_checkpointing)
+    model.train()
+    return model
+
+
+def load_with_adapter(base: str, adapter_dir: str | None, cfg: ModelConfig, *, quantize: bool | None = None):
+    """The base model with a trained adapter applied (or just the base when adapter_dir is None)."""
+    model = load_causal_lm(base, cfg, quantize=quantize)
+    if adapter_dir:
+        from peft import PeftModel
+
+        model = PeftModel.from_pretrained(model, adapter_dir)
+    model.eval()
+    return model
+
+
+def backbone_and_head(model) -> tuple[torch.nn.Module, torch.nn.Module]:
+    """The transformer body (returns last hidden states) and the output projection of a causal LM.
+
+    Works for plain transformers models and peft wrappers (LoRA layers live inside the body)."""
+    base = unwrap(model)
+    return getattr(base, base.base_model_prefix), base.get_output_embeddings()
+
+
+def count_parameters(model) -> tuple[int, int]:
+    total = sum(p.numel() for p in model.parameters())
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    return trainable, total
+
+
+# --------------------------------------------------------------------------------------------
+# LoRA merged on the side (generation backends)
+# --------------------------------------------------------------------------------------------

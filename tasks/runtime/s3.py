@@ -1,0 +1,453 @@
+"""The one place that talks to S3 (boto3): URIs, listing, file and folder transfers, small JSON objects.
+
+Any S3 endpoint works (AWS, SeaweedFS, MinIO, ...): the endpoint is ``storage.endpoint_url``, else
+$AWS_ENDPOINT_URL_S3 / $AWS_ENDPOINT_URL, else AWS itself. Credentials never come from the config: boto3's
+standard chain finds them ($AWS_ACCESS_KEY_ID / $AWS_SECRET_ACCESS_KEY, $AWS_PROFILE and ~/.aws, instance
+roles). Addressing is path-style by default (http://host/bucket/key), which every S3 server accepts.
+
+Transfers use boto3's managed transfer: files above ``storage.multipart_threshold_mb`` go up in parts of
+``multipart_chunksize_mb`` (several at once), and botocore retries throttling, 5xx and connection errors with
+exponential backoff ("standard" mode, ``storage.max_attempts`` attempts). Failures become :class:`S3Error`
+(an OSError) whose message names the URI and the endpoint: :class:`S3NotFoundError` (also a
+FileNotFoundError) for a missing bucket or key, :class:`S3AccessError` (a PermissionError) for refused or
+missing credentials, plain S3Error for an unreachable endpoint.
+
+Every call goes through an :class:`S3Store` built from the run's ``storage`` settings (passed, never
+process-global). Folder sync (:meth:`S3Store.upload_dir`, :meth:`S3Store.download_dir`) skips files whose size
+and ETag already match, where the ETag of a local file is computed as S3 computes it: md5 of the bytes, or for
+an object uploaded in N parts, md5 of the concatenated part md5s followed by "-N". ``markers`` name files that
+mark a folder complete (a checkpoint's trainer_state.json): they are uploaded after, and deleted before,
+everything else.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import hashlib
+import json
+import os
+import re
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+from grpoflow.tasks.config.storage import StorageConfig
+
+MiB = 1024 * 1024
+
+_BUCKET = re.compile(r"^[a-z0-9][a-z0-9.-]{1,61}[a-z0-9]$")
+
+
+class S3Error(OSError):
+    """An S3 request failed; the message names the URI and the endpoint."""
+
+
+class S3NotFoundError(S3Error, FileNotFoundError):
+    """No such bucket or key."""
+
+
+class S3NoSuchBucketError(S3NotFoundError):
+    """The bucket itself does not exist."""
+
+
+class S3AccessError(S3Error, PermissionError):
+    """Missing, wrong or insufficient credentials."""
+
+
+# --------------------------------------------------------------------------------------------
+# URIs
+# --------------------------------------------------------------------------------------------
+def is_s3_uri(s: str) -> bool:
+    return isinstance(s, str) and s.startswith("s3://")
+
+
+def split_s3_uri(uri: str) -> tuple[str, str]:
+    """'s3://bucket/a/b' -> ('bucket', 'a/b'); 's3://bucket' -> ('bucket', '')."""
+    if not is_s3_uri(uri):
+        raise ValueError(f"{uri!r} is not an S3 URI (expected s3://bucket/key)")
+    bucket, _, key = uri[len("s3://") :].partition("/")
+    if not _BUCKET.match(bucket):
+        raise ValueError(
+            f"{uri!r}: {bucket!r} is not a valid bucket name (3-63 lowercase letters, digits, '.' or '-'); "
+            "expected s3://bucket/key"
+        )
+    if "//" in key:
+        raise ValueError(f"{uri!r}: empty path segment ('//') in the key")
+    return bucket, key
+
+
+def join_uri(uri: str, *parts: str) -> str:
+    """'s3://b/runs' + 'r1', 'data' -> 's3://b/runs/r1/data'."""
+    out = uri.rstrip("/")
+    for part in parts:
+        part = part.strip("/")
+        if part:
+            out = f"{out}/{part}"
+    return out
+
+
+def endpoint_url(settings: StorageConfig) -> str | None:
+    return settings.endpoint_url or os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL") or None
+
+
+def local_path(uri: str, cache_dir: str | Path) -> Path:
+    """The local copy of ``uri``: <cache_dir>/<bucket>/<key> (deterministic, so a rerun finds it again)."""
+    bucket, key = split_s3_uri(uri)
+    root = Path(cache_dir).expanduser().resolve()
+    return root / bucket / key if key else root / bucket
+
+
+# --------------------------------------------------------------------------------------------
+# client
+# --------------------------------------------------------------------------------------------
+_CLIENT_ENV = (
+    "AWS_ENDPOINT_URL",
+    "AWS_ENDPOINT_URL_S3",
+    "AWS_ACCESS_KEY_ID",
+    "AWS_SECRET_ACCESS_KEY",
+    "AWS_SESSION_TOKEN",
+    "AWS_PROFILE",
+    "AWS_SHARED_CREDENTIALS_FILE",
+    "AWS_CONFIG_FILE",
+    "AWS_REGION",
+    "AWS_DEFAULT_REGION",
+)
+
+
+def s3_client(settings: StorageConfig):
+    """A boto3 S3 client: endpoint from the settings or $AWS_ENDPOINT_URL, path-style, retries with backoff.
+
+    Clients are thread-safe and cost about 0.5 s to build (botocore parses its service model), so one is kept
+    per settings, process and AWS environment (hashed: the values themselves are not kept)."""
+    env = hashlib.sha256(repr([os.environ.get(k) for k in _CLIENT_ENV]).encode()).hexdigest()
+    return _cached_client(settings, env, os.getpid())
+
+
+@functools.lru_cache(maxsize=8)
+def _cached_client(s: StorageConfig, env: str, pid: int):
+    import boto3
+    from botocore.config import Config
+
+    config = Config(
+        retries={"max_attempts": s.max_attempts, "mode": "standard"},
+        s3={"addressing_style": s.addressing_style},
+        connect_timeout=10,
+        read_timeout=120,
+    )
+    return boto3.session.Session().client("s3", endpoint_url=endpoint_url(s), region_name=s.region, config=config)
+
+
+def _bucket_exists(client, bucket: str) -> bool:
+    from botocore.exceptions import BotoCoreError, ClientError
+
+    try:
+        client.head_bucket(Bucket=bucket)
+        return True
+    except ClientError as e:
+        return e.response.get("ResponseMetadata", {}).get("HTTPStatusCode") != 404
+    except BotoCoreError:
+        return True  # unknown: say "no such object" rather than guess
+
+
+def local_etag(path: Path, size: int, parts: int | None, chunksize: int) -> str:
+    """The ETag S3 gives ``path``: md5 hex of the bytes, or for ``parts`` parts of ``chunksize`` bytes,
+    md5(md5(part 1) + ... + md5(part N)) hex + '-N'."""
+    if not parts:
+        h = hashlib.md5(usedforsecurity=False)
+        with path.open("rb") as f:
+            for block in iter(lambda: f.read(MiB), b""):
+                h.update(block)
+        return h.hexdigest()
+    digests = []
+    with path.open("rb") as f:
+        for _ in range(parts):
+            h = hashlib.md5(usedforsecurity=False)
+            left = chunksize
+            while left > 0 and (block := f.read(min(MiB, left))):
+                h.update(block)
+                left -= len(block)
+            digests.append(h.digest())
+    return f"{hashlib.md5(b''.join(digests), usedforsecurity=False).hexdigest()}-{parts}"
+
+
+def _files(folder: Path) -> list[str]:
+    return sorted(p.relative_to(folder).as_posix() for p in folder.rglob("*") if p.is_file())
+
+
+class S3Store:
+    """S3 with one set of ``storage`` settings: endpoint, addressing, retries, multipart sizes and the local cache
+    folder. Built where the settings are known (the workspace, the data stage, the CLI) and passed on."""
+
+    def __init__(self, settings: StorageConfig | None = None):
+        self.settings = settings if settings is not None else StorageConfig()
+
+    def __repr__(self) -> str:
+        return f"S3Store({self.where})"
+
+    @property
+    def client(self):
+        return s3_client(self.settings)
+
+    @property
+    def where(self) -> str:
+        """The endpoint, for messages."""
+        return endpoint_url(self.settings) or "AWS S3 (no endpoint set)"
+
+    def local_path(self, uri: str) -> Path:
+        """The local copy of ``uri`` under storage.cache_dir."""
+        return local_path(uri, self.settings.cache_dir)
+
+    def _transfer_config(self):
+        from boto3.s3.transfer import TransferConfig
+
+        s = self.settings
+        return TransferConfig(
+            multipart_threshold=s.multipart_threshold_mb * MiB, multipart_chunksize=s.multipart_chunksize_mb * MiB
+        )
+
+    @contextlib.contextmanager
+    def _errors(self, uri: str, check_bucket: bool = True) -> Iterator[None]:
+        """Turn botocore/boto3 failures into S3Error subclasses whose message names ``uri`` and the endpoint; with
+        ``check_bucket``, a 404 asks whether the bucket itself is missing."""
+        from boto3.exceptions import S3UploadFailedError
+        from botocore.exceptions import (
+            BotoCoreError,
+            ClientError,
+            ConnectionError,
+            NoCredentialsError,
+            PartialCredentialsError,
+        )
+
+        where = self.where
+        try:
+            yield
+        except (NoCredentialsError, PartialCredentialsError) as e:
+            raise S3AccessError(
+                f"{uri}: no AWS credentials ({e}); set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY, or AWS_PROFILE "
+                "with ~/.aws/credentials (credentials never go in the config)"
+            ) from None
+        except ConnectionError as e:  # EndpointConnectionError, ConnectTimeoutError, ... after every retry
+            raise S3Error(f"{uri}: cannot reach the S3 endpoint {where}: {e}") from None
+        except S3UploadFailedError as e:  # boto3 wraps the ClientError of a managed upload in text only
+            cause = e.__context__
+            if isinstance(cause, ClientError):
+                raise self._client_error(uri, cause, check_bucket) from None
+            raise S3Error(f"{uri}: upload to {where} failed: {e}") from None
+        except ClientError as e:
+            raise self._client_error(uri, e, check_bucket) from None
+        except BotoCoreError as e:
+            raise S3Error(f"{uri}: S3 request to {where} failed: {e}") from None
+
+    def _client_error(self, uri: str, e, check_bucket: bool) -> S3Error:
+        err = e.response.get("Error", {})
+        code = str(err.get("Code", ""))
+        status = e.response.get("ResponseMetadata", {}).get("HTTPStatusCode")
+        where = self.where
+        bucket = split_s3_uri(uri)[0] if is_s3_uri(uri) else "?"
+        if code == "NoSuchBucket":
+            return S3NoSuchBucketError(f"{uri}: bucket {bucket!r} does not exist at {where}")
+        if code in ("NoSuchKey", "404", "NotFound") or status == 404:
+            if check_bucket and not _bucket_exists(self.client, bucket):
+                return S3NoSuchBucketError(f"{uri}: bucket {bucket!r} does not exist at {where}")
+            return S3NotFoundError(f"{uri}: no such object at {where}")
+        if code in ("AccessDenied", "InvalidAccessKeyId", "SignatureDoesNotMatch", "403", "Forbidden") or status == 403:
+            return S3AccessError(
+                f"{uri}: access denied by {where} ({code or status}: {err.get('Message', '')}); check the credentials "
+                "(AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY or AWS_PROFILE) and the bucket policy"
+            )
+        return S3Error(f"{uri}: S3 request to {where} failed: {code or status}: {err.get('Message', e)}")
+
+    def list_objects(self, prefix_uri: str, *, page_size: int = 1000) -> list[dict[str, Any]]:
+        """Every object whose key starts with the prefix (all pages): dicts with uri, size, etag, last_modified.
+
+        A plain prefix: 's3://b/runs/r1' also matches 's3://b/runs/r10/...'; end it with '/' for a folder."""
+        bucket, key = split_s3_uri(prefix_uri)
+        client = self.client
+        out = []
+        with self._errors(prefix_uri, check_bucket=False):
+            pages = client.get_paginator("list_objects_v2").paginate(
+                Bucket=bucket, Prefix=key, PaginationConfig={"PageSize": page_size}
+            )
+            for page in pages:
+                for obj in page.get("Contents", []):
+                    out.append(
+                        {
+                            "uri": f"s3://{bucket}/{obj['Key']}",
+                            "size": int(obj["Size"]),
+                            "etag": obj.get("ETag", "").strip('"'),
+                            "last_modified": obj["LastModified"],
+                        }
+                    )
+        return out
+
+    def check_access(self, uri: str) -> None:
+        """Fail now, naming the URI and endpoint, when the bucket of ``uri`` cannot be listed (missing bucket,
+        credentials, endpoint): one request, before a run starts rather than after its first stage."""
+        bucket, key = split_s3_uri(uri)
+        client = self.client
+        with self._errors(uri):
+            client.list_objects_v2(Bucket=bucket, Prefix=key, MaxKeys=1)
+
+    def exists(self, uri: str) -> bool:
+        bucket, key = split_s3_uri(uri)
+        client = self.client
+        try:
+            with self._errors(uri):
+                client.head_object(Bucket=bucket, Key=key)
+        except S3NoSuchBucketError:
+            raise
+        except S3NotFoundError:
+            return False
+        return True
+
+    def download_file(self, uri: str, path: str | Path) -> Path:
+        """Copy one object to ``path`` (written beside it and renamed, so a failed download leaves no file)."""
+        bucket, key = split_s3_uri(uri)
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f".{path.name}.part")
+        client = self.client
+        try:
+            with self._errors(uri):
+                client.download_file(bucket, key, str(tmp), Config=self._transfer_config())
+            os.replace(tmp, path)
+        finally:
+            tmp.unlink(missing_ok=True)
+        return path
+
+    def upload_file(self, path: str | Path, uri: str) -> str:
+        """Copy a local file to ``uri`` (managed transfer: multipart above storage.multipart_threshold_mb)."""
+        bucket, key = split_s3_uri(uri)
+        if not key or key.endswith("/"):
+            raise ValueError(f"{uri!r}: an object URI needs a key that does not end with '/'")
+        path = Path(path)
+        if not path.is_file():
+            raise FileNotFoundError(f"cannot upload {path} to {uri}: no such file")
+        client = self.client
+        with self._errors(uri):
+            client.upload_file(str(path), bucket, key, Config=self._transfer_config())
+        return uri
+
+    def get_bytes(self, uri: str) -> bytes:
+        bucket, key = split_s3_uri(uri)
+        client = self.client
+        with self._errors(uri):
+            return client.get_object(Bucket=bucket, Key=key)["Body"].read()
+
+    def put_bytes(self, data: bytes, uri: str) -> str:
+        bucket, key = split_s3_uri(uri)
+        client = self.client
+        with self._errors(uri):
+            client.put_object(Bucket=bucket, Key=key, Body=data)
+        return uri
+
+    def get_json(self, uri: str, default: Any = ...) -> Any:
+        """The parsed JSON object at ``uri``; ``default`` (when given) if there is no such key."""
+        try:
+            data = self.get_bytes(uri)
+        except S3NoSuchBucketError:
+            raise
+        except S3NotFoundError:
+            if default is ...:
+                raise
+            return default
+        try:
+            return json.loads(data)
+        except ValueError as e:
+            raise ValueError(f"{uri}: not valid JSON: {e}") from None
+
+    def delete_objects(self, uris: Sequence[str]) -> None:
+        """Delete these objects (in this order, 1000 per request); missing ones are fine."""
+        client = self.client
+        by_bucket: dict[str, list[str]] = {}
+        for uri in uris:
+            bucket, key = split_s3_uri(uri)
+            by_bucket.setdefault(bucket, []).append(key)
+        for bucket, keys in by_bucket.items():
+            for i in range(0, len(keys), 1000):
+                batch = keys[i : i + 1000]
+                with self._errors(f"s3://{bucket}/{batch[0]}"):
+                    res = client.delete_objects(Bucket=bucket, Delete={"Objects": [{"Key": k} for k in batch]})
+                if res.get("Errors"):
+                    first = res["Errors"][0]
+                    raise S3Error(
+                        f"s3://{bucket}/{first.get('Key')}: delete failed at {self.where}: {first.get('Message')}"
+                    )
+
+    def delete_prefix(self, prefix_uri: str, *, markers: Sequence[str] = ()) -> int:
+        """Delete every object under the prefix (``markers`` first); returns how many there were."""
+        uris = [o["uri"] for o in self.list_objects(prefix_uri)]
+        first = [u for u in uris if u.rsplit("/", 1)[-1] in markers]
+        if first:
+            self.delete_objects(first)
+        self.delete_objects([u for u in uris if u not in set(first)])
+        return len(uris)
+
+    def same_content(self, path: Path, obj: dict[str, Any]) -> bool:
+        """Whether a local file holds the object's bytes (size, then ETag as S3 computes it)."""
+        if not path.is_file() or path.stat().st_size != obj["size"]:
+            return False
+        etag = obj["etag"]
+        parts = int(etag.rsplit("-", 1)[1]) if "-" in etag else None
+        chunk = self.settings.multipart_chunksize_mb * MiB
+        if parts and parts != -(-obj["size"] // chunk):  # uploaded with another part size: cannot tell
+            return False
+        return local_etag(path, obj["size"], parts, chunk) == etag
+
+    def upload_dir(
+        self,
+        path: str | Path,
+        prefix_uri: str,
+        *,
+        delete: bool = False,
+        markers: Sequence[str] = (),
+        exclude: Sequence[str] = (),
+    ) -> list[str]:
+        """Make s3 prefix_uri/ hold the files of folder ``path``: upload what differs (``markers`` last); with
+        ``delete``, remove objects that have no local file (``markers`` first). Relative names in ``exclude`` are
+        neither uploaded nor deleted. Returns the uploaded URIs."""
+        folder = Path(path)
+        prefix = prefix_uri.rstrip("/") + "/"
+        remote = {o["uri"][len(prefix) :]: o for o in self.list_objects(prefix)}
+        remote = {name: o for name, o in remote.items() if name not in exclude}
+        names = [n for n in _files(folder) if n not in exclude] if folder.is_dir() else []
+        if delete:
+            stale = [prefix + n for n in remote if n not in set(names)]
+            stale.sort(key=lambda u: u.rsplit("/", 1)[-1] not in markers)  # markers first
+            if stale:
+                self.delete_objects(stale)
+        names.sort(key=lambda n: n.rsplit("/", 1)[-1] in markers)  # markers last (stable: otherwise sorted)
+        uploaded = []
+        for name in names:
+            if name in remote and self.same_content(folder / name, remote[name]):
+                continue
+            uploaded.append(self.upload_file(folder / name, prefix + name))
+        return uploaded
+
+    def download_dir(
+        self,
+        prefix_uri: str,
+        path: str | Path,
+        *,
+        delete: bool = False,
+        markers: Sequence[str] = (),
+        exclude: Sequence[str] = (),
+    ) -> list[Path]:
+        """Make folder ``path`` hold the objects under s3 prefix_uri/: download what differs (``markers`` last);
+        with ``delete``, remove local files that have no object (``markers`` first). Relative names in ``exclude``
+        are neither downloaded nor deleted. Returns the downloaded paths."""
+        folder = Path(path)
+        prefix = prefix_uri.rstrip("/") + "/"
+        remote = {o["uri"][len(prefix) :]: o for o in self.list_objects(prefix)}
+        remote = {n: o for n, o in remote.items() if n and not n.endswith("/") and n not in exclude}  # no dir markers
+        if delete and folder.is_dir():
+            stale = [n for n in _files(folder) if n not in remote and n not in exclude]
+            for name in sorted(stale, key=lambda n: n.rsplit("/", 1)[-1] not in markers):  # markers first
+                (folder / name).unlink()
+        got = []
+        for name, obj in sorted(remote.items(), key=lambda item: item[0].rsplit("/", 1)[-1] in markers):
+            target = folder / name
+            if not self.same_content(target, obj):
+                got.append(self.download_file(obj["uri"], target))
+        return got

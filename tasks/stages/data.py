@@ -1,0 +1,169 @@
+"""The data stage: raw rows -> prompt / question / answer / reference datasets in the run workspace.
+
+Sources (``data.source``): the built-in arithmetic task ("What is 37 + 58?" -> "95"), a local or s3://
+.jsonl/.json/.parquet/.csv file (an S3 file is downloaded into storage.cache_dir first), or a Hugging Face
+dataset id. Every row becomes
+
+    prompt     TRL conversational prompt: [system (when data.system_prompt is set), user question]
+    question   the question text
+    answer     the gold final answer (what the rewards compare against)
+    reference  "<reasoning>\\n...\\n</reasoning>\\n<answer>\\n<gold>\\n</answer>", the SFT target
+
+Row formats (``data.format``): gsm8k (gold = text after the last '####', commas removed; reasoning = text
+before it without the <<calculator>> annotations), qa (answer field as is, empty reasoning), arithmetic
+("37 + 58 = 95"), auto (arithmetic for the built-in task, gsm8k when the answers carry '####', else qa).
+
+The eval split is ``data.eval_source`` (a file, or a split name of the HF dataset) or a seeded held-out
+slice of the source. Outputs: <ws>/data/train and <ws>/data/eval (``Dataset.save_to_disk``), samples.jsonl
+(the first train rows, for humans) and, last, manifest.json. Everything here is plain Python except
+:func:`data_task`, the thin Prefect task at the bottom.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import random
+import shutil
+from pathlib import Path
+from typing import Any
+
+from datasets import Dataset
+from prefect import task
+
+from grpoflow.tasks.config import DataConfig, PipelineConfig, StorageConfig, resolve_eval_size
+from grpoflow.tasks.dataio.rows import FEATURES, columns, detect_format, generate_arithmetic, map_rows
+from grpoflow.tasks.dataio.sources import BUILTIN_SOURCE, load_source, looks_like_file
+from grpoflow.tasks.runtime.stage import run_stage
+from grpoflow.tasks.runtime.tracking import RunLogger
+from grpoflow.tasks.runtime.workspace import Workspace
+
+log = logging.getLogger(__name__)
+
+SAMPLE_ROWS = 5
+
+
+# --------------------------------------------------------------------------------------------
+# loading raw rows
+# --------------------------------------------------------------------------------------------
+
+
+# --------------------------------------------------------------------------------------------
+# row mapping
+# --------------------------------------------------------------------------------------------
+
+
+# --------------------------------------------------------------------------------------------
+# the stage
+# --------------------------------------------------------------------------------------------
+def _load_eval(src: str, d: DataConfig, storage: StorageConfig) -> tuple[Dataset, str]:
+    """data.eval_source: a local or s3:// file, or (for a HF dataset id source) a split name of it."""
+    if Path(src).expanduser().exists() or looks_like_file(src):
+        return load_source(src, storage=storage), src
+    if d.source == BUILTIN_SOURCE or Path(d.source).expanduser().exists() or looks_like_file(d.source):
+        raise ValueError(
+            f"data.eval_source {src!r} is not an existing file; a split name only applies when "
+            f"data.source is a Hugging Face dataset id (data.source is {d.source!r})"
+        )
+    return load_source(d.source, split=src, subset=d.subset, storage=storage), f"{d.source} (split {src!r})"
+
+
+def _held_out(examples: list[dict[str, Any]], eval_size: float, seed: int) -> tuple[list, list]:
+    order = list(range(len(examples)))
+    random.Random(seed).shuffle(order)
+    k = resolve_eval_size(eval_size, len(examples))
+    return [examples[i] for i in order[k:]], [examples[i] for i in order[:k]]
+
+
+def _save(rows: list[dict[str, Any]], path: Path) -> None:
+    if path.exists():
+        shutil.rmtree(path)
+    columns = {name: [r[name] for r in rows] for name in FEATURES}
+    Dataset.from_dict(columns, features=FEATURES).save_to_disk(str(path))
+
+
+def prepare_data(cfg: PipelineConfig, ws: Workspace) -> dict[str, Any]:
+    """Build and save the train/eval datasets of cfg.data; returns a small summary (paths and counts)."""
+    d, seed = cfg.data, cfg.run.seed
+    ws.manifest_path("data").unlink(missing_ok=True)  # a rerun that fails must not look complete
+    skipped: dict[str, list[tuple[int, str]]] = {}
+
+    if d.source == BUILTIN_SOURCE:
+        if d.format == "gsm8k":
+            raise ValueError("data.format 'gsm8k' does not apply to the built-in arithmetic source")
+        fmt = "arithmetic" if d.format == "auto" else d.format
+        train_raw, eval_raw = generate_arithmetic(d.arithmetic, seed)
+        train_rows, _ = map_rows([r["question"] for r in train_raw], [r["answer"] for r in train_raw], fmt, d, d.source)
+        eval_rows, _ = map_rows([r["question"] for r in eval_raw], [r["answer"] for r in eval_raw], fmt, d, d.source)
+    else:
+        source_name = d.source if looks_like_file(d.source) else f"{d.source} (split {d.split!r})"
+        questions, answers = columns(
+            load_source(d.source, d.split, d.subset, cfg.storage), d.question_field, d.answer_field, source_name
+        )
+        fmt = detect_format(answers) if d.format == "auto" else d.format
+        examples, skipped[source_name] = map_rows(questions, answers, fmt, d, source_name)
+        if d.eval_source is None:
+            train_rows, eval_rows = _held_out(examples, d.eval_size, seed)
+        else:
+            train_rows = examples
+    if d.eval_source is not None:
+        eval_ds, eval_name = _load_eval(d.eval_source, d, cfg.storage)
+        eval_q, eval_a = columns(eval_ds, d.question_field, d.answer_field, eval_name)
+        eval_rows, skipped[eval_name] = map_rows(eval_q, eval_a, fmt, d, eval_name)
+        if d.source == BUILTIN_SOURCE:  # keep eval questions out of the generated train split
+            held = {r["question"] for r in eval_rows}
+            train_rows = [r for r in train_rows if r["question"] not in held]
+
+    train_rows = train_rows[: d.max_train_rows]
+    eval_rows = eval_rows[: d.max_eval_rows]
+    n_skipped = sum(len(s) for s in skipped.values())
+    if not train_rows:
+        raise ValueError(f"data.source {d.source!r}: no usable training rows ({n_skipped} invalid rows skipped)")
+    if not eval_rows:
+        log.warning("data.source %r: the eval split is empty", d.source)
+
+    out = ws.stage_dir("data")
+    train_path, eval_path, samples_path = out / "train", out / "eval", out / "samples.jsonl"
+    _save(train_rows, train_path)
+    _save(eval_rows, eval_path)
+    with samples_path.open("w") as f:
+        for row in train_rows[:SAMPLE_ROWS]:
+            f.write(json.dumps(row) + "\n")
+
+    summary = {
+        "train_path": str(train_path),
+        "eval_path": str(eval_path),
+        "train_rows": len(train_rows),
+        "eval_rows": len(eval_rows),
+        "skipped_rows": n_skipped,
+        "format": fmt,
+    }
+    ws.write_manifest(
+        "data",
+        {
+            **summary,
+            "source": d.source,
+            "split": d.split,
+            "eval_source": d.eval_source,
+            "seed": seed,
+            "samples_path": str(samples_path),
+            "skipped_row_indices": {name: [i for i, _ in s[:20]] for name, s in skipped.items() if s},
+        },
+    )
+    return summary
+
+
+# --------------------------------------------------------------------------------------------
+# reading back
+# --------------------------------------------------------------------------------------------
+
+
+def _data_stage(cfg: PipelineConfig, ws: Workspace, tracker: RunLogger) -> dict[str, Any]:
+    summary = prepare_data(cfg, ws)
+    tracker.log_artifact(ws.stage_dir("data") / "samples.jsonl")
+    return summary
+
+
+@task(name="prepare-data")
+def data_task(cfg_dict: dict, workspace_root: str, parent_run_id: str | None = None) -> dict:
+    return run_stage("data", _data_stage, cfg_dict, workspace_root, parent_run_id)
