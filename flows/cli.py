@@ -134,7 +134,7 @@ def cmd_resume(args) -> int:
 
 
 def cmd_compare(args) -> int:
-    """Key metrics and config differences of two runs, side by side (tasks/compare.py)."""
+    """Key metrics and config differences of two runs, side by side (tasks/ops/compare.py)."""
     from mlflow.tracking import MlflowClient
     from rich.console import Console
     from rich.table import Table

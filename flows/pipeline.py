@@ -8,8 +8,8 @@ those URIs on. MLflow: the flow opens the parent run (tagged with the Prefect fl
 each stage task a nested run under it.
 
 Resume: running the flow again on the same workspace skips every stage whose manifest holds its
-current key (tasks/stage.py) and continues the parent run named in <workspace>/run.json
-(tasks/resume.py) instead of opening another one.
+current key (tasks/runtime/stage.py) and continues the parent run named in <workspace>/run.json
+(tasks/runtime/resume.py) instead of opening another one.
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """Config sections of the training stages: the optimizer keys they share, SFT, and GRPO with TRL's names
-(tasks/config.py assembles them into the run config and re-exports them)."""
+(tasks/config/pipeline.py assembles them into the run config and re-exports them)."""
 
 from __future__ import annotations
 
@@ -41,7 +41,7 @@ ScaleRewards = Literal["group", "batch", "none"]
 
 
 class GRPOConfig(OptimizerFields):
-    """GRPO settings, with TRL GRPOConfig names and defaults (see ../shared/GRPO-REFERENCE.md)."""
+    """GRPO settings, with TRL GRPOConfig names and defaults (see docs/grpo.md)."""
 
     learning_rate: float = Field(1e-6, gt=0)
     max_steps: int = Field(100, ge=1, description="Optimizer steps.")

@@ -1,20 +1,12 @@
-"""Generation backends: prompt token ids in, completions with the sampler's log-probs out.
+"""The transformers generation backend: KV-cached sampling on the training model itself (the interface every
+backend has is in types.py; the vLLM backend is vllm_engine.py; backend.py picks one).
 
-One small interface (DESIGN.md "Generation backends"):
-
-    generate(prompts: list[list[int]], n, params) -> Generation
-        completions are prompt-major: prompt 0's n samples, then prompt 1's, ...
-    sync_weights(model)   push trained weights into the engine (no-op when it is the model)
-
-Backends: ``TransformersGenerator`` below and ``VLLMGenerator`` (tasks/vllm_engine.py: an in-process
-vLLM engine that streams the trainer's weights in memory). ``make_generator`` picks one for
-``generation.backend`` (auto | vllm | transformers) and logs which and why.
-
-The transformers backend samples on the training model itself with ``sample`` below: generate's
-sampling without its per-step overhead, and finished rows leave the batch. Its sampler log-probs
-are log_softmax(raw_logits / temperature) of the chosen tokens, the same definition the trainer
-uses, so their gap to the trainer's log-probs measures numerical drift (padding, KV cache), not a
-different distribution. A completion ends at (and includes) the first EOS token: finish_reason
+``sample`` draws tokens with transformers' logits processors (repetition penalty, temperature, top-k, top-p,
+min-p) and ``torch.multinomial``, as ``model.generate`` does for the same seed, but over a plain loop of the
+model's forward with a DynamicCache: none of generate's per-step machinery, and rows that have emitted EOS leave
+the batch and the cache. Its sampler log-probs are log_softmax(raw_logits / temperature) of the chosen tokens, the
+same definition the trainer uses, so their gap to the trainer's log-probs measures numerical drift (padding, KV
+cache), not a different distribution. A completion ends at (and includes) the first EOS token: finish_reason
 "stop"; otherwise it was cut at max_new_tokens: "length".
 """
 

@@ -1,6 +1,6 @@
 """vLLM generation, co-located: the engine runs in the trainer's process and gets its weights in memory.
 
-Same interface as the transformers backend (tasks/generation.py): generate(prompt ids, n, params) ->
+Same interface as the transformers backend (tasks/generation/transformers_loop.py): generate(prompt ids, n, params) ->
 Generation; sync_weights(model). What this module adds, and why:
 
 - One process. ``VLLM_ENABLE_V1_MULTIPROCESSING=0`` and the ``uni`` executor keep the engine in

@@ -1,4 +1,4 @@
-"""Rewards -> group-relative advantages (TRL GRPOTrainer semantics, ../shared/GRPO-REFERENCE.md).
+"""Rewards -> group-relative advantages (TRL GRPOTrainer semantics, docs/grpo.md).
 
     r[b]  = nansum_k w_k * r_k[b]          (a row where every function gave NaN stays NaN)
     A[b]  = r[b] - mean_group(r)           (NaN-aware over the G completions of one prompt)

@@ -1,6 +1,6 @@
 """The GRPO policy loss for one micro-batch (TRL GRPOTrainer._compute_loss semantics).
 
-Notation (../shared/GRPO-REFERENCE.md): logp, old_logp, ref_logp [B, T]; mask m [B, T];
+Notation (docs/grpo.md): logp, old_logp, ref_logp [B, T]; mask m [B, T];
 advantages A [B].
 
     log_w = logp - old_logp                           (token level)

@@ -1,6 +1,6 @@
 """The GRPO loop: generate a round, score it, then replay it as micro-batches.
 
-One generation round (TRL's buffering, ../shared/GRPO-REFERENCE.md):
+One generation round (TRL's buffering; docs/grpo.md):
   1. take ``unique_prompts`` prompts, sample ``num_generations`` completions for each;
   2. score every completion with every reward function, weight, sum, group-normalize -> A;
   3. shuffle the round and split it into ``steps_per_generation`` micro-batches of

@@ -3,12 +3,12 @@
 Stages are plain functions ``fn(cfg, ws, tracker, **inputs) -> dict`` that know nothing of
 Prefect; this wraps one in its nested MLflow run and logs the summary it returns.
 
-Resume: a stage whose manifest holds the stage's current key (tasks/resume.py) is complete: its
+Resume: a stage whose manifest holds the stage's current key (tasks/runtime/resume.py) is complete: its
 stored summary is returned and nothing runs or is logged. Otherwise its manifest and every later
 stage's are removed, its folder is emptied when its last attempt had another key (a same-key attempt
 that was killed keeps its files: GRPO continues from its newest checkpoint), the stage runs, and its
 manifest gets the key and the returned summary. On an S3 workspace the upstream stages' files are pulled
-into the local mirror first (tasks/workspace.py), so a resume on an empty cache works.
+into the local mirror first (tasks/runtime/workspace.py), so a resume on an empty cache works.
 """
 
 from __future__ import annotations

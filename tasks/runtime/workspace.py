@@ -2,13 +2,13 @@
 
     <output_dir>/<run name>/
         config.yaml            the resolved config
-        run.json               the MLflow parent run (tasks/resume.py)
+        run.json               the MLflow parent run (tasks/runtime/resume.py)
         base_model/  data/   sft/   grpo/   eval/   export/
             attempt.json       the key of the stage's latest attempt
             manifest.json      written last: a stage is complete iff its manifest exists
 
 The manifest is written atomically (temp file + rename) after everything else of the stage,
-so a killed stage leaves no manifest and is recomputed. Resuming (tasks/stage.py, tasks/resume.py):
+so a killed stage leaves no manifest and is recomputed. Resuming (tasks/runtime/stage.py, tasks/runtime/resume.py):
 the manifest also holds the stage's ``key`` and the ``summary`` it returned, and ``attempt.json``
 (written when a stage starts) the key of its latest attempt, so that files an attempt with another key
 left behind (GRPO checkpoints) are removed rather than resumed. Stages only use the methods below, never
@@ -16,7 +16,7 @@ raw paths outside their own folder.
 
 S3 (``run.output_dir: s3://bucket/prefix``): the workspace is s3://bucket/prefix/<run name>, the source of
 truth, and stages still read and write plain files in its local mirror <storage.cache_dir>/<bucket>/<prefix>/
-<run name> (tasks/s3.py). Publishing a stage uploads its folder (what differs), then its manifest, so on S3
+<run name> (tasks/runtime/s3.py). Publishing a stage uploads its folder (what differs), then its manifest, so on S3
 too a stage is complete or absent. Manifests, attempt records, config.yaml and run.json are read from and
 written to S3; before a stage runs, the complete upstream stages are pulled into the mirror when the local
 copy is not theirs (its manifest differs), and its own folder is pulled (a killed GRPO's checkpoints, which

@@ -2,7 +2,7 @@
 
     export/adapter/   the peft adapter (adapter_config.json + adapter_model.safetensors)
     export/merged/    base + adapter merged, cast to export.merged_dtype, with the tokenizer
-    export/gguf/      model-<type>.gguf of the merged folder for each of export.gguf (tasks/gguf_export.py)
+    export/gguf/      model-<type>.gguf of the merged folder for each of export.gguf (tasks/model/gguf.py)
 
 Verification: the merged folder is loaded back with plain transformers and must produce the
 same greedy tokens as the trained model (base + adapter, in the training dtype) on

@@ -128,6 +128,10 @@ def test_entry_point_is_the_pipeline_cli(name, pyproject):
     assert "grpoflow" in pyproject["project"]["scripts"]
     workdir = [i.args for i in final if i.keyword == "WORKDIR"]
     assert workdir[-1] == "/app", f"{name}: the repository lives at /app (deployments set it as working directory)"
+    runs = " ".join(i.args for i in final if i.keyword == "RUN")
+    assert "pip install" in runs and not re.search(r"pip install [^&]*(-e|--editable) ", runs), (
+        f"{name}: the package is installed as users get it (grpoflow.* in site-packages), not editable"
+    )
 
 
 def test_gpu_image_has_what_triton_compiles_with():
@@ -187,8 +191,8 @@ def test_dockerignore_lets_the_project_through_and_keeps_secrets_out(pyproject):
     rules = [s for s in lines if s and not s.startswith("#")]
     assert rules[0] == "*", ".dockerignore should be an allow-list (start with '*')"
     allowed = {r[1:].rstrip("/") for r in rules if r.startswith("!")}
-    needed = set(pyproject["tool"]["setuptools"]["packages"]["find"]["include"])
-    needed = {n.rstrip("*") for n in needed} | {"configs", "pyproject.toml", "README.md"}
+    needed = set(pyproject["tool"]["setuptools"]["package-dir"].values())  # the folders the package installs from
+    needed |= {"configs", "pyproject.toml", "README.md"}
     assert needed <= allowed, f".dockerignore drops {needed - allowed}"
     for secret in ("docker/.env", ".env", "docker", ".git", "runs"):
         assert secret not in allowed, f".dockerignore lets {secret} into the build context"

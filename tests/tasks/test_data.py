@@ -1,4 +1,4 @@
-"""Tests for tasks/data.py: sources, row formats, invalid rows, splits, the saved stage outputs."""
+"""Tests for tasks/stages/data.py: sources, row formats, invalid rows, splits, the saved stage outputs."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""GGUF export (tasks/gguf_export.py): read back with gguf's own reader, and (opt-in) run by llama.cpp.
+"""GGUF export (tasks/model/gguf.py): read back with gguf's own reader, and (opt-in) run by llama.cpp.
 
 Tiny Qwen2/Llama models are built from config; every tensor of the GGUF is compared with the HF weights
 (names mapped independently of gguf.TensorNameMap, Llama q/k un-permuted here by the inverse reshape)."""

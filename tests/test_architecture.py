@@ -1,0 +1,127 @@
+"""The layout keeps its shape: the import contracts of pyproject.toml ([tool.importlinter]) hold, and the installed
+wheel holds one namespace, grpoflow, with the configs inside it."""
+
+import os
+import shutil
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def test_import_contracts_hold():
+    lint = Path(sys.executable).with_name("lint-imports")
+    out = subprocess.run([str(lint), "--no-cache", "--no-logo"], cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "0 broken" in out.stdout
+    for contract in (
+        "Layers",
+        "Kernels import nothing",
+        "Runtime imports no stage",
+        "Stages do not import each other",
+        "Configuration imports no other",
+        "No import cycles",
+    ):
+        assert contract in out.stdout, contract
+
+
+def test_no_module_imports_the_old_top_level_names():
+    """`from tasks...` would work in the repository (the working directory is on sys.path) and fail installed."""
+    bad = []
+    for folder in ("flows", "tasks", "kernels", "tests", "benchmarks"):
+        for path in (REPO / folder).rglob("*.py"):
+            for i, line in enumerate(path.read_text().splitlines(), 1):
+                s = line.strip()
+                if s.startswith(
+                    ("from tasks", "from flows", "from kernels", "import tasks", "import flows", "import kernels")
+                ):
+                    bad.append(f"{path.relative_to(REPO)}:{i}: {s}")
+    assert not bad, bad
+
+
+@pytest.fixture(scope="module")
+def wheel(tmp_path_factory) -> Path:
+    """The wheel built from a copy of the checkout's files (an in-tree build would leave build/ behind, whose stale
+    modules a later build would pack)."""
+    src = tmp_path_factory.mktemp("src")
+    files = subprocess.run(
+        ["git", "ls-files", "-co", "--exclude-standard"], cwd=REPO, capture_output=True, text=True, check=True
+    ).stdout.split("\n")
+    for name in filter(None, files):
+        if (REPO / name).is_file():
+            (src / name).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(REPO / name, src / name)
+    out = tmp_path_factory.mktemp("wheel")
+    res = subprocess.run(
+        [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w", str(out), str(src)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert res.returncode == 0, res.stderr
+    (whl,) = out.glob("grpoflow-*.whl")
+    return whl
+
+
+def test_wheel_installs_one_namespace_with_its_configs(wheel):
+    names = zipfile.ZipFile(wheel).namelist()
+    top = {n.split("/", 1)[0] for n in names if not n.split("/", 1)[0].endswith(".dist-info")}
+    assert top == {"grpoflow"}, top
+    for must in (
+        "grpoflow/configs/default.yaml",
+        "grpoflow/configs/gsm8k-qwen2.5-0.5b.yaml",
+        "grpoflow/flows/cli.py",
+        "grpoflow/tasks/stages/grpo.py",
+        "grpoflow/kernels/triton_logprobs.py",
+    ):
+        assert must in names, must
+
+
+def test_installed_wheel_validates_from_another_folder(wheel, tmp_path):
+    """The wheel unpacked into a folder of its own (its dependencies from this environment) runs `grpoflow validate`
+    from a folder with no configs/ in it; `import kernels` finds nothing of ours there."""
+    target = tmp_path / "site"
+    res = subprocess.run(
+        [sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--target", str(target), str(wheel)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert res.returncode == 0, res.stderr
+    work = tmp_path / "elsewhere"
+    work.mkdir()
+    env = {**os.environ, "PYTHONPATH": str(target)}
+    probe = "import grpoflow.flows.cli as c, importlib.util as u; print(c.__file__); print(u.find_spec('kernels'))"
+    res = subprocess.run([sys.executable, "-c", probe], cwd=work, env=env, capture_output=True, text=True)
+    assert res.returncode == 0, res.stderr
+    cli_file, kernels_spec = res.stdout.split("\n")[:2]
+    assert cli_file.startswith(str(target)), cli_file  # the installed copy, not the checkout
+    assert kernels_spec == "None" or str(REPO) not in kernels_spec
+    for args in (
+        ["validate"],
+        ["validate", "configs/gsm8k-qwen2.5-0.5b.yaml"],
+        ["validate", "default", "grpo.beta=0.1"],
+    ):
+        res = subprocess.run(
+            [sys.executable, "-m", "grpoflow.flows.cli", *args],
+            cwd=work,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        assert res.returncode == 0 and "config OK" in res.stdout, (args, res.stderr)
+    res = subprocess.run(
+        [sys.executable, "-m", "grpoflow.flows.cli", "validate", "nope.yaml"],
+        cwd=work,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert res.returncode == 2 and "config file not found: nope.yaml" in res.stderr
+    assert "default.yaml" in res.stderr  # the message lists the packaged configs
