@@ -151,7 +151,7 @@ class ModelConfig(_Section):
 
 
 class GenerationConfig(_Section):
-    """How GRPO samples completions. vllm_* keys apply to the vLLM backend only (see tasks/generation/vllm_engine.py)."""
+    """How GRPO samples completions. vllm_* keys apply to the vLLM backend only (tasks/generation/vllm_engine.py)."""
 
     backend: Literal["auto", "vllm", "transformers"] = Field(
         "auto",

@@ -70,7 +70,25 @@ def load_causal_lm(name_or_path: str, cfg: ModelConfig, *, quantize: bool | None
         raise ValueError(
             f"model.name: cannot load {name_or_path!r} (not a local model folder or reachable id): {e}"
         ) from e
+    if getattr(model, "is_loaded_in_4bit", False):
+        keep_bnb_cpu_path_valid(model)
     return model
+
+
+def keep_bnb_cpu_path_valid(model) -> int:
+    """Keep every 4-bit layer on bitsandbytes' generic CPU path (dequantize, then matmul in the compute dtype).
+
+    On CPUs with AVX512-BF16, bitsandbytes 0.50 instead repacks a Linear4bit's weight in place on its first no-grad
+    forward (GRPO's generation) and from then on multiplies in bfloat16: a silent change of precision from
+    ``model.dtype``, stored bytes that no longer match the saved base, and a crash ("shape '[N, 0]' is invalid")
+    for layers whose in_features is not a multiple of the quantization block size (small models). Returns how many
+    layers were switched."""
+    changed = 0
+    for module in model.modules():
+        if getattr(module, "support_avx512bf16_for_cpu", False):
+            module.support_avx512bf16_for_cpu = False
+            changed += 1
+    return changed
 
 
 def add_lora(model: PreTrainedModel, cfg: LoraConfig, gradient_checkpointing: bool = False):

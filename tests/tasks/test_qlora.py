@@ -31,6 +31,8 @@ def test_4bit_base_with_lora_trains_with_8bit_adamw(tmp_path):
     quantized = {n: m for n, m in qmodel.named_modules() if isinstance(m, bnb.nn.Linear4bit)}
     assert len(quantized) == 14  # q, k, v, o, gate, up, down in each of the 2 layers
     assert all(m.weight.dtype == torch.uint8 and m.weight.quant_type == "nf4" for m in quantized.values())
+    # bitsandbytes' AVX512-BF16 CPU path (bf16 compute, weights repacked in place) is off: compute stays float32
+    assert not any(getattr(m, "support_avx512bf16_for_cpu", False) for m in quantized.values())
     base_bytes = {n: m.weight.detach().clone() for n, m in quantized.items()}
     lora_before = {n: p.detach().clone() for n, p in qmodel.named_parameters() if p.requires_grad}
     assert lora_before and all("lora_" in n for n in lora_before)
