@@ -88,6 +88,7 @@ def greedy(generator, prompts, n_tokens=10):
 # --------------------------------------------------------------------------------------------
 # against the real engine
 # --------------------------------------------------------------------------------------------
+@pytest.mark.slow  # starts vLLM's CPU engine (30-60 s the first time)
 @needs_vllm
 @pytest.mark.parametrize(
     "tied, lora, lora_sync",
@@ -128,6 +129,7 @@ def test_engine_follows_the_trainer_after_each_optimizer_step(tok, engines, tied
     assert gen.syncs >= 3
 
 
+@pytest.mark.slow  # starts vLLM's CPU engine (30-60 s the first time)
 @needs_vllm
 def test_completions_end_with_eos_like_the_transformers_backend(tok, engines):
     """EOS is the last token of a "stop" completion; "length" completions have exactly max_new_tokens."""
@@ -149,6 +151,7 @@ def test_completions_end_with_eos_like_the_transformers_backend(tok, engines):
     assert set(out.finish_reasons) == {"stop", "length"}
 
 
+@pytest.mark.slow  # starts vLLM's CPU engine (30-60 s the first time)
 @needs_vllm
 def test_a_round_larger_than_one_step_token_budget(tok, engines):
     """A default-sized round (16 prompts x 8 seeded samples, 52 prompt tokens each: 6656 tokens) is more than
@@ -164,6 +167,7 @@ def test_a_round_larger_than_one_step_token_budget(tok, engines):
     assert len(out.completion_ids) == 128 and all(len(c) >= 1 for c in out.completion_ids)
 
 
+@pytest.mark.slow  # starts vLLM's CPU engine (30-60 s the first time)
 @needs_vllm
 def test_sampling_follows_the_trainer_rng_and_leaves_process_state_alone(tok, engines):
     """Same torch seed -> same completions (resume determinism); each generate takes exactly one draw
@@ -191,6 +195,7 @@ def test_sampling_follows_the_trainer_rng_and_leaves_process_state_alone(tok, en
     torch.set_num_threads(threads)
 
 
+@pytest.mark.slow  # starts vLLM's CPU engine (30-60 s the first time)
 @needs_vllm
 def test_grpo_trainer_with_the_vllm_engine_turns_on_the_sampler_correction(tok, engines, tmp_path):
     """Two optimizer steps of the real trainer sampling with vLLM: synced before each round, the
@@ -341,6 +346,7 @@ def test_only_the_per_sync_chatter_is_dropped_from_vllm_logs():
     assert f.filter(rec("KV cache size: %d tokens", 100))
 
 
+@pytest.mark.slow  # starts vLLM's CPU engine (30-60 s the first time)
 @needs_vllm
 def test_exported_merged_16bit_folder_is_served_by_vllm(tok, tmp_path):
     """The export stage's merged folder (LoRA folded in, bfloat16 safetensors, tokenizer) is a model vLLM serves
