@@ -2,7 +2,7 @@
 
 A micro-step is what the trainer does per micro-batch: policy_logprobs (backbone forward, then
 log-probs and entropy of the completion tokens from the last hidden states and the lm_head), the GRPO
-loss, backward. The model is a tiny Qwen2 built from config (tasks.modeling.build_tiny_model, 2 layers,
+loss, backward. The model is a tiny Qwen2 built from config (grpoflow.tasks.model.tiny.build_tiny_model, 2 layers,
 hidden 128, tied embeddings) with LoRA adapters, as the trainer's default, so the head is frozen; only
 the vocabulary size changes. The batch is B rows of P prompt and C completion tokens.
 

@@ -23,8 +23,8 @@ from prefect import flow, get_run_logger, task
 from grpoflow.tasks.config import ConfigError, StorageConfig, load_run_config
 from grpoflow.tasks.ops.datasource import DataFile, Ledger, list_source
 
-# flows.pipeline (torch, transformers) and tasks.continuous (mlflow) are imported where used: `prefect deploy`
-# imports this module, and a cycle with no new data should start in seconds
+# grpoflow.flows.pipeline (torch, transformers) and grpoflow.tasks.ops.continuous (mlflow) are imported where used:
+# `prefect deploy` imports this module, and a cycle with no new data should start in seconds
 
 LEDGER = "ledger.json"
 

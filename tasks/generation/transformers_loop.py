@@ -27,7 +27,7 @@ class TransformersGenerator:
     """Samples with ``model.generate`` in chunks of ``batch_size`` sequences.
 
     ``merge_lora``: a peft model generates with its LoRA layers merged on the side
-    (tasks.modeling.lora_merged: one matmul per layer instead of three; measured 1.36 s -> 0.93 s
+    (grpoflow.tasks.model.lora.lora_merged: one matmul per layer instead of three; measured 1.36 s -> 0.93 s
     for 128 x 32 tokens on the default tiny model). ``threads``: torch threads while generating
     (decoding is many small ops: on 2 cores 1 thread beats 2, while training prefers 2)."""
 

@@ -1,5 +1,5 @@
 """The micro pipeline with its run workspace on S3 (SeaweedFS) and MLflow artifacts on S3 (an `mlflow server`
-with --artifacts-destination s3://...), run as a user runs it: `python -m flows.cli`, credentials only in the
+with --artifacts-destination s3://...), run as a user runs it: `python -m grpoflow.flows.cli`, credentials only in the
 environment. The run is killed (SIGKILL) in GRPO as soon as its first checkpoint is on S3, its machine's cache is
 deleted, and `grpoflow resume s3://...` with another cache finishes it: S3 alone must be enough."""
 
