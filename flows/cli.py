@@ -82,6 +82,9 @@ def _setup_env(cfg: PipelineConfig) -> None:
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     for noisy in ("mlflow", "alembic", "httpx", "prefect", "datasets", "transformers"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
+    # bitsandbytes (imported by peft) warns on every CPU import that Hugging Face's optional `kernels` package is
+    # missing; nothing here uses its CPU gemm kernel (4-bit layers stay on the generic path: model/loading.py)
+    logging.getLogger("bitsandbytes.backends.cpu.ops").setLevel(logging.ERROR)
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()
