@@ -20,15 +20,18 @@ from grpoflow.tasks.config import load_run_config
 
 
 @flow(name="grpo-pipeline")
-def pipeline_deployment(config: str | None = None, overrides: list[str] | None = None) -> dict:
-    """Run the pipeline on CONFIG (default: the embedded offline config) plus key=value overrides."""
-    from grpoflow.flows.pipeline import grpo_pipeline  # torch and friends: not when `prefect deploy` loads this module
+def grpo_pipeline(config: str | None = None, overrides: list[str] | None = None) -> dict:
+    """Run the pipeline on CONFIG (default: the embedded offline config) plus key=value overrides.
+
+    Named as the flow is (grpo-pipeline -> grpo_pipeline): `prefect deploy -n grpo-pipeline/local` finds a
+    deployment by the function name after the entry point's colon."""
+    from grpoflow.flows import pipeline  # torch and friends: not when `prefect deploy` loads this module
 
     cfg = load_run_config(config, overrides)
     workspace = Path(cfg.run.output_dir).resolve() / cfg.run.name
     get_run_logger().info("config %s + %s: workspace %s", config or "(default)", list(overrides or []), workspace)
     # the body, not the flow object: this deployment run is the pipeline's flow run (no nested run of the same name)
-    result = grpo_pipeline.fn(config=cfg.to_dict(), workspace=str(workspace))
+    result = pipeline.grpo_pipeline.fn(config=cfg.to_dict(), workspace=str(workspace))
     if "eval" in result:
         e = result["eval"]
         get_run_logger().info("accuracy %.1f%% -> %.1f%%", 100 * e["accuracy_before"], 100 * e["accuracy_after"])

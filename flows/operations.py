@@ -3,7 +3,7 @@
 deploy: create the work pools of POOLS when they are missing (the docker and kubernetes pools with their GPU base
 job templates from infra/work-pools/; the process pool with Prefect's default), then run
 `prefect deploy --prefect-file infra/prefect.yaml` from the checkout (``--all`` unless names are given); the
-deployments' entry points are module paths of the installed package (grpoflow.flows.deployment...).
+deployments' entry points are module:function paths of the installed package (grpoflow.flows.deployment:...).
 
 data-landed: emit the ``grpoflow.data.landed`` event for a file, folder or s3:// prefix; the trigger of
 grpo-continuous/local matches it and starts a continuous cycle. Both need PREFECT_API_URL (a Prefect server).

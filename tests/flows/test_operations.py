@@ -63,21 +63,24 @@ def test_commands_need_a_server_and_an_existing_path(tmp_path, capsys):
 
 def test_prefect_yaml_declares_the_fixed_names():
     spec = yaml.safe_load(PREFECT_FILE.read_text())
-    deps = {(d["entrypoint"].rsplit(".", 1)[1], d["name"]): d for d in spec["deployments"]}
-    for d in spec["deployments"]:  # module paths in the installed package: they load from any working directory
-        from prefect.flows import load_flow_from_entrypoint
+    from prefect.cli.deploy._config import _filter_matching_deploy_config
+    from prefect.flows import load_flow_from_entrypoint
 
-        assert d["entrypoint"].startswith("grpoflow.flows.") and ":" not in d["entrypoint"]
+    deps = {(d["entrypoint"].rsplit(":", 1)[1], d["name"]): d for d in spec["deployments"]}
+    for d in spec["deployments"]:  # module:function paths in the installed package: they load from any directory
+        assert d["entrypoint"].startswith("grpoflow.flows.") and ".py" not in d["entrypoint"]
         flow = load_flow_from_entrypoint(d["entrypoint"], use_placeholder_flow=False)
         assert flow.name in ("grpo-pipeline", "grpo-continuous"), d["entrypoint"]
+        # `grpoflow deploy -n FLOW/NAME` selects by the function after the colon: it must be the flow's name
+        assert _filter_matching_deploy_config(f"{flow.name}/{d['name']}", spec["deployments"]) == [d]
     pools = {k: d["work_pool"]["name"] for k, d in deps.items()}
     assert pools == {
-        ("pipeline_deployment", "local"): "grpoflow-process",
-        ("pipeline_deployment", "docker-gpu"): "grpoflow-docker-gpu",
-        ("pipeline_deployment", "k8s-gpu"): "grpoflow-k8s-gpu",
+        ("grpo_pipeline", "local"): "grpoflow-process",
+        ("grpo_pipeline", "docker-gpu"): "grpoflow-docker-gpu",
+        ("grpo_pipeline", "k8s-gpu"): "grpoflow-k8s-gpu",
         ("grpo_continuous", "local"): "grpoflow-process",
     }
-    for key in (("pipeline_deployment", "docker-gpu"), ("pipeline_deployment", "k8s-gpu")):
+    for key in (("grpo_pipeline", "docker-gpu"), ("grpo_pipeline", "k8s-gpu")):
         assert deps[key]["work_pool"]["job_variables"]["image"] == "grpoflow:0.1.0-gpu"
         assert deps[key]["pull"] == [{"prefect.deployments.steps.set_working_directory": {"directory": "/app"}}]
     (trigger,) = deps[("grpo_continuous", "local")]["triggers"]
