@@ -346,6 +346,7 @@ class GRPOTrainer:
             mb.completion_mask,
             self.settings,
             ref_logp=ref,
+            is_ratio=r.is_ratio[idx] if r.is_ratio is not None else None,
             num_items_in_round=r.n_tokens,
         )
         loss.backward()

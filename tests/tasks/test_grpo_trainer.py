@@ -39,8 +39,9 @@ def addition_rows(tok, n):
     return rows, [prompt_ids(tok, r["prompt"]) for r in rows]
 
 
-def make_trainer(cfg, tok, model, out_dir, funcs=None, n_rows=4, **kwargs):
-    """A GRPOTrainer on addition_rows, sampling with the training model itself, logging nowhere."""
+def make_trainer(cfg, tok, model, out_dir, funcs=None, n_rows=4, generator=None, **kwargs):
+    """A GRPOTrainer on addition_rows, sampling with the training model itself (unless ``generator`` is given),
+    logging nowhere."""
     rows, prompts = addition_rows(tok, n_rows)
     return GRPOTrainer(
         cfg,
@@ -49,7 +50,7 @@ def make_trainer(cfg, tok, model, out_dir, funcs=None, n_rows=4, **kwargs):
         rows,
         prompts,
         funcs or [("length", length)],
-        TransformersGenerator(model, tok),
+        generator or TransformersGenerator(model, tok),
         RunLogger.disabled(),
         out_dir,
         seed=0,

@@ -13,7 +13,12 @@ import pytest
 import torch
 from trl.trainer.grpo_trainer import GRPOTrainer as TRLGRPOTrainer
 
+from grpoflow.tasks.config import GRPOConfig
+from grpoflow.tasks.generation.transformers_loop import TransformersGenerator
+from grpoflow.tasks.grpo.batch import policy_logprobs
 from grpoflow.tasks.grpo.loss import LossSettings, grpo_loss
+from grpoflow.tasks.grpo.schedule import micro_batch_rows
+from tests.tasks.test_grpo_trainer import make, make_trainer
 
 
 class _Accelerator:
@@ -217,3 +222,77 @@ def test_importance_sampling_ratio_matches_trl(mode, floor):
     torch.testing.assert_close(ours, expected)
     if mode == "token_truncate":
         assert ours[1, 2] == 1.0
+
+
+class DriftingSampler(TransformersGenerator):
+    """The training model's own sampler, reporting each token's log-prob shifted by up to -0.6 nats: a sampling
+    engine whose numerics differ from the trainer's (vLLM in bf16, say), so the sampler correction is far from 1."""
+
+    def generate(self, prompts, n, params):
+        out = super().generate(prompts, n, params)
+        g = torch.Generator().manual_seed(3)
+        out.logprobs = [[lp - 0.6 * torch.rand(1, generator=g).item() for lp in row] for row in out.logprobs]
+        return out
+
+
+@pytest.mark.parametrize(
+    "loss_type, mode, beta",
+    [("dapo", "token_truncate", 0.0), ("grpo", "sequence_truncate", 0.04), ("bnpo", "token_mask", 0.0)],
+)
+def test_trainer_micro_step_applies_the_sampler_correction_as_trl(tmp_path, loss_type, mode, beta):
+    """A round from a sampler that disagrees with the trainer: the loss of the trainer's micro-step equals TRL's
+    _compute_loss on the same micro-batch, old/ref log-probs and importance-sampling ratio (and differs from TRL's
+    loss without the correction, so leaving the ratio out of the micro-step fails here)."""
+    tok, model = make()
+    cfg = GRPOConfig(
+        max_steps=1,
+        per_device_train_batch_size=4,
+        gradient_accumulation_steps=2,
+        num_generations=4,
+        max_completion_length=6,
+        loss_type=loss_type,
+        beta=beta,
+        vllm_importance_sampling_mode=mode,
+        vllm_importance_sampling_cap=3.0,
+        vllm_importance_sampling_clip_min=0.5 if mode.endswith("mask") else None,
+    )
+    torch.manual_seed(0)
+    trainer = make_trainer(cfg, tok, model, tmp_path, generator=DriftingSampler(model, tok), is_correction=True)
+    r = trainer.new_round()
+    m = r.batch.completion_mask.bool()
+    rho = r.is_ratio.expand_as(m)[m]
+    assert (rho - 1).abs().max() > 0.3, rho  # the correction matters in this round
+    it, idx = micro_batch_rows(trainer.batching, 0, r.order)
+    window = defaultdict(list)
+    trainer._micro_step(r, idx, it, window)
+    ours = window["loss"][0] / cfg.gradient_accumulation_steps
+
+    mb = r.batch.select(idx)
+    with torch.no_grad():
+        logp, _ = policy_logprobs(model, mb, cfg.temperature)
+    inputs = {
+        "prompt_ids": mb.prompt_ids,
+        "prompt_mask": mb.prompt_mask,
+        "completion_ids": mb.completion_ids,
+        "completion_mask": mb.completion_mask,
+        "advantages": r.advantages[idx],
+        "old_per_token_logps": r.old_logp[idx],
+        "ref_per_token_logps": r.ref_logp[idx] if beta else None,
+        "num_items_in_batch": torch.tensor(r.n_tokens),
+        "importance_sampling_ratio": r.is_ratio[idx],
+    }
+    settings = dict(
+        loss_type=loss_type,
+        level=cfg.importance_sampling_level,
+        beta=beta,
+        delta=cfg.delta,
+        eps=cfg.epsilon,
+        eps_high=cfg.effective_epsilon_high,
+        ga=cfg.gradient_accumulation_steps,
+        spg=trainer.batching.steps_per_generation,
+        max_len=cfg.max_completion_length,
+    )
+    theirs = trl_loss(logp, inputs, **settings, is_correction=True).item()
+    uncorrected = trl_loss(logp, inputs, **settings, is_correction=False).item()
+    assert ours == pytest.approx(theirs, rel=1e-5, abs=1e-7)
+    assert abs(theirs - uncorrected) > 1e-3 * max(abs(theirs), 1e-3)
