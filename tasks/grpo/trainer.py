@@ -95,6 +95,21 @@ class Round:
     order: torch.Tensor  # the order its rows are trained in (shuffled, as TRL)
     position: int = 0  # micro-batches done, over all num_iterations
 
+    _TENSORS = ("advantages", "old_logp", "ref_logp", "is_ratio", "order")
+
+    def to_state(self) -> tuple[dict[str, torch.Tensor], dict]:
+        """(tensors, JSON) of this round for a checkpoint: plain tensors and JSON, no pickled objects, so the
+        checkpoint loads with torch.load(weights_only=True)."""
+        tensors = {f"batch.{f}": getattr(self.batch, f) for f in RoundTensors.__dataclass_fields__}
+        tensors.update({k: getattr(self, k) for k in self._TENSORS if getattr(self, k) is not None})
+        meta = {"stats": self.stats, "samples": self.samples, "n_tokens": self.n_tokens, "position": self.position}
+        return tensors, meta
+
+    @classmethod
+    def from_state(cls, tensors: dict[str, torch.Tensor], meta: dict) -> Round:
+        batch = RoundTensors(**{f: tensors[f"batch.{f}"] for f in RoundTensors.__dataclass_fields__})
+        return cls(batch=batch, **{k: tensors.get(k) for k in cls._TENSORS}, **meta)
+
 
 def loss_settings(g: GRPOConfig, spg: int) -> LossSettings:
     return LossSettings(
@@ -384,17 +399,18 @@ class GRPOTrainer:
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
         self.model.save_pretrained(tmp)
-        trainable = {n: p.detach().clone() for n, p in self.model.named_parameters() if p.requires_grad}
-        torch.save(
+        trainable = {n: p.detach().cpu().clone() for n, p in self.model.named_parameters() if p.requires_grad}
+        round_tensors, round_meta = self.round.to_state() if self.round is not None else (None, None)
+        np_state = np.random.get_state()
+        torch.save(  # tensors, dicts, lists and numbers only: loads with weights_only=True
             {
                 "trainable": trainable,
                 "optimizer": self.optimizer.state_dict(),
                 "scheduler": self.scheduler.state_dict(),
                 "torch_rng": torch.get_rng_state(),
+                "cuda_rng": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
                 "perm_rng": self.perm_rng.get_state(),
-                "python_rng": random.getstate(),
-                "numpy_rng": np.random.get_state(),
-                "round": self.round,
+                "round": round_tensors,
             },
             tmp / "trainer_state.pt",
         )
@@ -405,6 +421,9 @@ class GRPOTrainer:
             "sampler": self.sampler.state(),
             "config_hash": self.config_hash,
             "history": self.history,
+            "python_rng": random.getstate(),
+            "numpy_rng": [np_state[0], np_state[1].tolist(), *np_state[2:]],
+            "round": round_meta,
         }
         (tmp / "trainer_state.json").write_text(json.dumps(state))
         shutil.rmtree(final, ignore_errors=True)
@@ -422,18 +441,28 @@ class GRPOTrainer:
                 f"checkpoint {path} was written with other grpo settings; remove {path.parent} or set "
                 "grpo.resume=never to start over"
             )
-        blob = torch.load(path / "trainer_state.pt", weights_only=False)
+        if "python_rng" not in state:
+            raise ValueError(
+                f"checkpoint {path} is in the older pickled format, which this version does not load (it could run "
+                f"code); remove {path.parent} or set grpo.resume=never to start over"
+            )
+        # weights_only: a checkpoint pulled from a shared bucket cannot run code when loaded
+        blob = torch.load(path / "trainer_state.pt", weights_only=True, map_location="cpu")
         params = dict(self.model.named_parameters())
         with torch.no_grad():
             for name, value in blob["trainable"].items():
-                params[name].copy_(value)
-        self.optimizer.load_state_dict(blob["optimizer"])
+                params[name].copy_(value)  # copy_ moves it to the parameter's device
+        self.optimizer.load_state_dict(blob["optimizer"])  # casts and moves the state to the parameters' devices
         self.scheduler.load_state_dict(blob["scheduler"])
         torch.set_rng_state(blob["torch_rng"])
+        if blob["cuda_rng"] and torch.cuda.is_available() and len(blob["cuda_rng"]) == torch.cuda.device_count():
+            torch.cuda.set_rng_state_all(blob["cuda_rng"])
         self.perm_rng.set_state(blob["perm_rng"])
-        random.setstate(blob["python_rng"])
-        np.random.set_state(blob["numpy_rng"])
-        self.round = blob["round"]
+        version, internal, gauss = state["python_rng"]
+        random.setstate((version, tuple(internal), gauss))
+        name, keys, *rest = state["numpy_rng"]
+        np.random.set_state((name, np.asarray(keys, dtype=np.uint32), *rest))
+        self.round = Round.from_state(blob["round"], state["round"]) if state["round"] is not None else None
         self.step, self.micro_step, self.num_tokens = state["step"], state["micro_step"], state["num_tokens"]
         self.sampler.load(state["sampler"])
         self.history = state["history"]

@@ -2,6 +2,7 @@
 from the newest complete checkpoint and ends with exactly the weights of an uninterrupted run (CPU, one
 thread, same seed)."""
 
+import json
 import os
 import signal
 import subprocess
@@ -74,8 +75,10 @@ def test_sigkill_then_resume_matches_uninterrupted_run(tmp_path, env):
     proc.wait()
     assert proc.returncode == -signal.SIGKILL, "the run finished before it could be killed"
     assert not (killed / "r" / "grpo" / "manifest.json").exists()
-    saved_round = torch.load(ckpt / "trainer_state.pt", weights_only=False)["round"]
-    assert saved_round is not None and saved_round.position == 2  # resumes inside a generation round
+    blob = torch.load(ckpt / "trainer_state.pt", weights_only=True)  # tensors only: loading runs no code
+    saved_round = json.loads((ckpt / "trainer_state.json").read_text())["round"]
+    assert saved_round is not None and saved_round["position"] == 2  # resumes inside a generation round
+    assert blob["round"]["batch.completion_ids"].shape[0] == blob["round"]["advantages"].shape[0]
 
     res = subprocess.run(_cmd(killed), env=env, capture_output=True, text=True, timeout=600)
     assert res.returncode == 0, res.stderr[-3000:]

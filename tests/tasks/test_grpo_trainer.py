@@ -194,3 +194,44 @@ def test_old_logprobs_computed_exactly_when_a_round_spans_an_optimizer_step(tmp_
     )
     trainer = make_trainer(cfg, tok, model, tmp_path)
     assert (trainer.new_round().old_logp is not None) == needs_old
+
+
+def test_checkpoint_mid_round_is_weights_only_and_restores_round_and_rngs(tmp_path):
+    """A checkpoint taken inside a generation round holds tensors and JSON only (torch.load weights_only=True),
+    and a fresh trainer loaded from it has the same round in progress and the same RNG streams."""
+    import random
+
+    import numpy as np
+
+    tok, model = make()
+    cfg = GRPOConfig(
+        max_steps=1,
+        per_device_train_batch_size=2,
+        steps_per_generation=2,
+        num_generations=2,
+        max_completion_length=4,
+        reward_funcs=["proximity"],
+    )
+    trainer = make_trainer(cfg, tok, model, tmp_path / "a")
+    trainer.train()  # one optimizer step = one of the round's two micro-batches
+    r = trainer.round
+    assert r is not None and r.position == 1
+    path = trainer.save_checkpoint()
+    blob = torch.load(path / "trainer_state.pt", weights_only=True)
+    assert set(blob["round"]) >= {"batch.completion_ids", "advantages", "order"}
+    draws = (random.random(), float(np.random.rand()), torch.rand(1).item())
+
+    tok2, model2 = make()
+    other = make_trainer(cfg, tok2, model2, tmp_path / "b")
+    other.load_checkpoint(path)
+    assert (random.random(), float(np.random.rand()), torch.rand(1).item()) == draws
+    s = other.round
+    assert s.position == 1 and s.n_tokens == r.n_tokens and s.stats == r.stats and s.samples == r.samples
+    for f in ("prompt_ids", "completion_ids", "completion_mask", "truncated"):
+        assert torch.equal(getattr(s.batch, f), getattr(r.batch, f)), f
+    assert torch.equal(s.advantages, r.advantages) and torch.equal(s.order, r.order)
+    assert (s.old_logp is None) == (r.old_logp is None) and s.is_ratio is None and s.ref_logp is None
+    trained = {n: p for n, p in model.named_parameters() if p.requires_grad}
+    for n, p in model2.named_parameters():
+        if p.requires_grad:
+            assert torch.equal(p, trained[n]), n
