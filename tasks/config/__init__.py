@@ -14,6 +14,7 @@ from grpoflow.tasks.config.load import (
     resolve_config_path,
 )
 from grpoflow.tasks.config.pipeline import (
+    DEVICE_PATTERN,
     GSM8K_SYSTEM_PROMPT,
     ArithmeticConfig,
     DataConfig,
@@ -33,6 +34,7 @@ from grpoflow.tasks.config.training import Batching, GRPOConfig, ScaleRewards, S
 
 __all__ = [
     "DEFAULT_CONFIG",
+    "DEVICE_PATTERN",
     "GSM8K_SYSTEM_PROMPT",
     "ArithmeticConfig",
     "Batching",

@@ -17,16 +17,24 @@ from grpoflow.tasks.config.base import _Section
 from grpoflow.tasks.config.storage import StorageConfig
 from grpoflow.tasks.config.training import GRPOConfig, SFTConfig
 
-
 # --------------------------------------------------------------------------------------------
 # run / data
 # --------------------------------------------------------------------------------------------
+DEVICE_PATTERN = r"auto|cpu|cuda(:\d+)?"
+
+
 class RunConfig(_Section):
     name: str | None = Field(
         None, description="Run name; the run workspace is <output_dir>/<name>. Default: run-<time>."
     )
     output_dir: str = Field("runs", description="Folder that holds run workspaces and the MLflow store.")
     seed: int = 42
+    device: str = Field(
+        "auto",
+        pattern=f"^({DEVICE_PATTERN})$",
+        description="Where SFT, GRPO and evaluation run: auto (a CUDA GPU when torch sees one, else the CPU), cpu, "
+        "cuda or cuda:N. Models, batches and optimizer state all live there; export writes from CPU copies.",
+    )
     torch_threads: int | None = Field(
         None,
         ge=1,
@@ -290,6 +298,11 @@ class PipelineConfig(_Section):
     def _cross(self) -> PipelineConfig:
         if self.export.enabled and self.export.adapter and not self.model.lora.enabled:
             raise ValueError("export.adapter needs model.lora.enabled (full fine-tuning has no adapter)")
+        if self.model.dtype == "float16":
+            raise ValueError(
+                "model.dtype=float16: GRPO and SFT in float16 needs a loss scaler, which grpoflow does not run (small "
+                "gradients underflow to zero); use bfloat16 (GPUs from Ampere on) or float32"
+            )
         return self
 
     def to_dict(self) -> dict[str, Any]:

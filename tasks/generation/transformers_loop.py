@@ -18,6 +18,7 @@ from contextlib import nullcontext
 import torch
 
 from grpoflow.tasks.generation.types import Generation, SamplingParams, left_pad, torch_threads
+from grpoflow.tasks.model.device import model_device
 from grpoflow.tasks.model.lora import lora_merged, unwrap
 
 log = logging.getLogger(__name__)
@@ -63,6 +64,8 @@ class TransformersGenerator:
 
     def _generate_chunk(self, prompts: list[list[int]], p: SamplingParams) -> Generation:
         ids, mask = left_pad(prompts, self.pad_id)
+        device = model_device(self.model)
+        ids, mask = ids.to(device), mask.to(device)
         tokens, logps, lengths, stopped = sample(self.model, ids, mask, p, self.eos_id)
         gen = Generation()
         for row, row_lp, n, stop in zip(tokens.tolist(), logps.tolist(), lengths.tolist(), stopped.tolist()):
@@ -118,10 +121,11 @@ def sample(
     B, T = ids.shape[0], p.max_new_tokens
     warp = logits_warpers(p)
     temp = 1.0 if p.greedy else p.temperature
-    tokens = torch.zeros((B, T), dtype=torch.long)
-    logps = torch.zeros((B, T))
-    lengths = torch.full((B,), T, dtype=torch.long)
-    stopped = torch.zeros(B, dtype=torch.bool)
+    dev = ids.device  # the model's: every buffer of the loop lives beside it
+    tokens = torch.zeros((B, T), dtype=torch.long, device=dev)
+    logps = torch.zeros((B, T), device=dev)
+    lengths = torch.full((B,), T, dtype=torch.long, device=dev)
+    stopped = torch.zeros(B, dtype=torch.bool, device=dev)
     cache = DynamicCache(config=base.config)
     position = (mask.cumsum(-1) - 1).clamp(min=0)
     out = model(
@@ -134,7 +138,7 @@ def sample(
     )
     logits = out.logits[:, -1].float()
     position = position[:, -1:] + 1
-    rows = torch.arange(B)  # batch row -> output row
+    rows = torch.arange(B, device=dev)  # batch row -> output row
     seqs = ids  # what the repetition penalty looks at
     compactable = all(hasattr(layer, "batch_select_indices") for layer in getattr(cache, "layers", [None]))
     for t in range(T):

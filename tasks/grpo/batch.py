@@ -33,6 +33,9 @@ class RoundTensors:
     def select(self, idx: torch.Tensor) -> RoundTensors:
         return RoundTensors(*(getattr(self, f)[idx] for f in self.__dataclass_fields__))
 
+    def to(self, device: torch.device | str) -> RoundTensors:
+        return RoundTensors(*(getattr(self, f).to(device) for f in self.__dataclass_fields__))
+
 
 def build_round(
     prompts: list[list[int]],

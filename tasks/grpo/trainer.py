@@ -24,8 +24,10 @@ import shutil
 import time
 from collections import defaultdict
 from collections.abc import Callable
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -36,10 +38,13 @@ from grpoflow.tasks.grpo.advantages import combine_rewards, group_advantages, na
 from grpoflow.tasks.grpo.batch import RoundTensors, build_round, policy_logprobs
 from grpoflow.tasks.grpo.loss import LossSettings, grpo_loss, importance_sampling_ratio, masked_mean
 from grpoflow.tasks.grpo.schedule import is_optimizer_step, micro_batch_rows
+from grpoflow.tasks.model.device import model_device
 from grpoflow.tasks.model.optim import build_optimizer, build_scheduler, clip_and_step
 from grpoflow.tasks.rewards import score_completions
 from grpoflow.tasks.runtime.progress import progress_bar
-from grpoflow.tasks.runtime.tracking import RunLogger
+
+if TYPE_CHECKING:  # the trainer only calls log_metrics/log_table: it runs without mlflow (benchmarks/gpu_check.py)
+    from grpoflow.tasks.runtime.tracking import RunLogger
 
 log = logging.getLogger(__name__)
 
@@ -106,9 +111,11 @@ class Round:
         return tensors, meta
 
     @classmethod
-    def from_state(cls, tensors: dict[str, torch.Tensor], meta: dict) -> Round:
-        batch = RoundTensors(**{f: tensors[f"batch.{f}"] for f in RoundTensors.__dataclass_fields__})
-        return cls(batch=batch, **{k: tensors.get(k) for k in cls._TENSORS}, **meta)
+    def from_state(cls, tensors: dict[str, torch.Tensor], meta: dict, device: torch.device) -> Round:
+        """The round of ``to_state``, its tensors on ``device`` (the row order stays on the CPU: it indexes)."""
+        batch = RoundTensors(**{f: tensors[f"batch.{f}"] for f in RoundTensors.__dataclass_fields__}).to(device)
+        moved = {k: None if tensors.get(k) is None else tensors[k].to(device) for k in cls._TENSORS if k != "order"}
+        return cls(batch=batch, **moved, order=tensors["order"], **meta)
 
 
 def loss_settings(g: GRPOConfig, spg: int) -> LossSettings:
@@ -151,6 +158,7 @@ class GRPOTrainer:
         ref_model=None,
         is_correction: bool = False,
         on_checkpoint: Callable[[Path], None] | None = None,
+        autocast_dtype: torch.dtype | None = None,
     ):
         self.cfg = cfg
         self.model = model
@@ -165,6 +173,8 @@ class GRPOTrainer:
         self.ref_model = ref_model
         self.is_correction = is_correction  # the sampler is a separate engine: correct for its drift
         self.on_checkpoint = on_checkpoint  # called after each save (an S3 workspace uploads the checkpoints)
+        self.device = model_device(model)  # rounds, log-probs, loss and optimizer state live beside the model
+        self.autocast_dtype = autocast_dtype  # full fine-tuning in bf16: float32 weights, bf16 forward passes
         self.batching = cfg.batching()
         self.settings = loss_settings(cfg, self.batching.steps_per_generation)
         self.sampler = PromptSampler(len(rows), seed, cfg.shuffle_dataset)
@@ -239,10 +249,20 @@ class GRPOTrainer:
         ]
         return batch, adv, stats, samples
 
+    def place(self, batch: RoundTensors, adv: torch.Tensor) -> tuple[RoundTensors, torch.Tensor]:
+        """A round built on the CPU from the sampler's lists, moved to the model's device."""
+        return batch.to(self.device), adv.to(self.device)
+
+    def _autocast(self):
+        """torch.autocast to ``autocast_dtype`` on the model's device; a no-op context without one."""
+        if self.autocast_dtype is None:
+            return nullcontext()
+        return torch.autocast(self.device.type, dtype=self.autocast_dtype)
+
     def _logprobs_no_grad(self, batch: RoundTensors, model=None) -> torch.Tensor:
         out = []
         mb = self.batching.micro_batch_size
-        with torch.no_grad():
+        with torch.no_grad(), self._autocast():
             for s in range(0, batch.completion_ids.shape[0], mb):
                 sub = batch.select(torch.arange(s, min(s + mb, batch.completion_ids.shape[0])))
                 out.append(policy_logprobs(model or self.model, sub, self.cfg.temperature)[0])
@@ -260,6 +280,7 @@ class GRPOTrainer:
         t_gen = time.perf_counter()
         batch, adv, stats, samples = self.generate_round()
         stats["generation_time"] = time.perf_counter() - t_gen
+        batch, adv = self.place(batch, adv)
         # TRL's rule: old log-probs differ from the current ones unless the whole round (all its replays)
         # falls inside optimizer windows, i.e. unless gradient_accumulation_steps % (spg * mu) == 0
         need_old = b.gradient_accumulation_steps % b.micro_steps_per_round != 0 or self.is_correction
@@ -348,14 +369,16 @@ class GRPOTrainer:
         last = self.history[-1] if self.history else {}
         return {"steps": self.step, "final": last, "seconds": time.perf_counter() - t_start}
 
-    def _micro_step(self, r: Round, idx: torch.Tensor, iteration: int, window: dict) -> None:
-        g = self.cfg
+    def micro_loss(self, r: Round, idx: torch.Tensor):
+        """The loss of the round's rows ``idx`` under the current policy, and what its metrics need:
+        (loss, extras, the micro-batch, logp, entropy), all on the model's device."""
         mb = r.batch.select(idx)
-        logp, entropy = policy_logprobs(self.model, mb, g.temperature, compute_entropy=True)
+        with self._autocast():
+            logp, entropy = policy_logprobs(self.model, mb, self.cfg.temperature, compute_entropy=True)
         old = r.old_logp[idx] if r.old_logp is not None else None
         ref = r.ref_logp[idx] if r.ref_logp is not None else None
         loss, extras = grpo_loss(
-            logp,
+            logp.float(),
             old,
             r.advantages[idx],
             mb.completion_mask,
@@ -364,6 +387,12 @@ class GRPOTrainer:
             is_ratio=r.is_ratio[idx] if r.is_ratio is not None else None,
             num_items_in_round=r.n_tokens,
         )
+        return loss, extras, mb, logp, entropy
+
+    def _micro_step(self, r: Round, idx: torch.Tensor, iteration: int, window: dict) -> None:
+        g = self.cfg
+        loss, extras, mb, logp, entropy = self.micro_loss(r, idx)
+        old = r.old_logp[idx] if r.old_logp is not None else None
         loss.backward()
         self.micro_step += 1
         m = mb.completion_mask
@@ -462,7 +491,7 @@ class GRPOTrainer:
         random.setstate((version, tuple(internal), gauss))
         name, keys, *rest = state["numpy_rng"]
         np.random.set_state((name, np.asarray(keys, dtype=np.uint32), *rest))
-        self.round = Round.from_state(blob["round"], state["round"]) if state["round"] is not None else None
+        self.round = None if state["round"] is None else Round.from_state(blob["round"], state["round"], self.device)
         self.step, self.micro_step, self.num_tokens = state["step"], state["micro_step"], state["num_tokens"]
         self.sampler.load(state["sampler"])
         self.history = state["history"]

@@ -48,10 +48,19 @@ def prompt_ids(tokenizer, prompt_messages: list[dict], max_prompt_length: int | 
     return ids
 
 
-def load_causal_lm(name_or_path: str, cfg: ModelConfig, *, quantize: bool | None = None) -> PreTrainedModel:
-    """Load a causal LM with the configured dtype, attention and (optionally) 4-bit quantization."""
+def load_causal_lm(
+    name_or_path: str,
+    cfg: ModelConfig,
+    *,
+    quantize: bool | None = None,
+    device: torch.device | None = None,
+    dtype: torch.dtype | None = None,
+) -> PreTrainedModel:
+    """Load a causal LM with the configured dtype (``dtype`` overrides it), attention and (optionally) 4-bit
+    quantization, onto ``device`` (None: where transformers puts it, the CPU). A 4-bit model is placed by
+    bitsandbytes itself (``device_map``): its packed weights cannot be moved with ``.to`` after loading."""
     kwargs: dict = {"revision": cfg.revision, "trust_remote_code": cfg.trust_remote_code}
-    kwargs["dtype"] = DTYPES.get(cfg.dtype, "auto")
+    kwargs["dtype"] = dtype or DTYPES.get(cfg.dtype, "auto")
     if cfg.attn_implementation:
         kwargs["attn_implementation"] = cfg.attn_implementation
     if cfg.load_in_4bit if quantize is None else quantize:
@@ -64,6 +73,8 @@ def load_causal_lm(name_or_path: str, cfg: ModelConfig, *, quantize: bool | None
             bnb_4bit_use_double_quant=True,
             bnb_4bit_compute_dtype=compute,
         )
+        if device is not None and device.type != "cpu":
+            kwargs["device_map"] = {"": device}
     try:
         model = AutoModelForCausalLM.from_pretrained(name_or_path, **kwargs)
     except OSError as e:
@@ -72,6 +83,8 @@ def load_causal_lm(name_or_path: str, cfg: ModelConfig, *, quantize: bool | None
         ) from e
     if getattr(model, "is_loaded_in_4bit", False):
         keep_bnb_cpu_path_valid(model)
+    elif device is not None:
+        model.to(device)
     return model
 
 
@@ -108,9 +121,28 @@ def add_lora(model: PreTrainedModel, cfg: LoraConfig, gradient_checkpointing: bo
     return get_peft_model(model, peft_cfg)
 
 
-def load_trainable(name_or_path: str, cfg: ModelConfig, use_lora: bool):
-    """Model ready to train: LoRA-wrapped (frozen base) or all weights trainable."""
-    model = load_causal_lm(name_or_path, cfg, quantize=cfg.load_in_4bit and use_lora)
+def train_dtypes(cfg: ModelConfig, use_lora: bool) -> tuple[torch.dtype | None, torch.dtype | None]:
+    """(weights dtype, autocast dtype) of a model being trained; None: as configured / no autocast.
+
+    LoRA: the frozen base in ``model.dtype`` (bf16 halves its memory) and the adapters in float32 (peft casts
+    them up, its autocast_adapter_dtype default): the trained weights keep full precision, no autocast.
+    Full fine-tuning with bfloat16: float32 master weights (AdamW's updates of bf16 weights round away) and
+    the forward passes under torch.autocast to bfloat16, as transformers' Trainer does with bf16=True.
+    float32: neither. (float16 is refused by the config: it needs a loss scaler.)"""
+    if use_lora or cfg.dtype != "bfloat16":
+        return None, None
+    return torch.float32, torch.bfloat16
+
+
+def load_trainable(name_or_path: str, cfg: ModelConfig, use_lora: bool, device: torch.device | None = None):
+    """Model ready to train on ``device``: LoRA-wrapped (frozen base) or all weights trainable (train_dtypes)."""
+    weights, _ = train_dtypes(cfg, use_lora)
+    model = load_causal_lm(name_or_path, cfg, quantize=cfg.load_in_4bit and use_lora, device=device, dtype=weights)
+    if model.dtype == torch.float16:
+        raise ValueError(
+            f"model.dtype={cfg.dtype}: {name_or_path} loaded in float16, which grpoflow does not train (no loss "
+            "scaler: small gradients underflow); set model.dtype=bfloat16 or float32"
+        )
     if cfg.gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         model.config.use_cache = False
@@ -120,9 +152,16 @@ def load_trainable(name_or_path: str, cfg: ModelConfig, use_lora: bool):
     return model
 
 
-def load_with_adapter(base: str, adapter_dir: str | None, cfg: ModelConfig, *, quantize: bool | None = None):
-    """The base model with a trained adapter applied (or just the base when adapter_dir is None)."""
-    model = load_causal_lm(base, cfg, quantize=quantize)
+def load_with_adapter(
+    base: str,
+    adapter_dir: str | None,
+    cfg: ModelConfig,
+    *,
+    quantize: bool | None = None,
+    device: torch.device | None = None,
+):
+    """The base model with a trained adapter applied (or just the base when adapter_dir is None), on ``device``."""
+    model = load_causal_lm(base, cfg, quantize=quantize, device=device)
     if adapter_dir:
         from peft import PeftModel
 

@@ -35,6 +35,7 @@ from grpoflow.tasks.config import PipelineConfig
 from grpoflow.tasks.dataio.splits import load_split
 from grpoflow.tasks.generation.transformers_loop import TransformersGenerator
 from grpoflow.tasks.generation.types import SamplingParams
+from grpoflow.tasks.model.device import resolve_device
 from grpoflow.tasks.model.loading import load_causal_lm, load_tokenizer, load_with_adapter, prompt_ids
 from grpoflow.tasks.rewards import BUILTIN_REWARDS, resolve_reward_funcs, score_completions
 from grpoflow.tasks.runtime.plots import plot_eval_report
@@ -220,12 +221,13 @@ def run_eval(
             **{k: v for k, v in dataclasses.asdict(params).items() if k != "greedy"},
         },
     }
+    device = resolve_device(cfg.run.device)
     models: dict[str, Callable] = {
-        "before": lambda: load_causal_lm(before_model, cfg.model).eval(),
+        "before": lambda: load_causal_lm(before_model, cfg.model, device=device).eval(),
         "after": lambda: (
-            load_with_adapter(before_model, after_model, cfg.model)
+            load_with_adapter(before_model, after_model, cfg.model, device=device)
             if after_is_adapter
-            else load_causal_lm(after_model, cfg.model).eval()
+            else load_causal_lm(after_model, cfg.model, device=device).eval()
         ),
     }
     out = ws.stage_dir("eval")

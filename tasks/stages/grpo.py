@@ -18,7 +18,15 @@ from grpoflow.tasks.config import PipelineConfig
 from grpoflow.tasks.dataio.splits import load_split
 from grpoflow.tasks.generation.backend import make_generator
 from grpoflow.tasks.grpo.trainer import GRPOTrainer, list_checkpoints
-from grpoflow.tasks.model.loading import count_parameters, load_causal_lm, load_tokenizer, load_trainable, prompt_ids
+from grpoflow.tasks.model.device import resolve_device
+from grpoflow.tasks.model.loading import (
+    count_parameters,
+    load_causal_lm,
+    load_tokenizer,
+    load_trainable,
+    prompt_ids,
+    train_dtypes,
+)
 from grpoflow.tasks.rewards import resolve_reward_funcs
 from grpoflow.tasks.runtime.plots import plot_learning_curves
 from grpoflow.tasks.runtime.stage import run_stage
@@ -39,10 +47,12 @@ def run_grpo(cfg: PipelineConfig, ws: Workspace, tracker: RunLogger, init_model:
     model_cfg = cfg.model
     if g.gradient_checkpointing is not None:
         model_cfg = model_cfg.model_copy(update={"gradient_checkpointing": g.gradient_checkpointing})
-    model = load_trainable(start, model_cfg, use_lora)
+    device = resolve_device(cfg.run.device)
+    model = load_trainable(start, model_cfg, use_lora, device)
+    weights_dtype, autocast_dtype = train_dtypes(cfg.model, use_lora)
     ref_model = None
     if g.beta > 0 and not use_lora:
-        ref_model = load_causal_lm(start, cfg.model).eval().requires_grad_(False)
+        ref_model = load_causal_lm(start, cfg.model, device=device, dtype=weights_dtype).eval().requires_grad_(False)
     trainable, total = count_parameters(model)
     rows = list(load_split(ws, "train"))
     prompts = [prompt_ids(tokenizer, r["prompt"], g.max_prompt_length) for r in rows]
@@ -60,6 +70,7 @@ def run_grpo(cfg: PipelineConfig, ws: Workspace, tracker: RunLogger, init_model:
     tracker.log_params(
         {"trainable_params": trainable, "total_params": total, "generation_backend": generator.name, **b.model_dump()}
     )
+    log.info("GRPO on %s: weights %s, autocast %s", device, model.dtype, autocast_dtype or "off")
     log.info(
         "GRPO: %d prompts, %d per round x %d generations, %d micro-batches of %d per round, %d optimizer steps",
         len(rows),
@@ -84,6 +95,7 @@ def run_grpo(cfg: PipelineConfig, ws: Workspace, tracker: RunLogger, init_model:
         ref_model=ref_model,
         is_correction=g.vllm_importance_sampling_correction and generator.separate_engine,
         on_checkpoint=lambda _: ws.push("grpo", "checkpoints"),  # S3: a killed stage resumes from there
+        autocast_dtype=autocast_dtype,
     )
     checkpoints = list_checkpoints(trainer.checkpoint_dir)
     if g.resume == "auto" and checkpoints:

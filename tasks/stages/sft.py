@@ -19,7 +19,8 @@ from prefect import task
 
 from grpoflow.tasks.config import PipelineConfig
 from grpoflow.tasks.dataio.splits import load_split
-from grpoflow.tasks.model.loading import count_parameters, load_tokenizer, load_trainable, prompt_ids
+from grpoflow.tasks.model.device import resolve_device
+from grpoflow.tasks.model.loading import count_parameters, load_tokenizer, load_trainable, prompt_ids, train_dtypes
 from grpoflow.tasks.model.optim import build_optimizer, build_scheduler, clip_and_step
 from grpoflow.tasks.runtime.progress import progress_bar
 from grpoflow.tasks.runtime.stage import run_stage
@@ -59,7 +60,9 @@ def run_sft(cfg: PipelineConfig, ws: Workspace, tracker: RunLogger) -> dict:
     base = base_model_path(cfg, ws)
     tokenizer = load_tokenizer(base, cfg.model)
     use_lora = s.use_lora and cfg.model.lora.enabled
-    model = load_trainable(base, cfg.model, use_lora)
+    device = resolve_device(cfg.run.device)
+    model = load_trainable(base, cfg.model, use_lora, device)
+    _, autocast_dtype = train_dtypes(cfg.model, use_lora)
     trainable, total = count_parameters(model)
     examples = tokenize_sft(load_split(ws, "train"), tokenizer, s.max_length, s.completion_only_loss)
     per_step = s.per_device_train_batch_size * s.gradient_accumulation_steps
@@ -84,8 +87,10 @@ def run_sft(cfg: PipelineConfig, ws: Workspace, tracker: RunLogger) -> dict:
             n_label = sum(sum(1 for t in y[1:] if t != -100) for _, y in micro)
             step_loss = 0.0
             for k in range(0, per_step, s.per_device_train_batch_size):
-                ids, labels, mask = collate(micro[k : k + s.per_device_train_batch_size], tokenizer.pad_token_id)
-                logits = model(input_ids=ids, attention_mask=mask).logits[:, :-1].float()
+                batch = collate(micro[k : k + s.per_device_train_batch_size], tokenizer.pad_token_id)
+                ids, labels, mask = (t.to(device) for t in batch)
+                with torch.autocast(device.type, dtype=autocast_dtype, enabled=autocast_dtype is not None):
+                    logits = model(input_ids=ids, attention_mask=mask).logits[:, :-1].float()
                 loss = torch.nn.functional.cross_entropy(
                     logits.reshape(-1, logits.shape[-1]), labels[:, 1:].reshape(-1), ignore_index=-100, reduction="sum"
                 ) / max(1, n_label)

@@ -235,3 +235,33 @@ def test_checkpoint_mid_round_is_weights_only_and_restores_round_and_rngs(tmp_pa
     for n, p in model2.named_parameters():
         if p.requires_grad:
             assert torch.equal(p, trained[n]), n
+
+
+def test_micro_step_path_keeps_every_tensor_on_the_model_device(tmp_path, monkeypatch):
+    """The model on the `meta` device (no data, any op on a CPU tensor mixed in raises): the trainer's round
+    placement, old/reference log-probs, the sampler correction and the micro-batch loss with its backward all run
+    there, so none of them builds a tensor on the CPU by default (the bug a GPU run would hit)."""
+    from grpoflow.tasks.grpo.loss import importance_sampling_ratio
+    from grpoflow.tasks.grpo.trainer import Round
+
+    tok, model = make()
+    cfg = GRPOConfig(max_steps=1, per_device_train_batch_size=4, num_generations=4, max_completion_length=5, beta=0.04)
+    trainer = make_trainer(cfg, tok, model, tmp_path, is_correction=True)
+    torch.manual_seed(0)
+    batch, adv, _, _ = trainer.generate_round()  # on the CPU: the sampler's lists
+    # two value-dependent branches meta tensors cannot take: sdpa's all-ones mask check and the log-prob
+    # kernel's refold of rows whose float32 exp-sum overflowed (a numerical fix-up, no placement in it)
+    model.set_attn_implementation("eager")
+    monkeypatch.setattr("grpoflow.kernels.chunked_logprobs._refold_overflowed", lambda *a: None)
+    model.to("meta")
+    trainer.device = torch.device("meta")
+    batch, adv = trainer.place(batch, adv)
+    assert batch.completion_ids.device.type == "meta" and adv.device.type == "meta"
+    old = trainer._logprobs_no_grad(batch)
+    ref = trainer.reference_logprobs(batch)
+    rho = importance_sampling_ratio(old, batch.sampler_logp, batch.completion_mask)
+    r = Round(batch, adv, {}, [], old, ref, rho, n_tokens=10.0, order=torch.arange(adv.numel()))
+    loss, extras, mb, logp, entropy = trainer.micro_loss(r, torch.arange(4))
+    assert {loss.device.type, logp.device.type, entropy.device.type, extras["kl"].device.type} == {"meta"}
+    loss.backward()
+    assert all(p.grad.device.type == "meta" for p in model.parameters() if p.requires_grad)

@@ -1,0 +1,77 @@
+"""run.device and the training precision: resolution, clear refusals, and what bf16 means for LoRA and full
+fine-tuning (run on the CPU, where torch.autocast to bfloat16 works as on a GPU)."""
+
+import pytest
+import torch
+
+from grpoflow.tasks.config import GRPOConfig, ModelConfig, PipelineConfig
+from grpoflow.tasks.model.device import model_device, resolve_device
+from grpoflow.tasks.model.loading import load_trainable, train_dtypes
+from tests.tasks.test_grpo_trainer import make, make_trainer
+
+
+def test_resolve_device_on_a_machine_without_a_gpu():
+    assert resolve_device("cpu") == torch.device("cpu")
+    assert resolve_device("auto") == (torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu"))
+    if not torch.cuda.is_available():
+        for spec in ("cuda", "cuda:1"):
+            with pytest.raises(ValueError, match=r"run.device: 'cuda.*torch sees none"):
+                resolve_device(spec)
+    with pytest.raises(ValueError, match="run.device: 'gpu'"):
+        resolve_device("gpu")
+
+
+def test_config_checks_device_and_refuses_float16_training():
+    assert PipelineConfig().run.device == "auto"
+    assert PipelineConfig.model_validate({"run": {"device": "cuda:3"}}).run.device == "cuda:3"
+    with pytest.raises(ValueError, match="run.device"):
+        PipelineConfig.model_validate({"run": {"device": "gpu0"}})
+    with pytest.raises(ValueError, match="model.dtype=float16.*bfloat16"):
+        PipelineConfig.model_validate({"model": {"dtype": "float16"}})
+
+
+def test_train_dtypes():
+    bf16 = ModelConfig(dtype="bfloat16")
+    assert train_dtypes(bf16, use_lora=True) == (None, None)  # bf16 base, float32 adapters
+    assert train_dtypes(bf16, use_lora=False) == (torch.float32, torch.bfloat16)  # float32 master, bf16 autocast
+    assert train_dtypes(ModelConfig(), use_lora=False) == (None, None)  # the CPU default: float32, no autocast
+
+
+@pytest.fixture(scope="module")
+def saved_tiny(tmp_path_factory):
+    tok, model = make(lora=False)
+    path = tmp_path_factory.mktemp("tiny") / "model"
+    model.save_pretrained(path)
+    tok.save_pretrained(path)
+    return str(path)
+
+
+def test_lora_in_bfloat16_keeps_float32_adapters(saved_tiny):
+    cfg = ModelConfig(dtype="bfloat16")
+    model = load_trainable(saved_tiny, cfg.model_copy(update={"lora": cfg.lora.model_copy(update={"r": 4})}), True)
+    trainable = {p.dtype for p in model.parameters() if p.requires_grad}
+    frozen = {p.dtype for p in model.parameters() if not p.requires_grad}
+    assert trainable == {torch.float32} and frozen == {torch.bfloat16}
+    assert model_device(model) == torch.device("cpu")
+
+
+def test_full_fine_tuning_in_bfloat16_autocasts_over_float32_weights(saved_tiny, tmp_path):
+    """Float32 master weights, bf16 matmuls in the forward passes (a hook sees the projections' outputs), and a
+    GRPO optimizer step that changes the float32 weights."""
+    from grpoflow.tasks.model.loading import load_tokenizer
+
+    mcfg = ModelConfig(dtype="bfloat16")
+    model = load_trainable(saved_tiny, mcfg, use_lora=False)
+    assert {p.dtype for p in model.parameters()} == {torch.float32}
+    _, autocast_dtype = train_dtypes(mcfg, use_lora=False)
+    seen = []
+    model.model.layers[0].mlp.down_proj.register_forward_hook(lambda m, i, o: seen.append(o.dtype))
+    tok = load_tokenizer(saved_tiny, mcfg)
+    cfg = GRPOConfig(max_steps=1, per_device_train_batch_size=4, num_generations=4, max_completion_length=4)
+    trainer = make_trainer(cfg, tok, model, tmp_path, autocast_dtype=autocast_dtype)
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    trainer.train()
+    assert torch.bfloat16 in seen  # the training forward ran under autocast
+    assert any(not torch.equal(before[n], p) for n, p in model.named_parameters())
+    assert {p.dtype for p in model.parameters()} == {torch.float32}
+    assert trainer.history[-1]["loss"] == trainer.history[-1]["loss"]  # not NaN
