@@ -29,9 +29,10 @@ Generation; sync_weights(model). What this module adds, and why:
   the trainer's torch RNG and gives every prompt its own seed (vLLM adds the sample index), so
   completions follow the trainer's RNG state, which GRPO checkpoints: a resumed run samples the
   same completions.
-- Sleep mode (GPU): between generations the engine's weights are offloaded and its KV cache
-  freed (``LLM.sleep(level=1)``), then woken before the next sync. The CPU backend has no sleep
-  mode (vLLM only logs a warning), so it is skipped there.
+- Sleep mode (GPU): between generations the engine's KV cache is freed and its weights put away, then
+  woken before the next sync (:func:`sleep_level`): level 2 (weights discarded) when every sync streams
+  the whole model anyway, level 1 (weights offloaded to host memory) when only the adapter is synced and
+  the base must survive. The CPU backend has no sleep mode (vLLM only logs a warning): skipped there.
 """
 
 from __future__ import annotations
@@ -140,6 +141,14 @@ def model_head_dim(model) -> int:
 # --------------------------------------------------------------------------------------------
 # engine arguments (pure: unit-tested for both the CPU and the GPU branch)
 # --------------------------------------------------------------------------------------------
+def sleep_level(lora_sync: str | None) -> int:
+    """vLLM sleep level while training. 2 discards the engine's weights (nothing copied to host memory,
+    nothing copied back): right when each sync streams the whole model (full fine-tuning, or LoRA with
+    ``vllm_lora_sync: merge``), as TRL's colocate mode does. 1 offloads them to host memory: needed with
+    ``vllm_lora_sync: adapter``, which streams the frozen base only once."""
+    return 1 if lora_sync == "adapter" else 2
+
+
 def sleep_mode_on(cfg: GenerationConfig, device: str, available: bool) -> bool:
     """Offload the engine while training: GPU only (vLLM's CPU worker ignores sleep), when asked and available."""
     return device != "cpu" and cfg.vllm_sleep_mode and available
@@ -422,10 +431,13 @@ class VLLMGenerator:
             self._asleep -= set(tags)
 
     def release(self) -> None:
-        """Free the engine's memory for training (GPU sleep mode level 1; nothing to do on CPU)."""
+        """Free the engine's memory for training (GPU sleep mode, :func:`sleep_level`; nothing to do on CPU)."""
         if self.sleep_enabled and not self._asleep:
-            self.llm.sleep(level=1)  # weights offloaded to host memory, KV cache dropped
+            level = sleep_level(self.lora_sync)
+            self.llm.sleep(level=level)  # KV cache dropped; weights offloaded (1) or discarded (2)
             self._asleep = {"weights", "kv_cache"}
+            if level == 2:
+                self._synced_version = None  # the engine holds no weights now: the next sync streams them all
 
     def resume(self) -> None:
         self._wake(["weights", "kv_cache"])

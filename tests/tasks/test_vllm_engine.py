@@ -18,8 +18,10 @@ from grpoflow.tasks.generation.transformers_loop import TransformersGenerator
 from grpoflow.tasks.generation.types import SamplingParams
 from grpoflow.tasks.generation.vllm_engine import (
     LORA_RANKS,
+    VLLMGenerator,
     engine_kwargs,
     sampling_kwargs,
+    sleep_level,
     sleep_mode_on,
     sync_state,
     unsupported_reason,
@@ -301,6 +303,40 @@ def test_sleep_mode_only_on_gpu_when_asked_and_available():
     assert not sleep_mode_on(on, "cpu", available=True)  # vLLM's CPU worker only logs a warning
     assert not sleep_mode_on(on, "cuda", available=False)
     assert not sleep_mode_on(off, "cuda", available=True)
+
+
+class _SleepRecorder:
+    """Stands in for a GPU engine's sleep/wake calls (vLLM's CPU worker has no sleep mode to run here)."""
+
+    def __init__(self):
+        self.calls = []
+
+    def sleep(self, level):
+        self.calls.append(("sleep", level))
+
+    def wake_up(self, tags):
+        self.calls.append(("wake", tuple(tags)))
+
+
+@pytest.mark.parametrize("lora_sync, level", [("merge", 2), (None, 2), ("adapter", 1)])
+def test_sleep_level_and_the_resync_it_forces(lora_sync, level):
+    """Level 2 discards the weights, so the next sync must stream them even if training did not change them;
+    level 1 keeps them (adapter sync streams the base only once)."""
+    assert sleep_level(lora_sync) == level
+    gen = object.__new__(VLLMGenerator)  # the bookkeeping only: no engine starts
+    gen.llm, gen.sleep_enabled, gen.lora_sync, gen._asleep, gen._synced_version = (
+        _SleepRecorder(),
+        True,
+        lora_sync,
+        set(),
+        7,
+    )
+    gen.release()
+    gen.release()  # already asleep: no second call
+    assert gen.llm.calls == [("sleep", level)]
+    assert gen._synced_version == (None if level == 2 else 7)
+    gen.resume()
+    assert gen.llm.calls[-1] == ("wake", ("weights", "kv_cache")) and not gen._asleep
 
 
 def test_sampling_kwargs_match_the_transformers_backend():
