@@ -97,7 +97,12 @@ def _setup_env(cfg: PipelineConfig) -> None:
 
 
 def _load(args) -> PipelineConfig:
-    return load_run_config(args.config, args.overrides, name=args.command == "run")
+    cfg = load_run_config(args.config, args.overrides, name=args.command == "run")
+    from grpoflow.tasks.model.sources import model_problem
+
+    if problem := model_problem(cfg.model.name):  # a bad GGUF: now, not after data prep
+        raise ConfigError(f"model.name: {problem}")
+    return cfg
 
 
 def cmd_run(args) -> int:

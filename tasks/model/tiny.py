@@ -14,6 +14,7 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from grpoflow.tasks.config import ModelConfig, TinyModelConfig
 from grpoflow.tasks.model.loading import CHATML_TEMPLATE
+from grpoflow.tasks.model.sources import resolve_model
 
 log = logging.getLogger(__name__)
 
@@ -86,9 +87,10 @@ def build_tiny_model(cfg: TinyModelConfig, tokenizer: PreTrainedTokenizerBase, s
 
 
 def ensure_base_model(cfg: ModelConfig, texts: Iterable[str] | None, out_dir: Path, seed: int) -> str:
-    """Return a loadable name/path for the base model; for ``tiny``, build and save it once."""
+    """Return a loadable name/path for the base model; for ``tiny``, build and save it once; a GGUF file or an
+    alias resolves to its cached converted folder (grpoflow.tasks.model.sources)."""
     if cfg.name != "tiny":
-        return cfg.name
+        return resolve_model(cfg.name, cfg.cache_dir)
     if (out_dir / "config.json").is_file():
         return str(out_dir)
     if texts is None:

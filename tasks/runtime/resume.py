@@ -50,6 +50,7 @@ IGNORED = frozenset(
         "grpo.resume",
         "generation.torch_threads",
         "generation.batch_size",
+        "model.cache_dir",
     }
 )
 RUN_FILE = "run.json"
