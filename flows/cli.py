@@ -102,6 +102,12 @@ def _load(args) -> PipelineConfig:
 
     if problem := model_problem(cfg.model.name):  # a bad GGUF: now, not after data prep
         raise ConfigError(f"model.name: {problem}")
+    from grpoflow.tasks.rewards import resolve_reward_funcs
+
+    try:  # imported and their signatures checked now, not in the GRPO stage after data prep and SFT
+        resolve_reward_funcs(cfg.grpo.reward_funcs)
+    except ValueError as e:
+        raise ConfigError(f"grpo.reward_funcs: {e}") from None
     return cfg
 
 

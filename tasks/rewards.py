@@ -21,6 +21,7 @@ which the advantage computation ignores (as TRL does).
 from __future__ import annotations
 
 import importlib
+import inspect
 import math
 import re
 from collections.abc import Callable, Sequence
@@ -187,6 +188,8 @@ def _import_reward(path: str) -> tuple[str, RewardFunc]:
         obj: Any = importlib.import_module(module_name)
     except ImportError as e:  # includes ModuleNotFoundError
         raise ValueError(f"reward {path!r}: cannot import module {module_name!r}: {e}") from e
+    except Exception as e:  # the module itself fails on import: its error, named, not a raw traceback
+        raise ValueError(f"reward {path!r}: importing {module_name!r} raised {type(e).__name__}: {e}") from e
     for attr in attr_path.split("."):
         try:
             obj = getattr(obj, attr)
@@ -195,7 +198,23 @@ def _import_reward(path: str) -> tuple[str, RewardFunc]:
     if not callable(obj):
         # ValueError, like every other bad reward spec, so that callers catch one type.
         raise ValueError(f"reward {path!r} is not callable (got {type(obj).__name__})")  # noqa: TRY004
+    check_signature(path, obj)
     return getattr(obj, "__name__", attr_path.rsplit(".", 1)[-1]), obj
+
+
+def check_signature(spec: str, fn: Callable) -> None:
+    """A reward is called as fn(prompts=..., completions=..., **dataset_columns) (TRL's convention): it must
+    take keyword arguments it does not name (``**kwargs``) and no positional-only parameter without a default."""
+    try:
+        sig = inspect.signature(fn)
+    except (TypeError, ValueError):  # a builtin or C callable without a signature: let the call decide
+        return
+    call = "rewards are called as fn(prompts=..., completions=..., **dataset_columns)"
+    if not any(p.kind == p.VAR_KEYWORD for p in sig.parameters.values()):
+        raise ValueError(f"reward {spec!r}: its signature {sig} takes no **kwargs; {call}")
+    for p in sig.parameters.values():
+        if p.kind == p.POSITIONAL_ONLY and p.default is p.empty:
+            raise ValueError(f"reward {spec!r}: parameter {p.name!r} of {sig} is positional-only; {call}")
 
 
 def resolve_reward_funcs(names: list[str]) -> list[tuple[str, RewardFunc]]:
@@ -221,32 +240,62 @@ def resolve_reward_funcs(names: list[str]) -> list[tuple[str, RewardFunc]]:
     return resolved
 
 
+class RewardError(ValueError):
+    """A reward function failed or returned what cannot be a reward; the message names it and the sample."""
+
+
+def reward_values(name: str, out: Any, completions: list[Any]) -> list[float]:
+    """What reward ``name`` returned for ``completions``, as floats, by these rules:
+
+    a list or tuple, a numpy array or a torch tensor (1-D), one value per completion; each value a number, a
+    bool (1.0 / 0.0), a 0-d array or tensor, or None (TRL's "not scored": NaN, left out of the means). NaN is
+    taken as "not scored" too. inf, -inf, strings and anything else are refused, naming the first offending
+    completion."""
+    n = len(completions)
+    if hasattr(out, "tolist") and not isinstance(out, (list, tuple)):  # numpy arrays, torch tensors
+        out = out.tolist()
+    if not isinstance(out, (list, tuple)):
+        raise RewardError(f"reward {name!r} returned {type(out).__name__}, expected a list of {n} floats")
+    if len(out) != n:
+        raise RewardError(f"reward {name!r} returned {len(out)} values for {n} completions")
+    values: list[float] = []
+    for i, v in enumerate(out):
+        if hasattr(v, "item") and not isinstance(v, (str, bytes)):
+            v = v.item()
+        if v is None:
+            values.append(math.nan)
+            continue
+        if isinstance(v, (str, bytes)) or not isinstance(v, (int, float)):
+            raise RewardError(f"reward {name!r} returned a non-numeric value {v!r} for {_sample(completions, i)}")
+        if math.isinf(v):
+            raise RewardError(
+                f"reward {name!r} returned {v} for {_sample(completions, i)}: a reward must be finite "
+                "(None or NaN mark a sample the function does not score)"
+            )
+        values.append(float(v))
+    return values
+
+
+def _sample(completions: list[Any], i: int) -> str:
+    text = completion_text(completions[i])
+    return f"completion {i} ({text[:80]!r}{'...' if len(text) > 80 else ''})"
+
+
 def score_completions(
     funcs: list[tuple[str, RewardFunc]],
     prompts: list[Any],
     completions: list[Any],
     columns: dict[str, list[Any]],
 ) -> dict[str, list[float]]:
-    """Run every reward function on one batch: {name: [reward per completion]}, None mapped to NaN."""
-    n = len(completions)
+    """Run every reward function on one batch: {name: [reward per completion]}, None mapped to NaN
+    (:func:`reward_values`); a function that raises is named in the RewardError."""
     scores: dict[str, list[float]] = {}
     for name, fn in funcs:
         if name in scores:
             raise ValueError(f"two reward functions are named {name!r}; reward names must be unique")
-        out = fn(prompts=prompts, completions=completions, **columns)
-        if not isinstance(out, (list, tuple)):
-            msg = f"reward {name!r} returned {type(out).__name__}, expected a list of {n} floats"
-            raise ValueError(msg)  # noqa: TRY004 -- one error type for every bad reward output
-        if len(out) != n:
-            raise ValueError(f"reward {name!r} returned {len(out)} values for {n} completions")
-        values: list[float] = []
-        for v in out:
-            if v is None:
-                values.append(math.nan)
-                continue
-            try:
-                values.append(float(v))
-            except (TypeError, ValueError) as e:
-                raise ValueError(f"reward {name!r} returned a non-numeric value {v!r}") from e
-        scores[name] = values
+        try:
+            out = fn(prompts=prompts, completions=completions, **columns)
+        except Exception as e:
+            raise RewardError(f"reward {name!r} raised {type(e).__name__}: {e}") from e
+        scores[name] = reward_values(name, out, completions)
     return scores

@@ -10,4 +10,6 @@ class ConfigError(ValueError):
 
 
 class _Section(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True, validate_default=True)
+    # allow_inf_nan=False: inf and nan are refused for every float key (grpo.learning_rate=.inf would otherwise pass
+    # and fail a step later inside torch, naming no key)
+    model_config = ConfigDict(extra="forbid", frozen=True, validate_default=True, allow_inf_nan=False)

@@ -13,6 +13,7 @@ import logging
 import random
 import re
 import zlib
+from collections.abc import Callable
 from typing import Any
 
 from datasets import Dataset, Features, List, Value
@@ -144,12 +145,19 @@ def make_example(question: str, gold: str, reasoning: str, system_prompt: str | 
 
 
 def map_rows(
-    questions: list[Any], answers: list[Any], fmt: str, d: DataConfig, source_name: str
+    questions: list[Any],
+    answers: list[Any],
+    fmt: str,
+    d: DataConfig,
+    source_name: str,
+    where: Callable[[int], str] | None = None,
 ) -> tuple[list[dict[str, Any]], list[tuple[int, str]]]:
     """Rows -> examples, and the (0-based row index, problem) of each skipped row.
 
-    With data.on_invalid_row = "error" the first invalid row raises, naming the source and the row.
+    With data.on_invalid_row = "error" the first invalid row raises, naming the source and where the row is:
+    ``where(i)`` (dataio.sources.row_locator: "line 7" of a .jsonl or .csv file), else "row i+1" (1-based).
     """
+    where = where or (lambda i: f"row {i + 1}")
     examples: list[dict[str, Any]] = []
     skipped: list[tuple[int, str]] = []
     for i, (q, a) in enumerate(zip(questions, answers, strict=True)):
@@ -158,13 +166,13 @@ def map_rows(
         except InvalidRowError as e:
             if d.on_invalid_row == "error":
                 raise ValueError(
-                    f"{source_name} row {i}: {e} (set data.on_invalid_row=skip to skip such rows)"
+                    f"{source_name} {where(i)}: {e} (set data.on_invalid_row=skip to skip such rows)"
                 ) from None
             skipped.append((i, str(e)))
             continue
         examples.append(make_example(question, gold, reasoning, d.system_prompt))
     if skipped:
-        first = "; ".join(f"row {i}: {problem}" for i, problem in skipped[:5])
+        first = "; ".join(f"{where(i)}: {problem}" for i, problem in skipped[:5])
         log.warning(
             "%s: skipped %d invalid rows (data.on_invalid_row=skip); first: %s", source_name, len(skipped), first
         )

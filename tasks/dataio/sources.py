@@ -3,8 +3,10 @@ S3 file is downloaded into storage.cache_dir first), or a Hugging Face dataset i
 
 from __future__ import annotations
 
+import csv
 import os
 import re
+from collections.abc import Callable
 from pathlib import Path
 
 import datasets
@@ -78,3 +80,33 @@ def load_source(
             f"{'/'.join(sorted(FILE_BUILDERS))} file nor a reachable Hugging Face dataset id: "
             f"{type(e).__name__}: {e}"
         ) from e
+
+
+def row_locator(source: str, storage: StorageConfig | None = None) -> Callable[[int], str]:
+    """How to name row ``i`` (0-based, as loaded) of ``source`` to a user: for a .jsonl file (or a .json file of
+    JSON lines) and a .csv file the line an editor shows (1-based; blank lines and the CSV header counted, a
+    quoted CSV field over several lines starts its record's line), else the record's 1-based number."""
+    path: Path | None = None
+    if s3.is_s3_uri(source):
+        local = s3.S3Store(storage).local_path(source)
+        path = local if local.is_file() else None
+    elif Path(source).expanduser().is_file():
+        path = Path(source).expanduser()
+    if path is None or path.suffix not in (".jsonl", ".json", ".csv"):
+        return lambda i: f"row {i + 1}"
+    if path.suffix == ".csv":
+        lines = []
+        with open(path, newline="", encoding="utf-8", errors="replace") as f:
+            reader, start = csv.reader(f), 1
+            for n, _ in enumerate(reader):
+                if n:  # the header is not a row
+                    lines.append(start)
+                start = reader.line_num + 1
+    else:
+        with open(path, "rb") as f:
+            head = f.read(4096).lstrip()
+            if path.suffix == ".json" and head.startswith(b"["):
+                return lambda i: f"record {i + 1}"
+            f.seek(0)
+            lines = [n for n, line in enumerate(f, 1) if line.strip()]
+    return lambda i: f"line {lines[i]}" if i < len(lines) else f"row {i + 1}"

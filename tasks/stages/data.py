@@ -33,7 +33,7 @@ from prefect import task
 
 from grpoflow.tasks.config import DataConfig, PipelineConfig, StorageConfig, resolve_eval_size
 from grpoflow.tasks.dataio.rows import FEATURES, columns, detect_format, generate_arithmetic, map_rows
-from grpoflow.tasks.dataio.sources import BUILTIN_SOURCE, load_source, looks_like_file
+from grpoflow.tasks.dataio.sources import BUILTIN_SOURCE, load_source, looks_like_file, row_locator
 from grpoflow.tasks.runtime.stage import run_stage
 from grpoflow.tasks.runtime.tracking import RunLogger
 from grpoflow.tasks.runtime.workspace import Workspace
@@ -101,7 +101,8 @@ def prepare_data(cfg: PipelineConfig, ws: Workspace) -> dict[str, Any]:
             load_source(d.source, d.split, d.subset, cfg.storage), d.question_field, d.answer_field, source_name
         )
         fmt = detect_format(answers) if d.format == "auto" else d.format
-        examples, skipped[source_name] = map_rows(questions, answers, fmt, d, source_name)
+        where = row_locator(d.source, cfg.storage)
+        examples, skipped[source_name] = map_rows(questions, answers, fmt, d, source_name, where)
         if d.eval_source is None:
             train_rows, eval_rows = _held_out(examples, d.eval_size, seed)
         else:
@@ -109,7 +110,8 @@ def prepare_data(cfg: PipelineConfig, ws: Workspace) -> dict[str, Any]:
     if d.eval_source is not None:
         eval_ds, eval_name = _load_eval(d.eval_source, d, cfg.storage)
         eval_q, eval_a = columns(eval_ds, d.question_field, d.answer_field, eval_name)
-        eval_rows, skipped[eval_name] = map_rows(eval_q, eval_a, fmt, d, eval_name)
+        eval_where = row_locator(d.eval_source, cfg.storage)
+        eval_rows, skipped[eval_name] = map_rows(eval_q, eval_a, fmt, d, eval_name, eval_where)
         if d.source == BUILTIN_SOURCE:  # keep eval questions out of the generated train split
             held = {r["question"] for r in eval_rows}
             train_rows = [r for r in train_rows if r["question"] not in held]

@@ -252,9 +252,9 @@ def _bad_gsm8k(tmp_path: Path) -> Path:
     return write_rows(tmp_path / "bad_gsm8k.jsonl", rows)
 
 
-def test_invalid_row_errors_with_index(tmp_path):
+def test_invalid_row_errors_with_its_line(tmp_path):
     path = _bad_gsm8k(tmp_path)
-    with pytest.raises(ValueError, match=r"bad_gsm8k.jsonl row 3: answer has no '####'"):
+    with pytest.raises(ValueError, match=r"bad_gsm8k.jsonl line 4: answer has no '####'"):
         run(tmp_path, source=str(path), format="gsm8k")
 
 
@@ -264,15 +264,29 @@ def test_invalid_rows_skipped_and_counted(tmp_path, caplog):
         summary, ws = run(tmp_path, source=str(path), format="gsm8k", on_invalid_row="skip", eval_size=2)
     assert summary["skipped_rows"] == 3
     assert (summary["train_rows"], summary["eval_rows"]) == (15, 2)
-    assert "skipped 3 invalid rows" in caplog.text and "row 3: answer has no '####'" in caplog.text
-    assert "row 11: question is empty" in caplog.text and "row 17: answer is missing" in caplog.text
+    assert "skipped 3 invalid rows" in caplog.text and "line 4: answer has no '####'" in caplog.text
+    assert "line 12: question is empty" in caplog.text and "line 18: answer is missing" in caplog.text
     assert ws.read_manifest("data")["skipped_row_indices"] == {str(path): [3, 11, 17]}
 
 
 def test_non_string_question(tmp_path):
     path = write_rows(tmp_path / "q.json", [{"question": 5, "answer": "x"}, {"question": "ok?", "answer": "y"}])
-    with pytest.raises(ValueError, match="row 0: question is not a string"):
+    with pytest.raises(ValueError, match="q.json record 1: question is not a string"):
         run(tmp_path, source=str(path))
+
+
+@pytest.mark.parametrize("suffix", [".jsonl", ".csv", ".parquet"])
+def test_invalid_row_is_named_by_the_line_an_editor_shows(tmp_path, suffix):
+    """1-based lines: blank lines of a .jsonl and the CSV header count, a quoted CSV field over several lines
+    moves the next records down; a parquet file has no lines: its 1-based row."""
+    good = {"question": "What is 1 + 2?", "answer": "3"}
+    rows = [good, {"question": "What is\n2 + 2?", "answer": "4"}, good, {"question": "", "answer": "5"}]
+    path = write_rows(tmp_path / f"rows{suffix}", rows)
+    if suffix == ".jsonl":
+        path.write_text(path.read_text().replace("\n", "\n\n", 1))  # a blank line after the first row
+    want = {".jsonl": "line 5", ".csv": "line 6", ".parquet": "row 4"}[suffix]
+    with pytest.raises(ValueError, match=rf"rows{suffix} {want}: question is (empty|missing)"):  # CSV: empty is NaN
+        run(tmp_path, source=str(path), format="qa")
 
 
 def test_missing_column_lists_columns(tmp_path):

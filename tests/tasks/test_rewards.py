@@ -243,3 +243,108 @@ def test_score_completions_checks_output(plugin, fn, match):
     funcs = resolve_reward_funcs([f"{plugin}:{fn}"])
     with pytest.raises(ValueError, match=rf"'{fn}'.*{match}"):
         score_completions(funcs, ["p", "p"], ["a", "b"], {})
+
+
+# ---------------------------------------------------------------------------- misbehaving rewards
+@pytest.fixture
+def bad_plugin(tmp_path, monkeypatch):
+    (tmp_path / "bad_rewards_plugin.py").write_text(
+        textwrap.dedent(
+            """
+            import numpy as np
+            import torch
+
+            def infinite(prompts, completions, **kwargs):
+                return [1.0, float("inf")]
+
+            def minus_infinite(prompts, completions, **kwargs):
+                return [float("-inf"), 0.0]
+
+            def text(prompts, completions, **kwargs):
+                return [1.0, "high"]
+
+            def as_numpy(prompts, completions, **kwargs):
+                return np.array([0.5, np.nan])
+
+            def as_tensor(prompts, completions, **kwargs):
+                return torch.tensor([1.0, 2.0])
+
+            def as_bools(prompts, completions, **kwargs):
+                return [True, np.bool_(False)]
+
+            def raises(prompts, completions, **kwargs):
+                raise KeyError("answer")
+
+            def no_kwargs(prompts, completions):
+                return [0.0] * len(completions)
+
+            def positional_only(prompts, /, completions, **kwargs):
+                return [0.0] * len(completions)
+            """
+        )
+    )
+    (tmp_path / "broken_on_import.py").write_text("raise RuntimeError('needs an API key')\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    return "bad_rewards_plugin"
+
+
+@pytest.mark.parametrize(
+    "fn, match",
+    [
+        ("infinite", r"'infinite' returned inf for completion 1 \('wrong'\): a reward must be finite"),
+        ("minus_infinite", r"returned -inf for completion 0 \('right'\)"),
+        ("text", r"non-numeric value 'high' for completion 1"),
+        ("raises", r"reward 'raises' raised KeyError: 'answer'"),
+    ],
+)
+def test_misbehaving_rewards_are_refused_naming_function_and_sample(bad_plugin, fn, match):
+    from grpoflow.tasks.rewards import RewardError
+
+    funcs = resolve_reward_funcs([f"{bad_plugin}:{fn}"])
+    with pytest.raises(RewardError, match=match):
+        score_completions(funcs, ["p", "p"], ["right", "wrong"], {})
+
+
+def test_arrays_tensors_bools_and_nan_are_converted(bad_plugin):
+    names = ["as_numpy", "as_tensor", "as_bools"]
+    scores = score_completions(resolve_reward_funcs([f"{bad_plugin}:{n}" for n in names]), ["p", "p"], ["a", "b"], {})
+    assert scores["as_numpy"][0] == 0.5 and math.isnan(scores["as_numpy"][1])  # NaN: not scored, as TRL
+    assert scores["as_tensor"] == [1.0, 2.0] and scores["as_bools"] == [1.0, 0.0]
+    assert all(type(v) is float for vals in scores.values() for v in vals)
+
+
+@pytest.mark.parametrize(
+    "spec, match",
+    [
+        ("bad_rewards_plugin:no_kwargs", r"takes no \*\*kwargs"),
+        ("bad_rewards_plugin:positional_only", r"'prompts' .* is positional-only"),
+        ("broken_on_import:f", r"importing 'broken_on_import' raised RuntimeError: needs an API key"),
+    ],
+)
+def test_bad_reward_specs_fail_at_resolution(bad_plugin, spec, match):
+    with pytest.raises(ValueError, match=match):
+        resolve_reward_funcs([spec])
+
+
+def test_cli_validate_checks_rewards_and_non_finite_numbers(bad_plugin, tmp_path):
+    """`grpoflow validate` imports the rewards and rejects inf/nan, exit 2 naming the key, in seconds."""
+    import subprocess
+    import sys
+
+    env = {**__import__("os").environ, "PYTHONPATH": str(tmp_path)}
+    for override, match in [
+        ("grpo.reward_funcs=[correctness,nope_module:fn]", "grpo.reward_funcs: reward 'nope_module:fn'"),
+        ("grpo.reward_funcs=[broken_on_import:f]", "raised RuntimeError: needs an API key"),
+        ("grpo.reward_funcs=[bad_rewards_plugin:no_kwargs]", "takes no **kwargs"),
+        ("grpo.learning_rate=.inf", "grpo.learning_rate: Input should be a finite number"),
+    ]:
+        res = subprocess.run(
+            [sys.executable, "-m", "grpoflow.flows.cli", "validate", "default", override],
+            cwd=tmp_path,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        assert res.returncode == 2 and match in res.stderr, (override, res.stderr[-2000:])
+        assert "Traceback" not in res.stderr
