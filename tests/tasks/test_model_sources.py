@@ -148,3 +148,17 @@ def test_two_grpo_steps_with_lora_on_smollm2(smollm2, tmp_path):
     changed = {n for n, p in model.named_parameters() if not torch.equal(before[n], p)}
     assert changed and all("lora_" in n for n in changed)
     assert len(trainer.history) == 2 and all(h["loss"] == h["loss"] for h in trainer.history)
+
+    # the export of the trained real model: merged folder, then a GGUF that gguf's reader reads back
+    from grpoflow.tasks.model.gguf import write_gguf
+    from grpoflow.tasks.model.save import save_merged
+
+    merged = tmp_path / "merged"
+    save_merged(model, tok, merged, "float16", is_adapter=True)
+    info = write_gguf(merged, tmp_path / "smol.gguf", "f16")
+    reader = gguf.GGUFReader(tmp_path / "smol.gguf")
+    assert info["architecture"] == "llama" and len(reader.tensors) == info["tensors"] == 272
+    names = {t.name for t in reader.tensors}
+    assert {"token_embd.weight", "blk.29.ffn_down.weight", "output_norm.weight"} <= names
+    chat = reader.get_field("tokenizer.chat_template").contents()
+    assert chat == tok.chat_template and "<|im_start|>" in chat
