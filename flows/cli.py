@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
 import sys
 import time
@@ -27,6 +28,7 @@ from grpoflow.tasks.config import (
     load_run_config,
 )
 from grpoflow.tasks.runtime import s3
+from grpoflow.tasks.runtime.errors import StageError
 from grpoflow.tasks.runtime.workspace import join_location, local_dir
 
 
@@ -184,6 +186,7 @@ def _run_pipeline(cfg: PipelineConfig, before=None) -> int:
             raise ConfigError(f"generation.backend=vllm: {problem}")
     from grpoflow.flows.pipeline import grpo_pipeline  # heavy imports only after the config is valid
 
+    quiet_stage_errors()
     if before is not None:
         before()
     workspace = join_location(cfg.run.output_dir, cfg.run.name)
@@ -191,6 +194,23 @@ def _run_pipeline(cfg: PipelineConfig, before=None) -> int:
     result = grpo_pipeline(config=cfg.to_dict(), workspace=str(workspace))
     print_summary(result, time.perf_counter() - t0)
     return 0
+
+
+class _NoTracebackForStageErrors(logging.Filter):
+    """Prefect logs a failed task and flow with the exception's traceback; for a StageError (the user's input,
+    reported in one line at the end, the traceback in the workspace's logs/) it keeps just the message."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.exc_info and isinstance(record.exc_info[1], StageError):
+            record.exc_info, record.exc_text = None, None
+        return True
+
+
+def quiet_stage_errors() -> None:
+    for name in ("prefect.task_runs", "prefect.flow_runs"):
+        logger = logging.getLogger(name)
+        if not any(isinstance(f, _NoTracebackForStageErrors) for f in logger.filters):
+            logger.addFilter(_NoTracebackForStageErrors())
 
 
 def print_summary(result: dict, seconds: float) -> None:
@@ -301,6 +321,19 @@ def main(argv: list[str] | None = None) -> int:
     except s3.S3Error as e:  # a bucket, key, endpoint or credentials problem: the message names it
         print(f"grpoflow: {e}", file=sys.stderr)
         return 1
+    except StageError as e:  # the user's input, found inside a stage: one line; completed stages are kept
+        print(
+            f"grpoflow: {e.stage}: {e.message} (traceback: {e.log_path}; after fixing it, "
+            f"`grpoflow resume {e.workspace}` reruns from this stage)",
+            file=sys.stderr,
+        )
+        return 1
+    except KeyboardInterrupt:
+        print(
+            "grpoflow: interrupted; `grpoflow resume RUN_DIR` continues (GRPO from its newest checkpoint)",
+            file=sys.stderr,
+        )
+        return 130
 
 
 if __name__ == "__main__":

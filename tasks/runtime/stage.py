@@ -14,18 +14,33 @@ into the local mirror first (tasks/runtime/workspace.py), so a resume on an empt
 from __future__ import annotations
 
 import logging
+import traceback
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import torch
 
 from grpoflow.tasks.config import PipelineConfig, config_from_dict
+from grpoflow.tasks.runtime.errors import StageError
 from grpoflow.tasks.runtime.resume import stage_keys
 from grpoflow.tasks.runtime.tracking import stage_run
 from grpoflow.tasks.runtime.workspace import STAGES, Workspace, stages_from
 
 StageFn = Callable[..., dict[str, Any]]
 log = logging.getLogger(__name__)
+
+# What a user's input or environment causes (bad data, a misbehaving reward, a missing file, S3, GPU memory):
+# reported as one line naming the stage. Anything else is a bug of ours and keeps its traceback.
+USER_ERRORS = (ValueError, OSError, torch.OutOfMemoryError)
+
+
+def write_error_log(ws: Workspace, stage: str, exc: BaseException) -> Path:
+    """The full traceback of a failed stage, in <workspace>/logs/<stage>.error.log (the local mirror for S3)."""
+    path = ws.root / "logs" / f"{stage}.error.log"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("".join(traceback.format_exception(exc)))
+    return path
 
 
 def run_stage(
@@ -48,13 +63,21 @@ def run_stage(
     log.info("stage %s: running (key %s)", name, key[:12])
     if cfg.run.torch_threads:
         torch.set_num_threads(cfg.run.torch_threads)
-    with stage_run(cfg, parent_run_id, name) as tracker:
-        summary = fn(cfg, ws, tracker, **inputs)
-        tracker.log_dict(summary, "summary.json")
-        numeric = {
-            f"summary/{k}": v for k, v in summary.items() if isinstance(v, (int, float)) and not isinstance(v, bool)
-        }
-        tracker.log_metrics(numeric)
-        summary["mlflow_run_id"] = tracker.run_id
-        ws.seal_manifest(name, key, summary)
-        return summary
+    try:
+        with stage_run(cfg, parent_run_id, name) as tracker:
+            summary = fn(cfg, ws, tracker, **inputs)
+            tracker.log_dict(summary, "summary.json")
+            numeric = {
+                f"summary/{k}": v for k, v in summary.items() if isinstance(v, (int, float)) and not isinstance(v, bool)
+            }
+            tracker.log_metrics(numeric)
+            summary["mlflow_run_id"] = tracker.run_id
+            ws.seal_manifest(name, key, summary)
+            return summary
+    except USER_ERRORS as e:
+        path = write_error_log(ws, name, e)
+        cause = str(e) if isinstance(e, ValueError) else f"{type(e).__name__}: {e}"
+        raise StageError(name, cause, str(path), ws.location) from e
+    except Exception as e:  # a bug of ours: its traceback is shown, and kept beside the stage's files too
+        write_error_log(ws, name, e)
+        raise

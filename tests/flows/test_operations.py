@@ -12,6 +12,7 @@ from grpoflow.flows.cli import main
 from grpoflow.tasks.config import ConfigError, load_config
 from grpoflow.tasks.ops.continuous import check_continuous_config, cycle_config, gather
 from grpoflow.tasks.ops.datasource import Ledger, list_source
+from grpoflow.tasks.runtime.errors import StageError
 
 MICRO = Path(__file__).parents[1] / "fixtures" / "micro.yaml"
 PREFECT_FILE = Path(__file__).parents[2] / "infra" / "prefect.yaml"
@@ -102,7 +103,7 @@ def test_a_failed_cycle_consumes_nothing(tmp_path):
         config=str(MICRO), overrides=overrides, source=str(src), state_dir=str(tmp_path / "state"), return_state=True
     )
     assert state.is_failed()
-    with pytest.raises(ValueError, match="'question' is not a column"):
+    with pytest.raises(StageError, match="data: .*'question' is not a column"):  # one line naming the stage
         state.result()
     assert not (tmp_path / "state" / "ledger.json").exists()
     assert [f.name for f in Ledger(tmp_path / "state" / "ledger.json").new_files(list_source(str(src)))] == [
