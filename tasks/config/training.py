@@ -54,7 +54,13 @@ class GRPOConfig(OptimizerFields):
     epsilon_high: float | None = Field(None, gt=0, description="Upper clip; defaults to epsilon.")
     delta: float | None = Field(None, gt=1, description="Two-sided GRPO: cap on the unclipped ratio.")
     importance_sampling_level: Literal["token", "sequence"] = "token"
-    loss_type: Literal["grpo", "bnpo", "dr_grpo", "dapo", "gspo"] = "dapo"
+    loss_type: Literal["grpo", "bnpo", "dr_grpo", "dapo", "gspo", "cispo", "sapo", "luspo", "vespo"] = "dapo"
+    sapo_temperature_neg: float = Field(1.05, gt=0, description="sapo: temperature of the soft gate, A < 0.")
+    sapo_temperature_pos: float = Field(1.0, gt=0, description="sapo: temperature of the soft gate, A > 0.")
+    vespo_k_pos: float = Field(2.0, description="vespo: shape k of the gamma weight, A >= 0.")
+    vespo_lambda_pos: float = Field(3.0, description="vespo: rate lambda of the gamma weight, A >= 0.")
+    vespo_k_neg: float = Field(3.0, description="vespo: shape k of the gamma weight, A < 0.")
+    vespo_lambda_neg: float = Field(2.0, description="vespo: rate lambda of the gamma weight, A < 0.")
     scale_rewards: ScaleRewards = "group"
     reward_funcs: list[str] = Field(
         default_factory=lambda: ["correctness", "strict_format", "soft_format", "int", "xmlcount"],
@@ -108,6 +114,16 @@ class GRPOConfig(OptimizerFields):
                 "step under fixed names (MLflow limits its logged-artifact tag); use log_completions: true/false"
             )
         return raw
+
+    @model_validator(mode="after")
+    def _vespo_correction(self) -> GRPOConfig:
+        if self.loss_type == "vespo" and self.vllm_importance_sampling_mode.startswith("sequence"):
+            raise ValueError(
+                "loss_type=vespo folds the sampler correction into its sequence weight token by token: "
+                f"vllm_importance_sampling_mode must be token_truncate or token_mask, not "
+                f"{self.vllm_importance_sampling_mode} (as TRL 1.16 refuses)"
+            )
+        return self
 
     @field_validator("scale_rewards", mode="before")
     @classmethod

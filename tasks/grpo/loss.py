@@ -6,15 +6,25 @@ advantages A [B].
     log_w = logp - old_logp                           (token level)
           = sum_t m*(logp-old_logp) / max(1, sum_t m) (sequence level, GSPO; broadcast over t)
     w      = exp(log_w);  w_clip = clamp(w, 1-eps, 1+eps_high);  w = min(w, delta) if delta
-    l      = -min(w*A, w_clip*A)
-    l     *= is_ratio                                  (sampler correction, when given)
+    l      = -min(w*A, w_clip*A)                       (grpo, bnpo, dr_grpo, dapo, gspo; luspo: length-unbiased
+                                                        sequence policy optimization, arXiv 2602.05261)
+           = -sg(min(w, eps_high)) * A * logp          (cispo: clipped IS-weight policy optimization, MiniMax-M1,
+                                                        arXiv 2506.13585; sg = stop-gradient; eps_high is a cap)
+           = -sigmoid(tau*(w-1)) * 4/tau * A           (sapo: soft adaptive policy optimization, arXiv 2511.20347;
+                                                        tau = sapo_temperature_pos if A > 0 else _neg)
+           = -sg(phi(W)) * A * logp                    (vespo: variational sequence-level soft policy optimization,
+                                                        arXiv 2602.10693; W = exp(sum_t m*clamp(logp-old)) per
+                                                        sequence, times the sampler ratios when given;
+                                                        phi(W) = exp(lam + k log W - lam W), (k, lam) by sign of A)
+    l     *= is_ratio                                  (sampler correction, when given; not vespo: inside phi)
     kl     = exp(ref-logp) - (ref-logp) - 1            (k3; *= w when use_bias_correction_kl)
     l     += beta * kl
     loss   = aggregate(l, m) by loss_type:
-      grpo/gspo : mean_b( sum_t m*l / max(1, sum_t m) ) / GA
+      grpo/gspo/sapo : mean_b( sum_t m*l / max(1, sum_t m) ) / GA
+      luspo     : mean_b( sum_t m*l ) / GA             (a sequence's tokens summed, not averaged)
       bnpo      : sum(m*l) / max(1, sum(m)) / GA
       dr_grpo   : sum(m*l) / (B * max_completion_length) / GA
-      dapo      : sum(m*l) / (max(1, N_round) / world * GA / steps_per_generation)
+      dapo/cispo/vespo : sum(m*l) / (max(1, N_round) / world * GA / steps_per_generation)
 
 The returned loss is what one micro-batch contributes to the gradient of an optimizer step
 (the division by GA is inside), so the caller just sums backward() calls.
@@ -40,6 +50,12 @@ class LossSettings:
     max_completion_length: int = 256
     gradient_accumulation_steps: int = 1
     steps_per_generation: int = 1
+    sapo_temperature_neg: float = 1.05
+    sapo_temperature_pos: float = 1.0
+    vespo_k_pos: float = 2.0
+    vespo_lambda_pos: float = 3.0
+    vespo_k_neg: float = 3.0
+    vespo_lambda_neg: float = 2.0
 
 
 def grpo_loss(
@@ -73,26 +89,37 @@ def grpo_loss(
         if s.use_bias_correction_kl:
             kl = kl * coef_1
 
-    coef_2 = torch.clamp(coef_1, 1 - s.epsilon, 1 + s.epsilon_high)
-    if s.delta is not None:
-        coef_1 = torch.clamp(coef_1, max=s.delta)
-    per_token = -torch.min(coef_1 * adv, coef_2 * adv)
-    if is_ratio is not None:
+    if s.loss_type == "cispo":
+        per_token = -torch.clamp(coef_1, max=s.epsilon_high).detach() * adv * logp
+    elif s.loss_type == "sapo":
+        tau = torch.where(adv > 0, s.sapo_temperature_pos, s.sapo_temperature_neg)
+        per_token = -(torch.sigmoid(tau * (coef_1 - 1)) * 4 / tau) * adv
+    elif s.loss_type == "vespo":
+        phi = gamma_weights(adv, log_ratio, mask, is_ratio, s)
+        per_token = -phi * adv * logp
+    else:
+        coef_2 = torch.clamp(coef_1, 1 - s.epsilon, 1 + s.epsilon_high)
+        if s.delta is not None:
+            coef_1 = torch.clamp(coef_1, max=s.delta)
+        per_token = -torch.min(coef_1 * adv, coef_2 * adv)
+    if is_ratio is not None and s.loss_type != "vespo":
         per_token = per_token * is_ratio
     if kl is not None:
         per_token = per_token + s.beta * kl
     per_token = per_token.expand_as(mask) if per_token.shape != mask.shape else per_token
 
     ga = s.gradient_accumulation_steps
-    if s.loss_type in ("grpo", "gspo"):
+    if s.loss_type in ("grpo", "gspo", "sapo"):
         loss = ((per_token * mask).sum(-1) / mask.sum(-1).clamp(min=1.0)).mean() / ga
+    elif s.loss_type == "luspo":
+        loss = (per_token * mask).sum(-1).mean() / ga
     elif s.loss_type == "bnpo":
         loss = (per_token * mask).sum() / mask.sum().clamp(min=1.0) / ga
     elif s.loss_type == "dr_grpo":
         loss = (per_token * mask).sum() / (per_token.shape[0] * s.max_completion_length) / ga
-    elif s.loss_type == "dapo":
+    elif s.loss_type in ("dapo", "cispo", "vespo"):
         if num_items_in_round is None:
-            raise ValueError("loss_type=dapo needs num_items_in_round (active tokens of the generation round)")
+            raise ValueError(f"loss_type={s.loss_type} needs num_items_in_round (active tokens of the round)")
         normalizer = max(1.0, float(num_items_in_round)) * ga / s.steps_per_generation
         loss = (per_token * mask).sum() / normalizer
     else:
@@ -106,6 +133,27 @@ def grpo_loss(
         if kl is not None:
             extras["kl"] = kl.detach().expand_as(mask)
     return loss, extras
+
+
+@torch.no_grad()
+def gamma_weights(
+    adv: torch.Tensor, log_ratio: torch.Tensor, mask: torch.Tensor, is_ratio: torch.Tensor | None, s: LossSettings
+) -> torch.Tensor:
+    """VESPO's sequence weight phi(W) [B, 1], a constant (no gradient):
+
+        log W = clamp( sum_t m * clamp(logp - old, -20, 20) + sum_t clamp(log is_ratio, log 1e-8, 20),
+                       log 1e-8, 20 )
+        phi   = exp(lam + k log W - lam W),  (k, lam) = (k_pos, lam_pos) if A >= 0 else (k_neg, lam_neg); phi(1) = 1
+    (NaN or inf -> 0)."""
+    floor = math.log(1e-8)
+    log_w = (torch.clamp(log_ratio, -20.0, 20.0) * mask).sum(-1, keepdim=True)
+    if is_ratio is not None:
+        log_w = log_w + torch.clamp(torch.log(is_ratio), floor, 20.0).sum(-1, keepdim=True)
+    log_w = torch.clamp(log_w, floor, 20.0)
+    pos = adv >= 0
+    k = torch.where(pos, s.vespo_k_pos, s.vespo_k_neg)
+    lam = torch.where(pos, s.vespo_lambda_pos, s.vespo_lambda_neg).clamp(min=1e-4)
+    return torch.exp(lam + k * log_w - lam * torch.exp(log_w)).nan_to_num(nan=0.0, posinf=0.0, neginf=0.0)
 
 
 def masked_mean(x: torch.Tensor, mask: torch.Tensor) -> float:

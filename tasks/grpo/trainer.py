@@ -130,6 +130,12 @@ def loss_settings(g: GRPOConfig, spg: int) -> LossSettings:
         max_completion_length=g.max_completion_length,
         gradient_accumulation_steps=g.gradient_accumulation_steps,
         steps_per_generation=spg,
+        sapo_temperature_neg=g.sapo_temperature_neg,
+        sapo_temperature_pos=g.sapo_temperature_pos,
+        vespo_k_pos=g.vespo_k_pos,
+        vespo_lambda_pos=g.vespo_lambda_pos,
+        vespo_k_neg=g.vespo_k_neg,
+        vespo_lambda_neg=g.vespo_lambda_neg,
     )
 
 

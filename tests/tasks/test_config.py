@@ -146,3 +146,11 @@ def test_a_trl_grpo_config_keyword_set_is_accepted_verbatim():
     assert (b.generation_batch_size, b.steps_per_generation, b.unique_prompts) == (12, 2, 2)
     with_gbs = config_from_dict({"grpo": {**trl_kwargs, "generation_batch_size": 24}}).grpo.batching()
     assert (with_gbs.steps_per_generation, with_gbs.unique_prompts) == (4, 4)
+
+
+def test_vespo_refuses_a_sequence_level_sampler_correction():
+    from grpoflow.tasks.config import GRPOConfig
+
+    assert GRPOConfig(loss_type="vespo").vllm_importance_sampling_mode == "token_truncate"
+    with pytest.raises(ValueError, match="loss_type=vespo .* token_truncate or token_mask, not sequence_mask"):
+        GRPOConfig(loss_type="vespo", vllm_importance_sampling_mode="sequence_mask")

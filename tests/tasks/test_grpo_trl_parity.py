@@ -34,8 +34,21 @@ class _Accelerator:
         return x
 
 
+# non-default values, so that a setting that does not reach the loss fails the comparison
+NEW_LOSS_ARGS = dict(
+    sapo_temperature_neg=1.3,
+    sapo_temperature_pos=0.8,
+    vespo_k_pos=1.5,
+    vespo_lambda_pos=2.5,
+    vespo_k_neg=2.5,
+    vespo_lambda_neg=1.5,
+)
+
+
 def trl_loss(logp, inputs, *, loss_type, level, beta, delta, eps, eps_high, ga, spg, max_len, is_correction):
     entropies = torch.zeros_like(logp)
+    if not is_correction:  # TRL's inputs hold the ratio only with vLLM's correction on (vespo reads it if present)
+        inputs = {k: v for k, v in inputs.items() if k != "importance_sampling_ratio"}
     stub = SimpleNamespace(
         top_entropy_quantile=1.0,
         off_policy_mask_threshold=None,
@@ -53,7 +66,8 @@ def trl_loss(logp, inputs, *, loss_type, level, beta, delta, eps, eps_high, ga, 
         _entropy_bonus_enabled=False,
         aux_loss_enabled=False,
         _metrics={"train": defaultdict(list), "eval": defaultdict(list)},
-        args=SimpleNamespace(use_bias_correction_kl=True, delta=delta, steps_per_generation=spg),
+        args=SimpleNamespace(use_bias_correction_kl=True, delta=delta, steps_per_generation=spg, **NEW_LOSS_ARGS),
+        get_gamma_weights=TRLGRPOTrainer.get_gamma_weights,
         _get_per_token_logps_and_entropies=lambda *a, **k: (logp, entropies, None),
     )
     return TRLGRPOTrainer._compute_loss(stub, None, inputs)
@@ -81,6 +95,12 @@ CASES = [
     for beta in (0.0, 0.04)
     for delta in (None, 1.5)
     for trunc in (False, True)
+] + [  # the newer losses (delta is a grpo-family option); vespo computes its own sequence weight: token level
+    (lt, level, beta, None, trunc)
+    for lt in ("cispo", "sapo", "luspo", "vespo")
+    for level in (("token",) if lt == "vespo" else ("token", "sequence"))
+    for beta in (0.0, 0.04)
+    for trunc in (False, True)
 ]
 
 
@@ -102,6 +122,7 @@ def test_loss_and_gradient_match_trl(loss_type, level, beta, delta, truncate, is
         max_completion_length=max_len,
         gradient_accumulation_steps=ga,
         steps_per_generation=spg,
+        **NEW_LOSS_ARGS,
     )
     ours, _ = grpo_loss(
         ours_logp,
@@ -237,7 +258,15 @@ class DriftingSampler(TransformersGenerator):
 
 @pytest.mark.parametrize(
     "loss_type, mode, beta",
-    [("dapo", "token_truncate", 0.0), ("grpo", "sequence_truncate", 0.04), ("bnpo", "token_mask", 0.0)],
+    [
+        ("dapo", "token_truncate", 0.0),
+        ("grpo", "sequence_truncate", 0.04),
+        ("bnpo", "token_mask", 0.0),
+        ("cispo", "token_truncate", 0.04),
+        ("sapo", "sequence_mask", 0.0),
+        ("luspo", "token_truncate", 0.0),
+        ("vespo", "token_mask", 0.04),
+    ],
 )
 def test_trainer_micro_step_applies_the_sampler_correction_as_trl(tmp_path, loss_type, mode, beta):
     """A round from a sampler that disagrees with the trainer: the loss of the trainer's micro-step equals TRL's
@@ -255,6 +284,7 @@ def test_trainer_micro_step_applies_the_sampler_correction_as_trl(tmp_path, loss
         vllm_importance_sampling_mode=mode,
         vllm_importance_sampling_cap=3.0,
         vllm_importance_sampling_clip_min=0.5 if mode.endswith("mask") else None,
+        **NEW_LOSS_ARGS,
     )
     torch.manual_seed(0)
     trainer = make_trainer(cfg, tok, model, tmp_path, generator=DriftingSampler(model, tok), is_correction=True)
