@@ -25,6 +25,9 @@ import inspect
 import math
 import re
 from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FuturesTimeout
+from functools import partial
 from typing import Any
 
 RewardFunc = Callable[..., list[float | None]]
@@ -281,20 +284,38 @@ def _sample(completions: list[Any], i: int) -> str:
     return f"completion {i} ({text[:80]!r}{'...' if len(text) > 80 else ''})"
 
 
+def call_with_timeout(name: str, fn: Callable[[], Any], timeout: float | None) -> Any:
+    """fn() bounded by ``timeout`` seconds (None: unbounded). Over time, a RewardError names the function; the
+    call is left to finish in its own thread (a thread cannot be killed), and the stage fails."""
+    if timeout is None:
+        return fn()
+    pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"reward-{name}")
+    try:
+        return pool.submit(fn).result(timeout=timeout)
+    except FuturesTimeout:
+        raise RewardError(f"reward {name!r} took longer than grpo.reward_timeout_s={timeout:g} s") from None
+    finally:
+        pool.shutdown(wait=False)
+
+
 def score_completions(
     funcs: list[tuple[str, RewardFunc]],
     prompts: list[Any],
     completions: list[Any],
     columns: dict[str, list[Any]],
+    timeout: float | None = None,
 ) -> dict[str, list[float]]:
     """Run every reward function on one batch: {name: [reward per completion]}, None mapped to NaN
-    (:func:`reward_values`); a function that raises is named in the RewardError."""
+    (:func:`reward_values`); a function that raises, or runs past ``timeout`` seconds, is named in the
+    RewardError."""
     scores: dict[str, list[float]] = {}
     for name, fn in funcs:
         if name in scores:
             raise ValueError(f"two reward functions are named {name!r}; reward names must be unique")
         try:
-            out = fn(prompts=prompts, completions=completions, **columns)
+            out = call_with_timeout(name, partial(fn, prompts=prompts, completions=completions, **columns), timeout)
+        except RewardError:
+            raise
         except Exception as e:
             raise RewardError(f"reward {name!r} raised {type(e).__name__}: {e}") from e
         scores[name] = reward_values(name, out, completions)

@@ -68,6 +68,9 @@ class GRPOConfig(OptimizerFields):
         description="Built-in names or 'module:function' import paths.",
     )
     reward_weights: list[float] | None = None
+    reward_timeout_s: float | None = Field(
+        None, gt=0, description="Bound on one call of one reward function; over it the GRPO stage fails naming it."
+    )
     mask_truncated_completions: bool = False
     use_bias_correction_kl: bool = True
     vllm_importance_sampling_correction: bool = True

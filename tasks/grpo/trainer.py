@@ -17,6 +17,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import math
 import os
 import random
 import re
@@ -211,10 +212,20 @@ class GRPOTrainer:
         conversational = isinstance(rows[0]["prompt"], list)
         completions = [[{"role": "assistant", "content": t}] for t in texts] if conversational else texts
         columns = {k: [r[k] for r in rows] for k in rows[0] if k != "prompt"}
-        scores = score_completions(self.reward_funcs, [r["prompt"] for r in rows], completions, columns)
+        scores = score_completions(
+            self.reward_funcs, [r["prompt"] for r in rows], completions, columns, g.reward_timeout_s
+        )
         per_func = torch.tensor([scores[name] for name, _ in self.reward_funcs], dtype=torch.float32).t()  # [B, K]
         total = combine_rewards(per_func, self.weights)
+        unscored = torch.isnan(total)
+        if bool(unscored.all()):
+            log.warning(
+                "no reward function scored any completion of this round (every value None or NaN): its advantages "
+                "are 0 and it teaches nothing; check that the functions find the columns they need (%s)",
+                ", ".join(name for name, _ in self.reward_funcs),
+            )
         adv, stats = group_advantages(total, g.num_generations, g.scale_rewards)
+        stats["frac_unscored"] = unscored.float().mean().item()  # completions no reward function scored
         for k, (name, _) in enumerate(self.reward_funcs):
             col = per_func[:, k]
             stats[f"rewards/{name}/mean"] = torch.nanmean(col).item()
@@ -353,7 +364,8 @@ class GRPOTrainer:
                 self.step += 1
                 now = time.perf_counter()
                 metrics = {key: sum(v) / len(v) for key, v in window.items() if v}
-                metrics.update(r.stats)
+                # a reward statistic of nothing scored is NaN: left out (frac_unscored says so), never logged
+                metrics.update({k: v for k, v in r.stats.items() if not (_is_reward_key(k) and math.isnan(v))})
                 metrics.update(
                     {
                         "grad_norm": grad_norm,
@@ -371,7 +383,7 @@ class GRPOTrainer:
                     self._log_samples(r.samples, name)
                 if self.step % g.save_steps == 0 and self.step < g.max_steps:
                     self.save_checkpoint()
-                advance(reward=metrics["reward"], loss=metrics.get("loss", 0.0))
+                advance(reward=metrics.get("reward", math.nan), loss=metrics.get("loss", 0.0))
         last = self.history[-1] if self.history else {}
         return {"steps": self.step, "final": last, "seconds": time.perf_counter() - t_start}
 
@@ -502,6 +514,10 @@ class GRPOTrainer:
         self.sampler.load(state["sampler"])
         self.history = state["history"]
         log.info("resumed GRPO from %s (step %d)", path, self.step)
+
+
+def _is_reward_key(key: str) -> bool:
+    return key in ("reward", "reward_std") or key.startswith("rewards/")
 
 
 def list_checkpoints(folder: Path) -> list[Path]:

@@ -3,6 +3,7 @@ completion length, against the optimizer step) and the evaluation report's befor
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 import matplotlib
@@ -26,10 +27,11 @@ def plot_learning_curves(history: list[dict], path: Path, title: str = "GRPO") -
     steps = [h["step"] for h in history]
     window = max(1, len(steps) // 10)
     fig, (ax_r, ax_l) = plt.subplots(1, 2, figsize=(12, 4.5))
-    ax_r.plot(steps, [h["reward"] for h in history], color="black", alpha=0.25, label="reward")
+    rewards = [h.get("reward", math.nan) for h in history]  # missing: a step whose round nothing scored
+    ax_r.plot(steps, rewards, color="black", alpha=0.25, label="reward")
     ax_r.plot(
         steps,
-        _smooth([h["reward"] for h in history], window),
+        _smooth(rewards, window),
         color="black",
         lw=2,
         label=f"reward ({window}-step mean)",

@@ -82,12 +82,14 @@ def eval_reward_funcs(reward_funcs: list) -> list:
     return funcs
 
 
-def score(funcs: list, rows: list[dict], texts: list[str], n: int = 1) -> dict[str, list[float]]:
+def score(
+    funcs: list, rows: list[dict], texts: list[str], n: int = 1, timeout: float | None = None
+) -> dict[str, list[float]]:
     """Every reward of ``texts``: n completions per row, row-major (row 0's n, then row 1's, ...)."""
     expanded = [r for r in rows for _ in range(n)]
     completions = [[{"role": "assistant", "content": t}] for t in texts]
     columns = {k: [r[k] for r in expanded] for k in rows[0] if k != "prompt"}
-    return score_completions(funcs, [r["prompt"] for r in expanded], completions, columns)
+    return score_completions(funcs, [r["prompt"] for r in expanded], completions, columns, timeout)
 
 
 def greedy_metrics(funcs: list, rows: list[dict], texts: list[str], lengths: list[int]) -> tuple[dict, dict]:

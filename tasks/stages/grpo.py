@@ -121,7 +121,7 @@ def run_grpo(cfg: PipelineConfig, ws: Workspace, tracker: RunLogger, init_model:
         "adapter": use_lora,
         "steps": result["steps"],
         "final_reward": final.get("reward"),
-        "first_reward": trainer.history[0]["reward"] if trainer.history else None,
+        "first_reward": trainer.history[0].get("reward") if trainer.history else None,
         "seconds": time.perf_counter() - t0,
         "generation_backend": generator.name,
     }

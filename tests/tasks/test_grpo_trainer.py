@@ -265,3 +265,25 @@ def test_micro_step_path_keeps_every_tensor_on_the_model_device(tmp_path, monkey
     assert {loss.device.type, logp.device.type, entropy.device.type, extras["kl"].device.type} == {"meta"}
     loss.backward()
     assert all(p.grad.device.type == "meta" for p in model.parameters() if p.requires_grad)
+
+
+def test_a_round_no_reward_scores_warns_and_logs_no_nan(tmp_path, caplog):
+    """Every reward None: a warning naming the functions, frac_unscored = 1, and no NaN reward in the history
+    (TRL would log NaN); the step still runs (advantages 0)."""
+    import json
+    import logging
+    import math
+
+    def never(prompts, completions, **kwargs):
+        return [None] * len(completions)
+
+    tok, model = make()
+    cfg = GRPOConfig(max_steps=1, per_device_train_batch_size=4, num_generations=4, max_completion_length=4)
+    trainer = make_trainer(cfg, tok, model, tmp_path, funcs=[("never", never)])
+    with caplog.at_level(logging.WARNING, logger="grpoflow.tasks.grpo.trainer"):
+        trainer.train()
+    assert "no reward function scored any completion" in caplog.text and "never" in caplog.text
+    h = trainer.history[-1]
+    assert h["frac_unscored"] == 1.0 and "reward" not in h and "rewards/never/mean" not in h
+    assert all(not (isinstance(v, float) and math.isnan(v)) for v in h.values() if v is not None)
+    assert "NaN" not in json.dumps(trainer.history)

@@ -348,3 +348,21 @@ def test_cli_validate_checks_rewards_and_non_finite_numbers(bad_plugin, tmp_path
         )
         assert res.returncode == 2 and match in res.stderr, (override, res.stderr[-2000:])
         assert "Traceback" not in res.stderr
+
+
+def test_reward_timeout_names_the_function(tmp_path, monkeypatch):
+    import time
+
+    from grpoflow.tasks.rewards import RewardError
+
+    def sleepy(prompts, completions, **kwargs):
+        time.sleep(5)
+        return [1.0] * len(completions)
+
+    t0 = time.perf_counter()
+    with pytest.raises(RewardError, match=r"reward 'sleepy' took longer than grpo.reward_timeout_s=0.2 s"):
+        score_completions([("sleepy", sleepy)], ["p"], ["a"], {}, timeout=0.2)
+    assert time.perf_counter() - t0 < 2
+    assert score_completions([("quick", lambda prompts, completions, **kw: [0.5])], ["p"], ["a"], {}, 1.0) == {
+        "quick": [0.5]
+    }
