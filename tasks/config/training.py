@@ -55,6 +55,12 @@ class GRPOConfig(OptimizerFields):
     delta: float | None = Field(None, gt=1, description="Two-sided GRPO: cap on the unclipped ratio.")
     importance_sampling_level: Literal["token", "sequence"] = "token"
     loss_type: Literal["grpo", "bnpo", "dr_grpo", "dapo", "gspo", "cispo", "sapo", "luspo", "vespo"] = "dapo"
+    top_entropy_quantile: float = Field(
+        1.0, gt=0, le=1, description="Train only on the completion tokens whose entropy is in this top fraction."
+    )
+    off_policy_mask_threshold: float | None = Field(
+        None, gt=0, description="Drop negative-advantage completions whose mean KL(sampler || policy) exceeds it."
+    )
     sapo_temperature_neg: float = Field(1.05, gt=0, description="sapo: temperature of the soft gate, A < 0.")
     sapo_temperature_pos: float = Field(1.0, gt=0, description="sapo: temperature of the soft gate, A > 0.")
     vespo_k_pos: float = Field(2.0, description="vespo: shape k of the gamma weight, A >= 0.")

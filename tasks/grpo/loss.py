@@ -16,6 +16,9 @@ advantages A [B].
                                                         arXiv 2602.10693; W = exp(sum_t m*clamp(logp-old)) per
                                                         sequence, times the sampler ratios when given;
                                                         phi(W) = exp(lam + k log W - lam W), (k, lam) by sign of A)
+    l     *= opsm[b] = (A[b] >= 0) or mean_t m*(sampler_logp - sg(logp)) <= off_policy_mask_threshold
+                                                       (off-policy sequence mask, DeepSeek-V3.2; NaN -> 0)
+    l     *= H[b,t] >= quantile(H over m, 1 - top_entropy_quantile)     (train on high-entropy tokens only)
     l     *= is_ratio                                  (sampler correction, when given; not vespo: inside phi)
     kl     = exp(ref-logp) - (ref-logp) - 1            (k3; *= w when use_bias_correction_kl)
     l     += beta * kl
@@ -56,6 +59,8 @@ class LossSettings:
     vespo_lambda_pos: float = 3.0
     vespo_k_neg: float = 3.0
     vespo_lambda_neg: float = 2.0
+    top_entropy_quantile: float = 1.0
+    off_policy_mask_threshold: float | None = None
 
 
 def grpo_loss(
@@ -68,8 +73,12 @@ def grpo_loss(
     ref_logp: torch.Tensor | None = None,
     is_ratio: torch.Tensor | None = None,
     num_items_in_round: float | None = None,
+    entropy: torch.Tensor | None = None,
+    sampler_logp: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """Loss of one micro-batch and detached per-token tensors for metrics."""
+    """Loss of one micro-batch and detached per-token tensors for metrics. ``entropy`` (the policy's, [B, T]) is
+    needed when top_entropy_quantile < 1; ``sampler_logp`` is what the off-policy mask compares the policy with
+    (the sampling engine's log-probs; default: old_logp)."""
     mask = mask.to(logp.dtype)
     old = logp.detach() if old_logp is None else old_logp
     log_ratio = logp - old  # [B, T]
@@ -102,6 +111,12 @@ def grpo_loss(
         if s.delta is not None:
             coef_1 = torch.clamp(coef_1, max=s.delta)
         per_token = -torch.min(coef_1 * adv, coef_2 * adv)
+    if s.off_policy_mask_threshold is not None:
+        per_token = per_token * off_policy_mask(adv, logp, sampler_logp if sampler_logp is not None else old, mask, s)
+    if s.top_entropy_quantile < 1.0:
+        if entropy is None:
+            raise ValueError("top_entropy_quantile < 1 needs the policy's per-token entropy")
+        per_token = per_token * high_entropy_mask(entropy, mask, 1 - s.top_entropy_quantile)
     if is_ratio is not None and s.loss_type != "vespo":
         per_token = per_token * is_ratio
     if kl is not None:
@@ -133,6 +148,28 @@ def grpo_loss(
         if kl is not None:
             extras["kl"] = kl.detach().expand_as(mask)
     return loss, extras
+
+
+@torch.no_grad()
+def off_policy_mask(
+    adv: torch.Tensor, logp: torch.Tensor, sampler_logp: torch.Tensor, mask: torch.Tensor, s: LossSettings
+) -> torch.Tensor:
+    """[B, 1]: 1 keeps a completion, 0 drops it. kl = nan_to_num(sampler_logp - logp, 0); a sequence is kept when
+    A >= 0 or sum_t m*kl / max(1, sum_t m) <= off_policy_mask_threshold (DeepSeek-V3.2's off-policy sequence
+    masking; an unscorable sampler token adds no evidence)."""
+    kl = torch.nan_to_num(sampler_logp - logp, nan=0.0)
+    mean_kl = (kl * mask).sum(-1, keepdim=True) / mask.sum(-1, keepdim=True).clamp(min=1.0)
+    return ((adv >= 0) | (mean_kl <= s.off_policy_mask_threshold)).to(mask.dtype)
+
+
+@torch.no_grad()
+def high_entropy_mask(entropy: torch.Tensor, mask: torch.Tensor, q: float) -> torch.Tensor:
+    """[B, T] bool: real tokens whose entropy is at least the q-quantile of the micro-batch's real tokens' entropies
+    (all False when there is none)."""
+    real = entropy[mask.bool()].float()
+    if real.numel() == 0:
+        return torch.zeros_like(entropy, dtype=torch.bool)
+    return ((entropy * mask) >= torch.quantile(real, q)) & mask.bool()
 
 
 @torch.no_grad()

@@ -137,6 +137,8 @@ def loss_settings(g: GRPOConfig, spg: int) -> LossSettings:
         vespo_lambda_pos=g.vespo_lambda_pos,
         vespo_k_neg=g.vespo_k_neg,
         vespo_lambda_neg=g.vespo_lambda_neg,
+        top_entropy_quantile=g.top_entropy_quantile,
+        off_policy_mask_threshold=g.off_policy_mask_threshold,
     )
 
 
@@ -404,6 +406,8 @@ class GRPOTrainer:
             ref_logp=ref,
             is_ratio=r.is_ratio[idx] if r.is_ratio is not None else None,
             num_items_in_round=r.n_tokens,
+            entropy=entropy,
+            sampler_logp=mb.sampler_logp if self.is_correction else None,  # a separate engine's, as TRL with vLLM
         )
         return loss, extras, mb, logp, entropy
 

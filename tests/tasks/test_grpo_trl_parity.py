@@ -33,6 +33,9 @@ class _Accelerator:
     def reduce(self, x, reduction="sum"):
         return x
 
+    def pad_across_processes(self, x, dim=0, pad_index=0):
+        return x
+
 
 # non-default values, so that a setting that does not reach the loss fails the comparison
 NEW_LOSS_ARGS = dict(
@@ -45,13 +48,31 @@ NEW_LOSS_ARGS = dict(
 )
 
 
-def trl_loss(logp, inputs, *, loss_type, level, beta, delta, eps, eps_high, ga, spg, max_len, is_correction):
-    entropies = torch.zeros_like(logp)
+def trl_loss(
+    logp,
+    inputs,
+    *,
+    loss_type,
+    level,
+    beta,
+    delta,
+    eps,
+    eps_high,
+    ga,
+    spg,
+    max_len,
+    is_correction,
+    top_entropy_quantile=1.0,
+    off_policy_mask_threshold=None,
+    entropies=None,
+):
+    entropies = torch.zeros_like(logp) if entropies is None else entropies
     if not is_correction:  # TRL's inputs hold the ratio only with vLLM's correction on (vespo reads it if present)
         inputs = {k: v for k, v in inputs.items() if k != "importance_sampling_ratio"}
     stub = SimpleNamespace(
-        top_entropy_quantile=1.0,
-        off_policy_mask_threshold=None,
+        top_entropy_quantile=top_entropy_quantile,
+        off_policy_mask_threshold=off_policy_mask_threshold,
+        get_off_policy_mask=TRLGRPOTrainer.get_off_policy_mask,
         importance_sampling_level=level,
         beta=beta,
         loss_type=loss_type,
@@ -70,6 +91,7 @@ def trl_loss(logp, inputs, *, loss_type, level, beta, delta, eps, eps_high, ga, 
         get_gamma_weights=TRLGRPOTrainer.get_gamma_weights,
         _get_per_token_logps_and_entropies=lambda *a, **k: (logp, entropies, None),
     )
+    stub.get_high_entropy_mask = lambda e, m, t: TRLGRPOTrainer.get_high_entropy_mask(stub, e, m, t)
     return TRLGRPOTrainer._compute_loss(stub, None, inputs)
 
 
@@ -326,3 +348,86 @@ def test_trainer_micro_step_applies_the_sampler_correction_as_trl(tmp_path, loss
     uncorrected = trl_loss(logp, inputs, **settings, is_correction=False).item()
     assert ours == pytest.approx(theirs, rel=1e-5, abs=1e-7)
     assert abs(theirs - uncorrected) > 1e-3 * max(abs(theirs), 1e-3)
+
+
+@pytest.mark.parametrize("loss_type", ["grpo", "dapo", "cispo", "vespo"])
+@pytest.mark.parametrize("quantile, threshold", [(0.4, None), (1.0, 0.05), (0.6, 0.02)])
+@pytest.mark.parametrize("is_correction", [False, True])
+def test_entropy_and_off_policy_masks_match_trl(loss_type, quantile, threshold, is_correction):
+    """top_entropy_quantile and off_policy_mask_threshold against TRL's own get_high_entropy_mask and
+    get_off_policy_mask inside _compute_loss: the masked tokens and dropped sequences change loss and gradient."""
+    logp0, old, ref, adv, mask, is_ratio = make_inputs(zlib.crc32(f"mask-{loss_type}".encode()), False)
+    g = torch.Generator().manual_seed(11)
+    entropy = torch.rand(logp0.shape, generator=g) * 3
+    sampler = logp0 + 0.3 + 0.2 * torch.randn(logp0.shape, generator=g)  # mean KL ~0.3: over both thresholds
+    sampler[0, 2] = float("nan")  # a token the sampler could not score: no evidence either way
+    ga, spg, n_round = 2, 4, float(mask.sum() * 3 + 5)
+    common = dict(loss_type=loss_type, level="token", beta=0.04, delta=None, eps=0.2, eps_high=0.28)
+    s = LossSettings(
+        loss_type=loss_type,
+        epsilon=0.2,
+        epsilon_high=0.28,
+        beta=0.04,
+        max_completion_length=7,
+        gradient_accumulation_steps=ga,
+        steps_per_generation=spg,
+        top_entropy_quantile=quantile,
+        off_policy_mask_threshold=threshold,
+        **NEW_LOSS_ARGS,  # what trl_loss gives TRL
+    )
+    ours_logp = logp0.clone().requires_grad_()
+    ours, _ = grpo_loss(
+        ours_logp,
+        old,
+        adv,
+        mask,
+        s,
+        ref_logp=ref,
+        is_ratio=is_ratio if is_correction else None,
+        num_items_in_round=n_round,
+        entropy=entropy,
+        sampler_logp=sampler if is_correction else None,
+    )
+    ours.backward()
+    inputs = {
+        "prompt_ids": torch.zeros(6, 2, dtype=torch.long),
+        "prompt_mask": torch.ones(6, 2, dtype=torch.long),
+        "completion_ids": torch.zeros(6, 7, dtype=torch.long),
+        "completion_mask": mask,
+        "advantages": adv,
+        "old_per_token_logps": old,
+        "ref_per_token_logps": ref,
+        "num_items_in_batch": torch.tensor(n_round),
+        "importance_sampling_ratio": is_ratio,
+    }
+    if is_correction:  # TRL with vLLM compares the policy with the engine's log-probs
+        inputs["sampling_per_token_logps"] = sampler
+    trl_logp = logp0.clone().requires_grad_()
+    theirs = trl_loss(
+        trl_logp,
+        inputs,
+        **common,
+        ga=ga,
+        spg=spg,
+        max_len=7,
+        is_correction=is_correction,
+        top_entropy_quantile=quantile,
+        off_policy_mask_threshold=threshold,
+        entropies=entropy,
+    )
+    theirs.backward()
+    torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-7)
+    torch.testing.assert_close(ours_logp.grad, trl_logp.grad, rtol=1e-5, atol=1e-7)
+    plain = LossSettings(**{**s.__dict__, "top_entropy_quantile": 1.0, "off_policy_mask_threshold": None})
+    unmasked, _ = grpo_loss(
+        logp0,
+        old,
+        adv,
+        mask,
+        plain,
+        ref_logp=ref,
+        is_ratio=is_ratio if is_correction else None,
+        num_items_in_round=n_round,
+    )
+    if quantile < 1 or is_correction:  # (without the engine's log-probs the mask reads old_logp: may keep all)
+        assert not torch.isclose(unmasked, ours)  # the masks changed something in this draw
