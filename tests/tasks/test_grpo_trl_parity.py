@@ -110,6 +110,21 @@ def make_inputs(seed: int, truncate: bool):
     return logp, old, ref, adv, mask, is_ratio
 
 
+def random_round_inputs(mask, adv, old, ref, n_round, is_ratio) -> dict:
+    """TRL's inputs dict for make_inputs' tensors (prompt and completion ids are not read: log-probs are given)."""
+    return {
+        "prompt_ids": torch.zeros(6, 2, dtype=torch.long),
+        "prompt_mask": torch.ones(6, 2, dtype=torch.long),
+        "completion_ids": torch.zeros(6, 7, dtype=torch.long),
+        "completion_mask": mask,
+        "advantages": adv,
+        "old_per_token_logps": old,
+        "ref_per_token_logps": ref,
+        "num_items_in_batch": torch.tensor(n_round),
+        "importance_sampling_ratio": is_ratio,
+    }
+
+
 CASES = [
     (lt, level, beta, delta, trunc)
     for lt in ("grpo", "bnpo", "dr_grpo", "dapo", "gspo")
@@ -159,17 +174,7 @@ def test_loss_and_gradient_match_trl(loss_type, level, beta, delta, truncate, is
     ours.backward()
 
     trl_logp = logp0.clone().requires_grad_()
-    inputs = {
-        "prompt_ids": torch.zeros(6, 2, dtype=torch.long),
-        "prompt_mask": torch.ones(6, 2, dtype=torch.long),
-        "completion_ids": torch.zeros(6, 7, dtype=torch.long),
-        "completion_mask": mask,
-        "advantages": adv,
-        "old_per_token_logps": old,
-        "ref_per_token_logps": ref,
-        "num_items_in_batch": torch.tensor(n_round),
-        "importance_sampling_ratio": is_ratio,
-    }
+    inputs = random_round_inputs(mask, adv, old, ref, n_round, is_ratio)
     theirs = trl_loss(
         trl_logp,
         inputs,
@@ -389,17 +394,7 @@ def test_entropy_and_off_policy_masks_match_trl(loss_type, quantile, threshold, 
         sampler_logp=sampler if is_correction else None,
     )
     ours.backward()
-    inputs = {
-        "prompt_ids": torch.zeros(6, 2, dtype=torch.long),
-        "prompt_mask": torch.ones(6, 2, dtype=torch.long),
-        "completion_ids": torch.zeros(6, 7, dtype=torch.long),
-        "completion_mask": mask,
-        "advantages": adv,
-        "old_per_token_logps": old,
-        "ref_per_token_logps": ref,
-        "num_items_in_batch": torch.tensor(n_round),
-        "importance_sampling_ratio": is_ratio,
-    }
+    inputs = random_round_inputs(mask, adv, old, ref, n_round, is_ratio)
     if is_correction:  # TRL with vLLM compares the policy with the engine's log-probs
         inputs["sampling_per_token_logps"] = sampler
     trl_logp = logp0.clone().requires_grad_()
