@@ -125,6 +125,16 @@ class GRPOConfig(OptimizerFields):
         return raw
 
     @model_validator(mode="after")
+    def _correction_bounds(self) -> GRPOConfig:
+        lo, hi = self.vllm_importance_sampling_clip_min, self.vllm_importance_sampling_cap
+        if lo is not None and lo >= hi:
+            raise ValueError(
+                f"vllm_importance_sampling_clip_min ({lo}) must be less than vllm_importance_sampling_cap "
+                f"(TRL: vllm_importance_sampling_clip_max) ({hi}), as TRL 1.16 requires"
+            )
+        return self
+
+    @model_validator(mode="after")
     def _vespo_correction(self) -> GRPOConfig:
         if self.loss_type == "vespo" and self.vllm_importance_sampling_mode.startswith("sequence"):
             raise ValueError(

@@ -154,3 +154,11 @@ def test_vespo_refuses_a_sequence_level_sampler_correction():
     assert GRPOConfig(loss_type="vespo").vllm_importance_sampling_mode == "token_truncate"
     with pytest.raises(ValueError, match="loss_type=vespo .* token_truncate or token_mask, not sequence_mask"):
         GRPOConfig(loss_type="vespo", vllm_importance_sampling_mode="sequence_mask")
+
+
+def test_correction_floor_must_be_below_the_cap():
+    from grpoflow.tasks.config import GRPOConfig
+
+    assert GRPOConfig(vllm_importance_sampling_clip_min=0.5, vllm_importance_sampling_clip_max=3.0)
+    with pytest.raises(ValueError, match=r"clip_min \(2.0\) must be less than .*\(2.0\)"):
+        GRPOConfig(vllm_importance_sampling_clip_min=2.0)
