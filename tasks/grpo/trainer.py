@@ -26,7 +26,6 @@ import time
 from collections import defaultdict
 from collections.abc import Callable
 from contextlib import nullcontext
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -38,6 +37,7 @@ from grpoflow.tasks.generation.types import SamplingParams
 from grpoflow.tasks.grpo.advantages import combine_rewards, group_advantages, nanstd
 from grpoflow.tasks.grpo.batch import RoundTensors, build_round, policy_logprobs
 from grpoflow.tasks.grpo.loss import LossSettings, grpo_loss, importance_sampling_ratio, masked_mean
+from grpoflow.tasks.grpo.rounds import PromptSampler, Round
 from grpoflow.tasks.grpo.schedule import is_optimizer_step, micro_batch_rows
 from grpoflow.tasks.model.device import model_device
 from grpoflow.tasks.model.optim import build_optimizer, build_scheduler, clip_and_step
@@ -48,75 +48,6 @@ if TYPE_CHECKING:  # the trainer only calls log_metrics/log_table: it runs witho
     from grpoflow.tasks.runtime.tracking import RunLogger
 
 log = logging.getLogger(__name__)
-
-
-@dataclass
-class PromptSampler:
-    """Shuffled passes over the dataset; its position is part of a checkpoint."""
-
-    n_rows: int
-    seed: int
-    shuffle: bool = True
-    epoch: int = 0
-    cursor: int = 0
-    _order: list[int] = field(default_factory=list)
-
-    def _fill(self) -> None:
-        self._order = list(range(self.n_rows))
-        if self.shuffle:
-            random.Random(self.seed + self.epoch).shuffle(self._order)
-
-    def take(self, k: int) -> list[int]:
-        out = []
-        while len(out) < k:
-            if not self._order:
-                self._fill()
-            if self.cursor >= self.n_rows:
-                self.epoch, self.cursor = self.epoch + 1, 0
-                self._fill()
-            out.append(self._order[self.cursor])
-            self.cursor += 1
-        return out
-
-    def state(self) -> dict:
-        return {"epoch": self.epoch, "cursor": self.cursor}
-
-    def load(self, state: dict) -> None:
-        self.epoch, self.cursor = state["epoch"], state["cursor"]
-        self._fill()
-
-
-@dataclass
-class Round:
-    """One scored generation round and how far its micro-batches have been consumed."""
-
-    batch: RoundTensors
-    advantages: torch.Tensor  # [B]
-    stats: dict
-    samples: list[dict]
-    old_logp: torch.Tensor | None
-    ref_logp: torch.Tensor | None
-    is_ratio: torch.Tensor | None  # sampler importance-sampling correction, [B, T] or [B, 1]
-    n_tokens: float  # active completion tokens of the round (dapo normalizer)
-    order: torch.Tensor  # the order its rows are trained in (shuffled, as TRL)
-    position: int = 0  # micro-batches done, over all num_iterations
-
-    _TENSORS = ("advantages", "old_logp", "ref_logp", "is_ratio", "order")
-
-    def to_state(self) -> tuple[dict[str, torch.Tensor], dict]:
-        """(tensors, JSON) of this round for a checkpoint: plain tensors and JSON, no pickled objects, so the
-        checkpoint loads with torch.load(weights_only=True)."""
-        tensors = {f"batch.{f}": getattr(self.batch, f) for f in RoundTensors.__dataclass_fields__}
-        tensors.update({k: getattr(self, k) for k in self._TENSORS if getattr(self, k) is not None})
-        meta = {"stats": self.stats, "samples": self.samples, "n_tokens": self.n_tokens, "position": self.position}
-        return tensors, meta
-
-    @classmethod
-    def from_state(cls, tensors: dict[str, torch.Tensor], meta: dict, device: torch.device) -> Round:
-        """The round of ``to_state``, its tensors on ``device`` (the row order stays on the CPU: it indexes)."""
-        batch = RoundTensors(**{f: tensors[f"batch.{f}"] for f in RoundTensors.__dataclass_fields__}).to(device)
-        moved = {k: None if tensors.get(k) is None else tensors[k].to(device) for k in cls._TENSORS if k != "order"}
-        return cls(batch=batch, **moved, order=tensors["order"], **meta)
 
 
 def loss_settings(g: GRPOConfig, spg: int) -> LossSettings:
