@@ -17,6 +17,7 @@ is missing, unreadable or of an architecture transformers cannot convert is refu
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import logging
 import os
@@ -65,6 +66,13 @@ def resolve_model(name: str, cache_dir: str) -> str:
 
 
 def file_sha256(path: Path) -> str:
+    """sha256 of a file, read once per process for an unchanged file (every stage resolves model.name)."""
+    st = Path(path).stat()
+    return _sha256(str(Path(path).resolve()), st.st_size, st.st_mtime_ns)
+
+
+@functools.lru_cache(maxsize=16)
+def _sha256(path: str, size: int, mtime_ns: int) -> str:
     h = hashlib.sha256()
     with open(path, "rb") as f:
         for block in iter(lambda: f.read(1 << 20), b""):
