@@ -3,6 +3,7 @@ grpoflow: storage settings are a plain section here, and the code that uses them
 an argument."""
 
 from grpoflow.tasks.config.base import ConfigError
+from grpoflow.tasks.config.distributed import DistributedConfig
 from grpoflow.tasks.config.load import (
     DEFAULT_CONFIG,
     apply_overrides,
@@ -40,6 +41,7 @@ __all__ = [
     "Batching",
     "ConfigError",
     "DataConfig",
+    "DistributedConfig",
     "EvalConfig",
     "ExportConfig",
     "GRPOConfig",

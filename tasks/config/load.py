@@ -111,10 +111,20 @@ def _reject_credentials(node: Any, path: str = "") -> None:
         _reject_credentials(v, f"{key}.")
 
 
+def _world_size(raw: dict[str, Any]) -> int:
+    """distributed.nproc_per_node * nnodes of a raw config (1 when unset or malformed: validation reports those), so
+    the grpo section checks that its round splits over that many processes, as TRL's GRPOConfig does."""
+    d = raw.get("distributed") if isinstance(raw, dict) else None
+    d = d if isinstance(d, dict) else {}
+    n, nodes = d.get("nproc_per_node", 1), d.get("nnodes", 1)
+    ok = all(isinstance(v, int) and not isinstance(v, bool) and v >= 1 for v in (n, nodes))
+    return n * nodes if ok else 1
+
+
 def config_from_dict(raw: dict[str, Any]) -> PipelineConfig:
     _reject_credentials(raw)
     try:
-        return PipelineConfig.model_validate(raw)
+        return PipelineConfig.model_validate(raw, context={"num_processes": _world_size(raw)})
     except ValidationError as err:
         raise ConfigError(_format_error(err)) from None
 

@@ -14,6 +14,7 @@ from typing import Any, Literal
 from pydantic import Field, field_validator, model_validator
 
 from grpoflow.tasks.config.base import _Section
+from grpoflow.tasks.config.distributed import DistributedConfig
 from grpoflow.tasks.config.storage import StorageConfig
 from grpoflow.tasks.config.training import GRPOConfig, SFTConfig
 
@@ -300,6 +301,29 @@ class PipelineConfig(_Section):
     export: ExportConfig = Field(default_factory=ExportConfig)
     tracking: TrackingConfig = Field(default_factory=TrackingConfig)
     storage: StorageConfig = Field(default_factory=StorageConfig)
+    distributed: DistributedConfig = Field(default_factory=DistributedConfig)
+
+    @model_validator(mode="after")
+    def _distributed(self) -> PipelineConfig:
+        d = self.distributed
+        if d.row_seeded and self.generation.backend == "vllm":
+            raise ValueError(
+                "generation.backend=vllm with distributed (nproc_per_node * nnodes > 1, or seed_by_row): one vLLM "
+                "engine per process and per-row seeds are not implemented yet; use generation.backend=transformers "
+                "(auto picks it)"
+            )
+        if d.world_size == 1:
+            return self
+        try:  # config_from_dict checks it in the grpo section already; this covers PipelineConfig.model_validate
+            self.grpo.batching(d.world_size)
+        except ValueError as e:  # the round does not split over the processes: TRL's formula, with the key
+            raise ValueError(f"grpo on {d.world_size} processes (distributed.nproc_per_node * nnodes): {e}") from None
+        if d.strategy == "fsdp2":
+            raise ValueError(
+                "distributed.strategy=fsdp2: the GRPO stage cannot yet gather a sharded model for its final save "
+                'and export; use ddp (README "Distributed")'
+            )
+        return self
 
     @model_validator(mode="after")
     def _cross(self) -> PipelineConfig:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import AliasChoices, BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import AliasChoices, BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
 from grpoflow.tasks.config.base import _Section
 
@@ -157,23 +157,23 @@ class GRPOConfig(OptimizerFields):
         return v
 
     @model_validator(mode="after")
-    def _batching(self) -> GRPOConfig:
+    def _batching(self, info: ValidationInfo) -> GRPOConfig:
         if self.steps_per_generation is not None and self.generation_batch_size is not None:
             raise ValueError(
                 "steps_per_generation and generation_batch_size are mutually exclusive "
                 "(generation_batch_size = per_device_train_batch_size * num_processes * steps_per_generation)"
             )
-        self.batching()  # raises with the formula
+        # raises with the formula; a run config validates its round over distributed's world size (load.py)
+        self.batching((info.context or {}).get("num_processes", 1))
         if self.reward_weights is not None and len(self.reward_weights) != len(self.reward_funcs):
             raise ValueError(
                 f"reward_weights has {len(self.reward_weights)} values for {len(self.reward_funcs)} reward_funcs"
             )
         return self
 
-    def batching(self) -> Batching:
-        """Resolve the generation-round layout exactly as TRL's GRPOConfig.__post_init__ (one process: TRL's
-        num_processes is 1)."""
-        num_processes = 1
+    def batching(self, num_processes: int = 1) -> Batching:
+        """Resolve the generation-round layout exactly as TRL's GRPOConfig.__post_init__; ``num_processes`` is the
+        world size (distributed.nproc_per_node * nnodes)."""
         pdb, ga = self.per_device_train_batch_size, self.gradient_accumulation_steps
         if self.generation_batch_size is None:
             spg = self.steps_per_generation or ga
@@ -199,6 +199,7 @@ class GRPOConfig(OptimizerFields):
             micro_batch_size=pdb,
             gradient_accumulation_steps=ga,
             num_iterations=self.num_iterations,
+            num_processes=num_processes,
         )
 
     @property
@@ -207,7 +208,8 @@ class GRPOConfig(OptimizerFields):
 
 
 class Batching(BaseModel):
-    """The resolved layout of one generation round (per process)."""
+    """The resolved layout of one generation round: generation_batch_size and unique_prompts are the whole round's
+    (all processes), each process trains rows_per_process of them in micro-batches of micro_batch_size."""
 
     model_config = ConfigDict(frozen=True)
     generation_batch_size: int
@@ -216,6 +218,12 @@ class Batching(BaseModel):
     micro_batch_size: int
     gradient_accumulation_steps: int
     num_iterations: int
+    num_processes: int = 1
+
+    @property
+    def rows_per_process(self) -> int:
+        """L = per_device_train_batch_size * steps_per_generation: process r trains rows [r*L, (r+1)*L) of a round."""
+        return self.micro_batch_size * self.steps_per_generation
 
     @property
     def micro_steps_per_round(self) -> int:
