@@ -48,8 +48,14 @@ class TransformersGenerator:
         self.model = model  # generation runs on the training model itself: nothing to copy
 
     @torch.no_grad()
-    def generate(self, prompts: list[list[int]], n: int, params: SamplingParams) -> Generation:
+    def generate(
+        self, prompts: list[list[int]], n: int, params: SamplingParams, row_seeds: list[int] | None = None
+    ) -> Generation:
+        """``n`` completions of each prompt, prompt-major. ``row_seeds`` (one per completion): each is sampled
+        with its own generator, so a completion does not depend on the batch that drew it (distributed GRPO)."""
         expanded = [p for p in prompts for _ in range(n)]
+        if row_seeds is not None and len(row_seeds) != len(expanded):
+            raise ValueError(f"row_seeds: {len(row_seeds)} seeds for {len(expanded)} completions")
         out = Generation()
         was_training = self.model.training
         self.model.eval()
@@ -57,16 +63,17 @@ class TransformersGenerator:
         try:
             with merged, torch_threads(self.threads):
                 for start in range(0, len(expanded), self.batch_size):
-                    out.extend(self._generate_chunk(expanded[start : start + self.batch_size], params))
+                    seeds = None if row_seeds is None else row_seeds[start : start + self.batch_size]
+                    out.extend(self._generate_chunk(expanded[start : start + self.batch_size], params, seeds))
         finally:
             self.model.train(was_training)
         return out
 
-    def _generate_chunk(self, prompts: list[list[int]], p: SamplingParams) -> Generation:
+    def _generate_chunk(self, prompts: list[list[int]], p: SamplingParams, seeds: list[int] | None) -> Generation:
         ids, mask = left_pad(prompts, self.pad_id)
         device = model_device(self.model)
         ids, mask = ids.to(device), mask.to(device)
-        tokens, logps, lengths, stopped = sample(self.model, ids, mask, p, self.eos_id)
+        tokens, logps, lengths, stopped = sample(self.model, ids, mask, p, self.eos_id, seeds)
         gen = Generation()
         for row, row_lp, n, stop in zip(tokens.tolist(), logps.tolist(), lengths.tolist(), stopped.tolist()):
             gen.completion_ids.append(row[:n])
@@ -104,7 +111,7 @@ def logits_warpers(p: SamplingParams):
 
 @torch.no_grad()
 def sample(
-    model, ids: torch.Tensor, mask: torch.Tensor, p: SamplingParams, eos_id: int
+    model, ids: torch.Tensor, mask: torch.Tensor, p: SamplingParams, eos_id: int, seeds: list[int] | None = None
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Decode up to ``p.max_new_tokens`` tokens for each row of a left-padded batch, with a KV cache.
 
@@ -114,7 +121,8 @@ def sample(
     What ``model.generate`` does, minus its per-step machinery, plus one thing it lacks: a row that has
     emitted EOS leaves the batch and the cache, so the steps after most completions ended cost only the
     rows still going (generate decodes every row until the last one ends). Sampling is generate's:
-    transformers' logits processors, then softmax and torch.multinomial (argmax when greedy)."""
+    transformers' logits processors, then softmax and torch.multinomial (argmax when greedy). With ``seeds`` (one
+    per row) each row draws from its own torch.Generator: its tokens depend on its seed and its logits only."""
     from transformers import DynamicCache
 
     base = unwrap(model)
@@ -140,10 +148,17 @@ def sample(
     position = position[:, -1:] + 1
     rows = torch.arange(B, device=dev)  # batch row -> output row
     seqs = ids  # what the repetition penalty looks at
+    gens = None if seeds is None else [torch.Generator(device=dev).manual_seed(s) for s in seeds]
     compactable = all(hasattr(layer, "batch_select_indices") for layer in getattr(cache, "layers", [None]))
     for t in range(T):
         scores = warp(seqs, logits.clone()) if warp else logits
-        token = scores.argmax(-1) if p.greedy else torch.multinomial(torch.softmax(scores, dim=-1), 1).squeeze(1)
+        if p.greedy:
+            token = scores.argmax(-1)
+        elif gens is None:
+            token = torch.multinomial(torch.softmax(scores, dim=-1), 1).squeeze(1)
+        else:
+            probs = torch.softmax(scores, dim=-1)
+            token = torch.cat([torch.multinomial(probs[i], 1, generator=gens[r]) for i, r in enumerate(rows.tolist())])
         live = ~stopped[rows]
         tokens[rows[live], t] = token[live]
         logps[rows[live], t] = torch.log_softmax(logits[live] / temp, dim=-1).gather(-1, token[live, None]).squeeze(1)

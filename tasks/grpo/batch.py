@@ -60,19 +60,51 @@ def build_round(
     return RoundTensors(p_ids, p_mask, c_ids, c_mask, s_lp, truncated)
 
 
+class PolicyLogProbs(torch.nn.Module):
+    """The log-prob path of a causal LM as one module: ``forward`` runs the backbone and the fused head kernel.
+
+    This is the module a distributed run wraps (DistributedDataParallel, or FSDP2's root): every parameter
+    that takes part in the loss, the head weight included, is used inside its ``forward``, so the wrapper sees the
+    whole computation. Calling the backbone and ``head.weight`` from outside the wrapped module would bypass it:
+    under DDP the head's gradient is not averaged, under FSDP2 the head is still sharded when used."""
+
+    def __init__(self, model: torch.nn.Module):
+        super().__init__()
+        self.model = model
+
+    def forward(
+        self,
+        prompt_ids: torch.Tensor,
+        prompt_mask: torch.Tensor,
+        completion_ids: torch.Tensor,
+        temperature: float,
+        compute_entropy: bool = False,
+        impl: str = "auto",
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        backbone, head = backbone_and_head(self.model)
+        input_ids = torch.cat([prompt_ids, completion_ids], dim=1)
+        attn = torch.cat([prompt_mask, torch.ones_like(completion_ids)], dim=1)
+        hidden = backbone(input_ids=input_ids, attention_mask=attn, use_cache=False).last_hidden_state  # [B, P+C, D]
+        P, C = prompt_ids.shape[1], completion_ids.shape[1]
+        h = hidden[:, P - 1 : P + C - 1]  # [B, C, D]
+        bias = getattr(head, "bias", None)
+        return token_logprobs(
+            h, head.weight, completion_ids, temperature, bias, compute_entropy=compute_entropy, impl=impl
+        )
+
+
+def root_logprobs(
+    root: torch.nn.Module, batch: RoundTensors, temperature: float, compute_entropy: bool = False, impl: str = "auto"
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Per-token log-probs [B, C] (and entropy) of ``batch``'s completions through ``root``: a
+    :class:`PolicyLogProbs` or the distributed wrapper around one."""
+    return root(batch.prompt_ids, batch.prompt_mask, batch.completion_ids, temperature, compute_entropy, impl)
+
+
 def policy_logprobs(
     model, batch: RoundTensors, temperature: float, compute_entropy: bool = False, impl: str = "auto"
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Per-token log-probs [B, C] (and entropy, without gradient) of the completion tokens under ``model``.
 
     ``impl`` picks the kernels.token_logprobs implementation (tests and benchmarks compare them)."""
-    backbone, head = backbone_and_head(model)
-    input_ids = torch.cat([batch.prompt_ids, batch.completion_ids], dim=1)
-    attn = torch.cat([batch.prompt_mask, torch.ones_like(batch.completion_mask)], dim=1)
-    hidden = backbone(input_ids=input_ids, attention_mask=attn, use_cache=False).last_hidden_state  # [B, P+C, D]
-    P, C = batch.prompt_ids.shape[1], batch.completion_ids.shape[1]
-    h = hidden[:, P - 1 : P + C - 1]  # [B, C, D]
-    bias = getattr(head, "bias", None)
-    return token_logprobs(
-        h, head.weight, batch.completion_ids, temperature, bias, compute_entropy=compute_entropy, impl=impl
-    )
+    return root_logprobs(PolicyLogProbs(model), batch, temperature, compute_entropy, impl)

@@ -61,6 +61,7 @@ class LossSettings:
     vespo_lambda_neg: float = 2.0
     top_entropy_quantile: float = 1.0
     off_policy_mask_threshold: float | None = None
+    num_processes: int = 1  # the world size: dapo's N_round is the whole round's token count (all ranks)
 
 
 def grpo_loss(
@@ -135,7 +136,7 @@ def grpo_loss(
     elif s.loss_type in ("dapo", "cispo", "vespo"):
         if num_items_in_round is None:
             raise ValueError(f"loss_type={s.loss_type} needs num_items_in_round (active tokens of the round)")
-        normalizer = max(1.0, float(num_items_in_round)) * ga / s.steps_per_generation
+        normalizer = max(1.0, float(num_items_in_round)) / s.num_processes * ga / s.steps_per_generation
         loss = (per_token * mask).sum() / normalizer
     else:
         raise ValueError(f"unknown loss_type {s.loss_type!r}")

@@ -35,13 +35,21 @@ import torch
 from grpoflow.tasks.config import GRPOConfig
 from grpoflow.tasks.generation.types import SamplingParams
 from grpoflow.tasks.grpo.advantages import combine_rewards, group_advantages, nanstd
-from grpoflow.tasks.grpo.batch import RoundTensors, build_round, policy_logprobs
+from grpoflow.tasks.grpo.batch import PolicyLogProbs, RoundTensors, build_round, policy_logprobs, root_logprobs
+from grpoflow.tasks.grpo.distributed import (
+    gradient_sync,
+    local_rows,
+    micro_metrics_distributed,
+    rounds_done,
+    row_seed,
+)
 from grpoflow.tasks.grpo.loss import LossSettings, grpo_loss, importance_sampling_ratio, masked_mean
 from grpoflow.tasks.grpo.rounds import PromptSampler, Round
 from grpoflow.tasks.grpo.schedule import is_optimizer_step, micro_batch_rows
 from grpoflow.tasks.model.device import model_device
 from grpoflow.tasks.model.optim import build_optimizer, build_scheduler, clip_and_step
 from grpoflow.tasks.rewards import score_completions
+from grpoflow.tasks.runtime.dist import Comm
 from grpoflow.tasks.runtime.progress import progress_bar
 
 if TYPE_CHECKING:  # the trainer only calls log_metrics/log_table: it runs without mlflow (benchmarks/gpu_check.py)
@@ -50,7 +58,7 @@ if TYPE_CHECKING:  # the trainer only calls log_metrics/log_table: it runs witho
 log = logging.getLogger(__name__)
 
 
-def loss_settings(g: GRPOConfig, spg: int) -> LossSettings:
+def loss_settings(g: GRPOConfig, spg: int, num_processes: int = 1) -> LossSettings:
     return LossSettings(
         loss_type=g.loss_type,
         importance_sampling_level=g.importance_sampling_level,  # grpo_loss makes gspo sequence-level itself
@@ -70,6 +78,7 @@ def loss_settings(g: GRPOConfig, spg: int) -> LossSettings:
         vespo_lambda_neg=g.vespo_lambda_neg,
         top_entropy_quantile=g.top_entropy_quantile,
         off_policy_mask_threshold=g.off_policy_mask_threshold,
+        num_processes=num_processes,
     )
 
 
@@ -99,6 +108,9 @@ class GRPOTrainer:
         is_correction: bool = False,
         on_checkpoint: Callable[[Path], None] | None = None,
         autocast_dtype: torch.dtype | None = None,
+        comm: Comm | None = None,
+        root: torch.nn.Module | None = None,
+        row_seeded: bool = False,
     ):
         self.cfg = cfg
         self.model = model
@@ -115,8 +127,13 @@ class GRPOTrainer:
         self.on_checkpoint = on_checkpoint  # called after each save (an S3 workspace uploads the checkpoints)
         self.device = model_device(model)  # rounds, log-probs, loss and optimizer state live beside the model
         self.autocast_dtype = autocast_dtype  # full fine-tuning in bf16: float32 weights, bf16 forward passes
-        self.batching = cfg.batching()
-        self.settings = loss_settings(cfg, self.batching.steps_per_generation)
+        # distributed (tasks/grpo/distributed.py): this process's rank, the root module the engine wraps (the
+        # log-prob path, PolicyLogProbs(model) at world size 1) and whether completions are seeded per row
+        self.comm = comm or Comm()
+        self.root = root if root is not None else PolicyLogProbs(model)
+        self.row_seeded = row_seeded
+        self.batching = cfg.batching(self.comm.world)
+        self.settings = loss_settings(cfg, self.batching.steps_per_generation, self.comm.world)
         self.sampler = PromptSampler(len(rows), seed, cfg.shuffle_dataset)
         self.optimizer = build_optimizer(model.parameters(), cfg)
         self.scheduler = build_scheduler(self.optimizer, cfg, cfg.max_steps)
@@ -136,11 +153,17 @@ class GRPOTrainer:
 
     # ---------------------------------------------------------------- generation round
     def generate_round(self) -> tuple[RoundTensors, torch.Tensor, dict, list[dict]]:
-        g, b = self.cfg, self.batching
-        idx = self.sampler.take(b.unique_prompts)
-        prompts = [self.prompt_ids[i] for i in idx]
-        gen = self.generator.generate(prompts, g.num_generations, self.params)
-        rows = [self.rows[i] for i in idx for _ in range(g.num_generations)]
+        g, b, comm = self.cfg, self.batching, self.comm
+        n_round = rounds_done(self.sampler.epoch, self.sampler.cursor, len(self.rows), b.unique_prompts)
+        idx = self.sampler.take(b.unique_prompts)  # the same prompts in the same order on every rank
+        mine = local_rows(b, comm.rank)  # this rank's rows of the round (all of them at world size 1)
+        row_idx = [i for i in idx for _ in range(g.num_generations)][mine]
+        if self.row_seeded:  # each row sampled with its own seed: the same completions whatever the world size
+            seeds = [row_seed(self.seed, n_round, r) for r in range(mine.start, mine.stop)]
+            gen = self.generator.generate([self.prompt_ids[i] for i in row_idx], 1, self.params, row_seeds=seeds)
+        else:
+            gen = self.generator.generate([self.prompt_ids[i] for i in idx], g.num_generations, self.params)
+        rows = [self.rows[i] for i in row_idx]
         texts = self.tokenizer.batch_decode(gen.completion_ids, skip_special_tokens=True)
         conversational = isinstance(rows[0]["prompt"], list)
         completions = [[{"role": "assistant", "content": t}] for t in texts] if conversational else texts
@@ -148,7 +171,8 @@ class GRPOTrainer:
         scores = score_completions(
             self.reward_funcs, [r["prompt"] for r in rows], completions, columns, g.reward_timeout_s
         )
-        per_func = torch.tensor([scores[name] for name, _ in self.reward_funcs], dtype=torch.float32).t()  # [B, K]
+        local_func = torch.tensor([scores[name] for name, _ in self.reward_funcs], dtype=torch.float32).t()  # [L, K]
+        per_func = comm.all_gather(local_func)  # [B, K]: the whole round's, on every rank
         total = combine_rewards(per_func, self.weights)
         unscored = torch.isnan(total)
         if bool(unscored.all()):
@@ -157,29 +181,30 @@ class GRPOTrainer:
                 "are 0 and it teaches nothing; check that the functions find the columns they need (%s)",
                 ", ".join(name for name, _ in self.reward_funcs),
             )
-        adv, stats = group_advantages(total, g.num_generations, g.scale_rewards)
+        adv, stats = group_advantages(total, g.num_generations, g.scale_rewards)  # over the round, then sliced
         stats["frac_unscored"] = unscored.float().mean().item()  # completions no reward function scored
         for k, (name, _) in enumerate(self.reward_funcs):
             col = per_func[:, k]
             stats[f"rewards/{name}/mean"] = torch.nanmean(col).item()
             stats[f"rewards/{name}/std"] = torch.nan_to_num(nanstd(col), nan=0.0).item()
         batch = build_round(
-            [self.prompt_ids[i] for i in idx for _ in range(g.num_generations)],
+            [self.prompt_ids[i] for i in row_idx],
             gen.completion_ids,
             gen.logprobs,
             gen.finish_reasons,
             self.tokenizer.pad_token_id,
             g.mask_truncated_completions,
         )
-        lengths = torch.tensor([len(c) for c in gen.completion_ids], dtype=torch.float32)
-        term = lengths[~batch.truncated]
-        self.num_tokens += int(batch.prompt_mask.sum() + lengths.sum())
+        local_lengths = torch.tensor([len(c) for c in gen.completion_ids], dtype=torch.float32)
+        lengths, truncated = comm.all_gather(local_lengths), comm.all_gather(batch.truncated)  # the round's
+        term = lengths[~truncated]
+        self.num_tokens += int(comm.all_reduce(batch.prompt_mask.sum() + local_lengths.sum()))
         stats.update(
             {
                 "completions/mean_length": lengths.mean().item(),
                 "completions/min_length": lengths.min().item(),
                 "completions/max_length": lengths.max().item(),
-                "completions/clipped_ratio": batch.truncated.float().mean().item(),
+                "completions/clipped_ratio": truncated.float().mean().item(),
                 "completions/mean_terminated_length": term.mean().item() if term.numel() else 0.0,
                 "completions/min_terminated_length": term.min().item() if term.numel() else 0.0,
                 "completions/max_terminated_length": term.max().item() if term.numel() else 0.0,
@@ -195,9 +220,11 @@ class GRPOTrainer:
                 **{f"rewards/{name}": float(v) for (name, _), v in zip(self.reward_funcs, parts)},
                 "advantage": float(a),
             }
-            for r, t, tr, parts, a in zip(rows, texts, total.tolist(), per_func.tolist(), adv.tolist())
+            for r, t, tr, parts, a in zip(rows, texts, total[mine].tolist(), local_func.tolist(), adv[mine].tolist())
         ]
-        return batch, adv, stats, samples
+        if comm.world > 1 and g.log_completions:  # rank 0 logs the whole round's table
+            samples = [s for part in comm.all_gather_object(samples) for s in part]
+        return batch, adv[mine], stats, samples
 
     def place(self, batch: RoundTensors, adv: torch.Tensor) -> tuple[RoundTensors, torch.Tensor]:
         """A round built on the CPU from the sampler's lists, moved to the model's device."""
@@ -215,7 +242,10 @@ class GRPOTrainer:
         with torch.no_grad(), self._autocast():
             for s in range(0, batch.completion_ids.shape[0], mb):
                 sub = batch.select(torch.arange(s, min(s + mb, batch.completion_ids.shape[0])))
-                out.append(policy_logprobs(model or self.model, sub, self.cfg.temperature)[0])
+                if model is None:  # the policy: through the root module (the distributed engine's)
+                    out.append(root_logprobs(self.root, sub, self.cfg.temperature)[0])
+                else:
+                    out.append(policy_logprobs(model, sub, self.cfg.temperature)[0])
         return torch.cat(out)  # every slice keeps the round's width
 
     def reference_logprobs(self, batch: RoundTensors) -> torch.Tensor:
@@ -234,7 +264,7 @@ class GRPOTrainer:
         # TRL's rule: old log-probs differ from the current ones unless the whole round (all its replays)
         # falls inside optimizer windows, i.e. unless gradient_accumulation_steps % (spg * mu) == 0
         need_old = b.gradient_accumulation_steps % b.micro_steps_per_round != 0 or self.is_correction
-        n_round = float(batch.completion_mask.sum())
+        n_round = float(self.comm.all_reduce(batch.completion_mask.sum()))  # the whole round's (dapo)
         if n_round == 0:
             log.warning("every completion of this round is masked (truncated): its loss is 0")
         old_logp = self._logprobs_no_grad(batch) if need_old else None
@@ -280,7 +310,8 @@ class GRPOTrainer:
         g, b = self.cfg, self.batching
         window: dict[str, list[float]] = defaultdict(list)
         t_start = step_start = time.perf_counter()
-        with progress_bar("grpo", g.max_steps) as advance:
+        bar = progress_bar("grpo", g.max_steps) if self.comm.is_main else nullcontext(lambda *a, **k: None)
+        with bar as advance:
             advance(self.step)
             while self.step < g.max_steps:
                 if self.round is None:
@@ -293,7 +324,7 @@ class GRPOTrainer:
                     self.round = None
                 if not is_optimizer_step(self.micro_step, b):
                     continue
-                grad_norm = clip_and_step(self.model, self.optimizer, self.scheduler, g.max_grad_norm)
+                grad_norm = clip_and_step(self.root, self.optimizer, self.scheduler, g.max_grad_norm)
                 self.step += 1
                 now = time.perf_counter()
                 metrics = {key: sum(v) / len(v) for key, v in window.items() if v}
@@ -314,8 +345,8 @@ class GRPOTrainer:
                     self.tracker.log_metrics(metrics, step=self.step)
                 for name in completion_tables(self.step, g.max_steps) if g.log_completions else ():
                     self._log_samples(r.samples, name)
-                if self.step % g.save_steps == 0 and self.step < g.max_steps:
-                    self.save_checkpoint()
+                if self.step % g.save_steps == 0 and self.step < g.max_steps and self.comm.world == 1:
+                    self.save_checkpoint()  # distributed runs do not checkpoint yet (README "Distributed")
                 advance(reward=metrics.get("reward", math.nan), loss=metrics.get("loss", 0.0))
         last = self.history[-1] if self.history else {}
         return {"steps": self.step, "final": last, "seconds": time.perf_counter() - t_start}
@@ -325,7 +356,7 @@ class GRPOTrainer:
         (loss, extras, the micro-batch, logp, entropy), all on the model's device."""
         mb = r.batch.select(idx)
         with self._autocast():
-            logp, entropy = policy_logprobs(self.model, mb, self.cfg.temperature, compute_entropy=True)
+            logp, entropy = root_logprobs(self.root, mb, self.cfg.temperature, compute_entropy=True)
         old = r.old_logp[idx] if r.old_logp is not None else None
         ref = r.ref_logp[idx] if r.ref_logp is not None else None
         loss, extras = grpo_loss(
@@ -344,11 +375,18 @@ class GRPOTrainer:
 
     def _micro_step(self, r: Round, idx: torch.Tensor, iteration: int, window: dict) -> None:
         g = self.cfg
-        loss, extras, mb, logp, entropy = self.micro_loss(r, idx)
+        # gradients are averaged over the ranks only on the micro-step that completes an optimizer step
+        with gradient_sync(self.root, is_optimizer_step(self.micro_step + 1, self.batching)):
+            loss, extras, mb, logp, entropy = self.micro_loss(r, idx)
+            loss.backward()
         old = r.old_logp[idx] if r.old_logp is not None else None
-        loss.backward()
         self.micro_step += 1
         m = mb.completion_mask
+        if self.comm.world > 1:  # the metrics over every rank's micro-batch, as TRL gathers them
+            base = old if old is not None else logp.detach()
+            sampled = iteration == 0 and not self.is_correction
+            micro_metrics_distributed(self.comm, window, loss, extras, m, entropy, base, mb.sampler_logp, sampled, g)
+            return
         window["loss"].append(loss.item() * g.gradient_accumulation_steps)
         window["entropy"].append(masked_mean(entropy.detach(), m))
         for name in ("low", "high", "region"):
@@ -417,6 +455,11 @@ class GRPOTrainer:
         return final
 
     def load_checkpoint(self, path: Path) -> None:
+        if self.comm.world > 1:
+            raise ValueError(
+                f"checkpoint {path}: resuming GRPO on {self.comm.world} processes is not implemented yet; remove "
+                f"{path.parent} or set grpo.resume=never to start over"
+            )
         state = json.loads((path / "trainer_state.json").read_text())
         if state["config_hash"] != self.config_hash:
             raise ValueError(

@@ -1,0 +1,139 @@
+"""GRPO over several processes: TRL's batch layout, the gathered round statistics, and the wrapped root module.
+
+The layout (TRL GRPOTrainer, where num_processes is the world size W; docs/grpo.md, README "Distributed"):
+
+    a round holds generation_batch_size = per_device_train_batch_size * W * steps_per_generation completions
+    of unique_prompts = generation_batch_size / num_generations prompts, prompt-major, the same prompts in
+    the same order on every rank;
+    rank r generates, scores and trains rows [r*L, (r+1)*L) of it, L = per_device_train_batch_size *
+    steps_per_generation (:func:`local_rows`), so a prompt's group may straddle two ranks;
+    the rewards [B, K] are all-gathered, the advantages computed over the whole round on every rank and sliced
+    to the rank's rows (TRL's ``process_slice``); the logged reward statistics come from the gathered tensors;
+    the dapo normalizer is the all-reduced active-token count of the round / W * (GA / steps_per_generation);
+    grpo and dr_grpo normalize locally (the gradient average over the ranks makes them the global mean); bnpo
+    normalizes by the local token count, as TRL does, so it is not invariant to W.
+
+At world size 1 every function here is the identity on what the single-process trainer computes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+from collections.abc import Iterator
+
+import torch
+
+from grpoflow.tasks.config import Batching, GRPOConfig
+from grpoflow.tasks.runtime.dist import Comm
+
+
+def local_rows(b: Batching, rank: int) -> slice:
+    """The rows of a round that ``rank`` owns: [rank*L, (rank+1)*L), L = rows_per_process (TRL's process_slice)."""
+    n = b.rows_per_process
+    return slice(rank * n, (rank + 1) * n)
+
+
+def rounds_done(epoch: int, cursor: int, n_rows: int, unique_prompts: int) -> int:
+    """How many rounds the prompt sampler has served: (epoch * n_rows + cursor) // unique_prompts."""
+    return (epoch * n_rows + cursor) // unique_prompts
+
+
+def row_seed(seed: int, round_index: int, row: int) -> int:
+    """The sampling seed of row ``row`` of round ``round_index``: 63 bits of sha256("seed/round/row"), so a
+    completion depends on where it sits in the run, never on which process or batch drew it."""
+    digest = hashlib.sha256(f"{seed}/{round_index}/{row}".encode()).digest()
+    return int.from_bytes(digest[:8], "little") & ((1 << 63) - 1)
+
+
+def micro_metrics_distributed(
+    comm: Comm,
+    window: dict[str, list[float]],
+    loss: torch.Tensor,
+    extras: dict[str, torch.Tensor],
+    mask: torch.Tensor,
+    entropy: torch.Tensor,
+    base_logp: torch.Tensor,
+    sampler_logp: torch.Tensor,
+    sampled: bool,
+    cfg: GRPOConfig,
+) -> None:
+    """A micro-step's metrics over every rank's micro-batch, appended to ``window`` (the trainer's single-process
+    metrics, reduced as TRL reduces them): loss averaged over the ranks; entropy, clip ratios and kl as global
+    masked means; clip_ratio/low_min the minimum and high_max the maximum over all sequences; the sampler gap
+    (``sampled``: the first replay of the round) over every rank's real tokens. Three collectives, the same on
+    every rank."""
+    m = mask.to(torch.float32)
+    names = ["entropy", *(f"clip_ratio/{n}_mean" for n in ("low", "high", "region"))]
+    values = [entropy.detach(), *(extras[f"is_{n}_clipped"] for n in ("low", "high", "region"))]
+    if "kl" in extras:
+        names.append("kl")
+        values.append(extras["kl"])
+    real = m.bool() & ~torch.isnan(sampler_logp)
+    diff = (base_logp - sampler_logp).abs()[real] if sampled else base_logp.new_zeros(0)
+    sums = [(v.float() * m).sum() for v in values] + [diff.sum().float()]
+    counts = torch.stack([m.sum(), torch.tensor(float(diff.numel()), device=m.device)])
+    totals = comm.all_reduce(torch.stack([loss.detach().float() * cfg.gradient_accumulation_steps, *sums, *counts]))
+    window["loss"].append(float(totals[0]) / comm.world)
+    for k, name in enumerate(names):
+        window[name].append(float(totals[1 + k] / totals[-2].clamp(min=1.0)))
+    per_seq = lambda x: (x.float() * m).sum(-1) / m.sum(-1)  # noqa: E731  (NaN for masked rows)
+    low = torch.nan_to_num(per_seq(extras["is_low_clipped"]), nan=1.0).min()
+    window["clip_ratio/low_min"].append(float(comm.all_reduce(low, "min")))
+    high = torch.nan_to_num(per_seq(extras["is_high_clipped"]), nan=0.0).max()
+    diff_max = diff.max() if diff.numel() else torch.zeros((), device=m.device)
+    maxes = comm.all_reduce(torch.stack([high.float(), diff_max.float()]), "max")
+    window["clip_ratio/high_max"].append(float(maxes[0]))
+    if sampled and float(totals[-1]) > 0:
+        window["sampling/sampling_logp_difference/mean"].append(float(totals[-3] / totals[-1]))
+        window["sampling/sampling_logp_difference/max"].append(float(maxes[1]))
+
+
+def wrap_root(root: torch.nn.Module, comm: Comm, strategy: str = "ddp") -> torch.nn.Module:
+    """The root module as the distributed engine's: DistributedDataParallel, or FSDP2 (fully_shard per decoder
+    layer, then the root) on a device mesh of the ranks; ``root`` itself at world size 1."""
+    if comm.world == 1:
+        return root
+    if strategy == "ddp":
+        from torch.nn.parallel import DistributedDataParallel
+
+        device_ids = [comm.device.index] if comm.device.type == "cuda" else None
+        return DistributedDataParallel(root, device_ids=device_ids)
+    if strategy == "fsdp2":
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+
+        mesh = init_device_mesh(comm.device.type, (comm.world,))
+        for layer in decoder_layers(root):
+            fully_shard(layer, mesh=mesh)
+        fully_shard(root, mesh=mesh)
+        return root
+    raise ValueError(f"distributed.strategy must be ddp or fsdp2 (got {strategy!r})")
+
+
+def decoder_layers(root: torch.nn.Module) -> list[torch.nn.Module]:
+    """The transformer blocks of a causal LM (the ``layers`` ModuleList of its backbone), the unit FSDP2 shards."""
+    for name, module in root.named_modules():
+        if name.endswith(".layers") and isinstance(module, torch.nn.ModuleList):
+            return list(module)
+    raise ValueError(f"{type(root).__name__}: no decoder layer list found (a '.layers' ModuleList) to shard")
+
+
+@contextlib.contextmanager
+def gradient_sync(root: torch.nn.Module, enabled: bool) -> Iterator[None]:
+    """Inside: backward() accumulates gradients locally unless ``enabled`` (the micro-step that completes an
+    optimizer step), as DDP's ``no_sync`` and FSDP2's ``set_requires_gradient_sync`` do; nothing for a plain
+    module."""
+    if enabled:
+        yield
+    elif hasattr(root, "no_sync"):
+        with root.no_sync():
+            yield
+    elif hasattr(root, "set_requires_gradient_sync"):
+        root.set_requires_gradient_sync(False)
+        try:
+            yield
+        finally:
+            root.set_requires_gradient_sync(True)
+    else:
+        yield

@@ -1,0 +1,135 @@
+"""Running a stage's work on several processes: torchrun as a subprocess of the stage, watched to the end.
+
+    python -m torch.distributed.run --standalone --nproc_per_node=N -m <module> <args>      (torchrun)
+
+:func:`torchrun_command` builds the command from the ``distributed`` section (one node: --standalone; several:
+--nnodes, --node_rank and a c10d rendezvous endpoint or a static master address; settings left unset are read
+by torchrun from its PET_* environment, as Kubeflow Trainer sets it). :func:`run_torchrun` starts it in its own
+process group and session, streams its output into this process's log, and on any exception here (a cancelled
+task, Ctrl-C) terminates the whole group (SIGTERM, then SIGKILL after a grace period).
+
+A worker that fails writes ``rank<r>.error.json`` (:func:`write_rank_error`) in the launch folder before it
+exits. A non-zero exit raises the error of the rank that failed first: ValueError for what the user's input
+caused (a bad reward function, ...), so the stage fails with it as it would on one process; RuntimeError with the
+rank's traceback for a bug; ChildProcessError (an OSError: an environment failure) when no rank reported one (a
+rank killed by a signal, a collective that timed out), with torchrun's last lines.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import signal
+import subprocess
+import sys
+import time
+import traceback
+from collections import deque
+from pathlib import Path
+
+from grpoflow.tasks.config import DistributedConfig
+
+log = logging.getLogger(__name__)
+
+ENV_ERRORS = ("DistBackendError", "DistNetworkError", "DistStoreError", "DistError")  # a peer went away: not a cause
+
+
+def torchrun_command(d: DistributedConfig, module: str, args: list[str]) -> list[str]:
+    """The torchrun command line that runs ``python -m module *args`` on every process of ``d``."""
+    cmd = [sys.executable, "-m", "torch.distributed.run"]
+    if d.nnodes == 1:
+        cmd.append("--standalone")
+    else:
+        cmd.append(f"--nnodes={d.nnodes}")
+        if d.node_rank is not None:
+            cmd.append(f"--node_rank={d.node_rank}")
+        if d.rdzv_endpoint is not None:
+            cmd += ["--rdzv_backend=c10d", f"--rdzv_endpoint={d.rdzv_endpoint}"]
+        if d.master_addr is not None:
+            cmd.append(f"--master_addr={d.master_addr}")
+        if d.master_port is not None:
+            cmd.append(f"--master_port={d.master_port}")
+    cmd += [f"--nproc_per_node={d.nproc_per_node}", "-m", module, *args]
+    return cmd
+
+
+def write_rank_error(folder: Path, rank: int, exc: BaseException, user_errors: tuple[type[BaseException], ...]) -> Path:
+    """Record why this rank failed (read by :func:`run_torchrun` in the launching process)."""
+    path = Path(folder) / f"rank{rank}.error.json"
+    body = {
+        "rank": rank,
+        "time": time.time(),
+        "type": type(exc).__name__,
+        "message": str(exc),
+        "user_error": isinstance(exc, user_errors),
+        "traceback": "".join(traceback.format_exception(exc)),
+    }
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(body))
+    os.replace(tmp, path)
+    return path
+
+
+def rank_errors(folder: Path) -> list[dict]:
+    """The error records the ranks wrote, the first failure first (by time; peers' lost-connection errors last)."""
+    found = [json.loads(p.read_text()) for p in sorted(Path(folder).glob("rank*.error.json"))]
+    return sorted(found, key=lambda e: (e["type"] in ENV_ERRORS, e["time"]))
+
+
+def failure(rc: int, errors: list[dict], tail: list[str], world: int) -> Exception:
+    """The exception a failed launch raises (see the module docstring)."""
+    if errors and errors[0]["type"] not in ENV_ERRORS:
+        e = errors[0]
+        where = f"rank {e['rank']} of {world}"
+        if e["user_error"]:
+            return ValueError(f"{where}: {e['message']}")
+        return RuntimeError(f"{where}: {e['type']}: {e['message']}\n{e['traceback']}")
+    reported = "; ".join(f"rank {e['rank']}: {e['type']}: {e['message']}" for e in errors)
+    last = "".join(tail[-25:])
+    return ChildProcessError(
+        f"torchrun exited with code {rc} and no rank reported a cause of its own (a rank killed by a signal or out "
+        f"of memory, or a collective past distributed.timeout_s){': ' + reported if reported else ''}; "
+        f"torchrun's last lines:\n{last}"
+    )
+
+
+def terminate_group(proc: subprocess.Popen, grace_s: float = 10.0) -> None:
+    """SIGTERM to the process group of ``proc`` (torchrun and its workers), SIGKILL if still alive after grace_s."""
+    if proc.poll() is not None:
+        return
+    try:
+        os.killpg(proc.pid, signal.SIGTERM)
+        proc.wait(timeout=grace_s)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+    except ProcessLookupError:
+        pass
+
+
+def run_torchrun(cmd: list[str], errors_dir: Path, world: int, env: dict[str, str] | None = None) -> None:
+    """Run ``cmd`` (a torchrun command) in its own process group, its output streamed into this log; raise the
+    first failing rank's error on a non-zero exit; terminate the group if this thread is interrupted."""
+    log.info("launching: %s", " ".join(cmd))
+    tail: deque[str] = deque(maxlen=200)
+    proc = subprocess.Popen(
+        cmd,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        bufsize=1,
+        start_new_session=True,  # its own process group: cancelling kills torchrun and every worker together
+        env={**os.environ, **(env or {})},
+    )
+    try:
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            tail.append(line)
+            log.info("%s", line.rstrip())
+        rc = proc.wait()
+    except BaseException:
+        terminate_group(proc)
+        raise
+    if rc != 0:
+        raise failure(rc, rank_errors(errors_dir), list(tail), world)

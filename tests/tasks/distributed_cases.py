@@ -1,0 +1,105 @@
+"""The GRPO cases test_distributed_ranks.py compares between one process and two: run by that test in-process, and
+on 2 ranks by ONE torchrun launch (gloo), so the suite pays for one launch:
+
+    python -m torch.distributed.run --standalone --nproc_per_node=2 -m tests.tasks.distributed_cases OUT.pt
+
+Each case trains a tiny model for two SGD steps (SGD: Adam's per-coordinate normalization would hide a gradient
+that is off by a constant factor) over one generation round replayed twice (num_iterations 2: the second step
+uses the old log-probs), with per_device_train_batch_size B on one process and B/2 on two, so both see the same
+round of 12 completions in groups of 4, the second group straddling the ranks (rows 4-7; rank 0 owns 0-5).
+Rank 0 writes what both runs are compared on: the round's completions, rewards and advantages, the weights after
+each optimizer step and the logged metrics.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import torch
+
+from grpoflow.tasks.config import GRPOConfig
+from grpoflow.tasks.grpo.batch import PolicyLogProbs
+from grpoflow.tasks.grpo.distributed import wrap_root
+from grpoflow.tasks.model.optim import build_scheduler
+from grpoflow.tasks.runtime.dist import Comm, process_group
+from tests.tasks.test_grpo_trainer import addition_rows, make, make_trainer
+
+ROWS_PER_ROUND = 12  # per_device_train_batch_size (6 on 1 process, 3 on 2) * processes * steps_per_generation 2
+CASES = [  # (name, loss_type, lora, scale_rewards, strategy)
+    ("grpo-lora", "grpo", True, "group", "ddp"),
+    ("dr_grpo-lora", "dr_grpo", True, "batch", "ddp"),
+    ("dapo-lora", "dapo", True, "group", "ddp"),
+    ("grpo-full", "grpo", False, "batch", "ddp"),
+    ("dr_grpo-full", "dr_grpo", False, "group", "ddp"),
+    ("dapo-full", "dapo", False, "batch", "ddp"),
+]
+
+
+def eos_prone(model, tok, prompt: list[int]) -> None:
+    """Give EOS the logit 4 after ``prompt`` (the random model's logits are ~1): about a sixth of the completions
+    then end early, so completion lengths differ and the loss types' normalizers differ from each other."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    with torch.no_grad():
+        h = base.model(input_ids=torch.tensor([prompt])).last_hidden_state[0, -1]
+        base.get_output_embeddings().weight[tok.eos_token_id] = 4.0 * h / h.norm() ** 2
+
+
+def run_case(comm: Comm, name: str, loss_type: str, lora: bool, scale_rewards: str, strategy: str) -> dict:
+    torch.manual_seed(0)
+    tok, model = make(lora)
+    eos_prone(model, tok, addition_rows(tok, 1)[1][0])
+    settings = dict(
+        max_steps=2,
+        per_device_train_batch_size=ROWS_PER_ROUND // 2 // comm.world,
+        steps_per_generation=2,
+        gradient_accumulation_steps=2,  # one optimizer step per replay of the round
+        num_iterations=2,
+        num_generations=4,
+        max_completion_length=8,
+        learning_rate=0.5,
+        loss_type=loss_type,
+        scale_rewards=scale_rewards,
+        max_grad_norm=None,
+        save_steps=100,
+    )
+    cfg = GRPOConfig.model_validate(settings, context={"num_processes": comm.world})
+    root = wrap_root(PolicyLogProbs(model), comm, strategy)
+    out = Path("/nonexistent-checkpoints")  # two steps, save_steps 100: nothing is written
+    trainer = make_trainer(cfg, tok, model, out, n_rows=8, comm=comm, root=root, row_seeded=True)
+    trainer.optimizer = torch.optim.SGD([p for p in root.parameters() if p.requires_grad], lr=cfg.learning_rate)
+    trainer.scheduler = build_scheduler(trainer.optimizer, cfg, cfg.max_steps)
+    snapshots: list[dict[str, torch.Tensor]] = []
+
+    def snapshot(*_):
+        snapshots.append({n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad})
+
+    trainer.optimizer.register_step_post_hook(snapshot)
+    rounds = []
+    new_round = trainer.new_round
+
+    def recording_new_round():
+        r = new_round()
+        rounds.append(r.samples)  # the whole round's rows (gathered on every rank), in global order
+        return r
+
+    trainer.new_round = recording_new_round
+    trainer.train()
+    return {"samples": rounds, "weights": snapshots, "history": trainer.history}
+
+
+def run_all(comm: Comm) -> dict:
+    return {case[0]: run_case(comm, *case) for case in CASES}
+
+
+def main(argv: list[str]) -> int:
+    torch.set_num_threads(1)
+    with process_group("gloo", timeout_s=120) as comm:
+        results = run_all(comm)
+        if comm.is_main:
+            torch.save(results, argv[0])
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
