@@ -35,6 +35,10 @@ log = logging.getLogger(__name__)
 ENV_ERRORS = ("DistBackendError", "DistNetworkError", "DistStoreError", "DistError")  # a peer went away: not a cause
 
 
+class RankTraceback(Exception):
+    """The traceback a failed rank recorded, chained to the error the launch raises."""
+
+
 def torchrun_command(d: DistributedConfig, module: str, args: list[str]) -> list[str]:
     """The torchrun command line that runs ``python -m module *args`` on every process of ``d``."""
     cmd = [sys.executable, "-m", "torch.distributed.run"]
@@ -83,7 +87,9 @@ def failure(rc: int, errors: list[dict], tail: list[str], world: int) -> Excepti
         e = errors[0]
         where = f"rank {e['rank']} of {world}"
         if e["user_error"]:
-            return ValueError(f"{where}: {e['message']}")
+            exc: Exception = ValueError(f"{where}: {e['message']}")
+            exc.__cause__ = RankTraceback(e["traceback"])  # kept in the stage's error log
+            return exc
         return RuntimeError(f"{where}: {e['type']}: {e['message']}\n{e['traceback']}")
     reported = "; ".join(f"rank {e['rank']}: {e['type']}: {e['message']}" for e in errors)
     last = "".join(tail[-25:])

@@ -3,12 +3,17 @@
 With LoRA the stage trains a fresh adapter on top of its starting model and saves only the
 adapter (``grpo/final``); the reference for beta > 0 is the same model with adapters disabled.
 Full fine-tuning saves the whole model and, for beta > 0, loads a frozen reference copy.
+
+With ``distributed.nproc_per_node > 1`` (or several nodes) the stage launches torchrun
+(tasks/runtime/launch.py): every process runs :func:`train_grpo` (tasks/stages/grpo_worker.py), rank 0 logs into
+this stage's MLflow run and writes the summary this process reads back and publishes.
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import shutil
 import time
 
 import torch
@@ -17,6 +22,8 @@ from prefect import task
 from grpoflow.tasks.config import PipelineConfig
 from grpoflow.tasks.dataio.splits import load_split
 from grpoflow.tasks.generation.backend import make_generator
+from grpoflow.tasks.grpo.batch import PolicyLogProbs
+from grpoflow.tasks.grpo.distributed import wrap_root
 from grpoflow.tasks.grpo.trainer import GRPOTrainer, list_checkpoints
 from grpoflow.tasks.model.device import resolve_device
 from grpoflow.tasks.model.loading import (
@@ -28,16 +35,60 @@ from grpoflow.tasks.model.loading import (
     train_dtypes,
 )
 from grpoflow.tasks.rewards import resolve_reward_funcs
+from grpoflow.tasks.runtime.dist import Comm
+from grpoflow.tasks.runtime.launch import run_torchrun, torchrun_command
 from grpoflow.tasks.runtime.plots import plot_learning_curves
 from grpoflow.tasks.runtime.stage import run_stage
-from grpoflow.tasks.runtime.tracking import RunLogger
+from grpoflow.tasks.runtime.tracking import RunLogger, tracking_uri
 from grpoflow.tasks.runtime.workspace import Workspace
 from grpoflow.tasks.stages.common import base_model_path
 
 log = logging.getLogger(__name__)
 
 
+WORKER = "grpoflow.tasks.stages.grpo_worker"
+
+
 def run_grpo(cfg: PipelineConfig, ws: Workspace, tracker: RunLogger, init_model: str | None = None) -> dict:
+    """Train, then publish the stage (manifest); on several processes through torchrun."""
+    if cfg.distributed.world_size > 1:
+        summary = launch_grpo(cfg, ws, tracker, init_model)
+    else:
+        summary = train_grpo(cfg, ws, tracker, init_model)
+    ws.write_manifest("grpo", summary)
+    return summary
+
+
+def launch_grpo(cfg: PipelineConfig, ws: Workspace, tracker: RunLogger, init_model: str | None) -> dict:
+    """Run :func:`train_grpo` on every process of ``cfg.distributed`` with torchrun; rank 0 logs into ``tracker``'s
+    run and writes the summary returned here. A failing rank fails the stage with its error."""
+    d = cfg.distributed
+    init_model = init_model or base_model_path(cfg, ws)  # built here once (tiny), not by every rank at once
+    folder = ws.stage_dir("grpo") / "launch"
+    shutil.rmtree(folder, ignore_errors=True)
+    folder.mkdir(parents=True)
+    spec = {
+        "config": cfg.to_dict(),
+        "workspace": ws.location,
+        "init_model": init_model,
+        "tracking_uri": tracking_uri(cfg) if tracker else None,
+        "run_id": tracker.run_id,
+        "summary": str(folder / "summary.json"),
+    }
+    (folder / "spec.json").write_text(json.dumps(spec))
+    tracker.set_tags(
+        {"distributed.world_size": d.world_size, "distributed.strategy": d.strategy, "distributed.nnodes": d.nnodes}
+    )
+    run_torchrun(torchrun_command(d, WORKER, [str(folder / "spec.json")]), folder, d.world_size)
+    return json.loads((folder / "summary.json").read_text())
+
+
+def train_grpo(
+    cfg: PipelineConfig, ws: Workspace, tracker: RunLogger, init_model: str | None = None, comm: Comm | None = None
+) -> dict:
+    """The GRPO run of this process (rank ``comm.rank`` of a torchrun launch, or the only one): its summary.
+    Only rank 0 writes files and logs (the other ranks get a disabled ``tracker``)."""
+    comm = comm or Comm()
     g = cfg.grpo
     torch.manual_seed(cfg.run.seed)
     reward_funcs = resolve_reward_funcs(g.reward_funcs)  # fail on a bad import path before loading anything
@@ -47,7 +98,7 @@ def run_grpo(cfg: PipelineConfig, ws: Workspace, tracker: RunLogger, init_model:
     model_cfg = cfg.model
     if g.gradient_checkpointing is not None:
         model_cfg = model_cfg.model_copy(update={"gradient_checkpointing": g.gradient_checkpointing})
-    device = resolve_device(cfg.run.device)
+    device = comm.device if comm.device.type == "cuda" else resolve_device(cfg.run.device)
     model = load_trainable(start, model_cfg, use_lora, device)
     weights_dtype, autocast_dtype = train_dtypes(cfg.model, use_lora)
     ref_model = None
@@ -56,8 +107,11 @@ def run_grpo(cfg: PipelineConfig, ws: Workspace, tracker: RunLogger, init_model:
     trainable, total = count_parameters(model)
     rows = list(load_split(ws, "train"))
     prompts = [prompt_ids(tokenizer, r["prompt"], g.max_prompt_length) for r in rows]
+    gen_cfg = cfg.generation
+    if cfg.distributed.row_seeded and gen_cfg.backend == "auto":  # per-row seeds: the transformers loop's
+        gen_cfg = gen_cfg.model_copy(update={"backend": "transformers"})
     generator = make_generator(
-        cfg.generation,
+        gen_cfg,
         model,
         tokenizer,
         model_path=start,
@@ -66,18 +120,21 @@ def run_grpo(cfg: PipelineConfig, ws: Workspace, tracker: RunLogger, init_model:
         max_model_len=max(len(p) for p in prompts) + g.max_completion_length,
         seed=cfg.run.seed,
     )
-    b = g.batching()
+    b = g.batching(comm.world)
     tracker.log_params(
         {"trainable_params": trainable, "total_params": total, "generation_backend": generator.name, **b.model_dump()}
     )
+    root = wrap_root(PolicyLogProbs(model), comm, cfg.distributed.strategy)  # the module DDP/FSDP2 own
     log.info("GRPO on %s: weights %s, autocast %s", device, model.dtype, autocast_dtype or "off")
     log.info(
-        "GRPO: %d prompts, %d per round x %d generations, %d micro-batches of %d per round, %d optimizer steps",
+        "GRPO: %d prompts, %d per round x %d generations, %d micro-batches of %d per round and process, "
+        "%d process(es), %d optimizer steps",
         len(rows),
         b.unique_prompts,
         g.num_generations,
         b.steps_per_generation,
         b.micro_batch_size,
+        comm.world,
         g.max_steps,
     )
     out_dir = ws.stage_dir("grpo")
@@ -96,6 +153,9 @@ def run_grpo(cfg: PipelineConfig, ws: Workspace, tracker: RunLogger, init_model:
         is_correction=g.vllm_importance_sampling_correction and generator.separate_engine,
         on_checkpoint=lambda _: ws.push("grpo", "checkpoints"),  # S3: a killed stage resumes from there
         autocast_dtype=autocast_dtype,
+        comm=comm,
+        root=root,
+        row_seeded=cfg.distributed.row_seeded,
     )
     checkpoints = list_checkpoints(trainer.checkpoint_dir)
     if g.resume == "auto" and checkpoints:
@@ -107,13 +167,14 @@ def run_grpo(cfg: PipelineConfig, ws: Workspace, tracker: RunLogger, init_model:
         if hasattr(generator, "close"):
             generator.close()  # free the engine before eval and export
     final_dir = out_dir / "final"
-    model.save_pretrained(final_dir)
-    tokenizer.save_pretrained(final_dir)
-    history_path = out_dir / "history.jsonl"
-    history_path.write_text("".join(json.dumps(h) + "\n" for h in trainer.history))
-    tracker.log_artifact(history_path)
-    if trainer.history:
-        tracker.log_artifact(plot_learning_curves(trainer.history, out_dir / "learning_curves.png"))
+    if comm.is_main:  # DDP: every rank holds the same weights; rank 0 writes them
+        model.save_pretrained(final_dir)
+        tokenizer.save_pretrained(final_dir)
+        history_path = out_dir / "history.jsonl"
+        history_path.write_text("".join(json.dumps(h) + "\n" for h in trainer.history))
+        tracker.log_artifact(history_path)
+        if trainer.history:
+            tracker.log_artifact(plot_learning_curves(trainer.history, out_dir / "learning_curves.png"))
     final = result["final"]
     summary = {
         "model_path": str(final_dir),
@@ -125,7 +186,8 @@ def run_grpo(cfg: PipelineConfig, ws: Workspace, tracker: RunLogger, init_model:
         "seconds": time.perf_counter() - t0,
         "generation_backend": generator.name,
     }
-    ws.write_manifest("grpo", summary)
+    if comm.world > 1:
+        summary["world_size"] = comm.world
     return summary
 
 
