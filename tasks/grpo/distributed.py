@@ -137,3 +137,35 @@ def gradient_sync(root: torch.nn.Module, enabled: bool) -> Iterator[None]:
             root.set_requires_gradient_sync(True)
     else:
         yield
+
+
+@contextlib.contextmanager
+def gathered(root: torch.nn.Module) -> Iterator[None]:
+    """Inside: every FSDP2 module of ``root`` holds its full parameters and keeps them through its forwards, so a rank
+    can run the model alone (generation: each rank decodes its own rows, a different number of steps); resharded
+    on exit. The all-gathers walk the modules in the same order on every rank. Nothing for a module FSDP2 does not
+    shard (one process, DDP)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    mods = [m for m in root.modules() if isinstance(m, FSDPModule)]
+    if not mods:
+        yield
+        return
+    mods[0]._get_fsdp_state()._lazy_init()  # what the root's first forward does: FSDP requires the root first
+    saved = []
+    for m in mods:
+        m.unshard()
+        state = m._get_fsdp_state()  # reshard_after_forward as it was (the root's is set by FSDP at its first forward)
+        saved.append(
+            (m, state._auto_reshard_after_forward, [g.post_forward_mesh_info for g in state._fsdp_param_groups])
+        )
+        m.set_reshard_after_forward(False, recurse=False)
+    try:
+        yield
+    finally:
+        for m, auto, infos in saved:
+            state = m._get_fsdp_state()
+            state._auto_reshard_after_forward = auto
+            for group, info in zip(state._fsdp_param_groups, infos):
+                group.post_forward_mesh_info = info
+            m.reshard()

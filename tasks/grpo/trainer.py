@@ -37,6 +37,7 @@ from grpoflow.tasks.generation.types import SamplingParams
 from grpoflow.tasks.grpo.advantages import combine_rewards, group_advantages, nanstd
 from grpoflow.tasks.grpo.batch import PolicyLogProbs, RoundTensors, build_round, policy_logprobs, root_logprobs
 from grpoflow.tasks.grpo.distributed import (
+    gathered,
     gradient_sync,
     local_rows,
     micro_metrics_distributed,
@@ -160,7 +161,8 @@ class GRPOTrainer:
         row_idx = [i for i in idx for _ in range(g.num_generations)][mine]
         if self.row_seeded:  # each row sampled with its own seed: the same completions whatever the world size
             seeds = [row_seed(self.seed, n_round, r) for r in range(mine.start, mine.stop)]
-            gen = self.generator.generate([self.prompt_ids[i] for i in row_idx], 1, self.params, row_seeds=seeds)
+            with gathered(self.root):  # FSDP2: full weights while this rank decodes alone
+                gen = self.generator.generate([self.prompt_ids[i] for i in row_idx], 1, self.params, row_seeds=seeds)
         else:
             gen = self.generator.generate([self.prompt_ids[i] for i in idx], g.num_generations, self.params)
         rows = [self.rows[i] for i in row_idx]

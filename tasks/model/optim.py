@@ -36,4 +36,4 @@ def clip_and_step(model, optimizer, scheduler, max_grad_norm: float | None) -> f
     optimizer.step()
     scheduler.step()
     optimizer.zero_grad(set_to_none=True)
-    return float(norm)
+    return float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)  # FSDP2: a DTensor

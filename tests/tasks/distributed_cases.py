@@ -7,8 +7,9 @@ Each case trains a tiny model for two SGD steps (SGD: Adam's per-coordinate norm
 that is off by a constant factor) over one generation round replayed twice (num_iterations 2: the second step
 uses the old log-probs), with per_device_train_batch_size B on one process and B/2 on two, so both see the same
 round of 12 completions in groups of 4, the second group straddling the ranks (rows 4-7; rank 0 owns 0-5).
-Rank 0 writes what both runs are compared on: the round's completions, rewards and advantages, the weights after
-each optimizer step and the logged metrics.
+The DDP cases wrap the root module in DistributedDataParallel, the FSDP2 ones shard it per decoder layer plus
+the root on a CPU device mesh (generation runs on the gathered weights). Rank 0 writes what both runs are compared
+on: the round's completions, rewards and advantages, the weights after each optimizer step and the logged metrics.
 """
 
 from __future__ import annotations
@@ -33,7 +34,16 @@ CASES = [  # (name, loss_type, lora, scale_rewards, strategy)
     ("grpo-full", "grpo", False, "batch", "ddp"),
     ("dr_grpo-full", "dr_grpo", False, "group", "ddp"),
     ("dapo-full", "dapo", False, "batch", "ddp"),
+    ("grpo-full-fsdp2", "grpo", False, "group", "fsdp2"),
+    ("dr_grpo-full-fsdp2", "dr_grpo", False, "batch", "fsdp2"),
+    ("dapo-full-fsdp2", "dapo", False, "group", "fsdp2"),
+    ("dapo-lora-fsdp2", "dapo", True, "batch", "fsdp2"),
 ]
+
+
+def full(p: torch.Tensor) -> torch.Tensor:
+    """A parameter's whole value (FSDP2 holds a shard per rank: gathered, a collective every rank makes)."""
+    return p.full_tensor() if hasattr(p, "full_tensor") else p
 
 
 def eos_prone(model, tok, prompt: list[int]) -> None:
@@ -72,7 +82,7 @@ def run_case(comm: Comm, name: str, loss_type: str, lora: bool, scale_rewards: s
     snapshots: list[dict[str, torch.Tensor]] = []
 
     def snapshot(*_):
-        snapshots.append({n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad})
+        snapshots.append({n: full(p).detach().clone() for n, p in model.named_parameters() if p.requires_grad})
 
     trainer.optimizer.register_step_post_hook(snapshot)
     rounds = []

@@ -1,6 +1,7 @@
-"""Two ranks train exactly as one process: the cases of distributed_cases.py run once on 2 ranks (ONE torchrun launch
-with gloo, ~20-40 s on 2 cores) and once in this process, and every case must agree, to 1e-6 in the weights after
-each of its two SGD steps, on the round's completions, rewards and advantages and on the logged metrics."""
+"""Two ranks train exactly as one process: the cases of distributed_cases.py (DDP and FSDP2, LoRA and full
+fine-tuning, loss types grpo, dr_grpo and dapo) run once on 2 ranks (ONE torchrun launch with gloo, ~40 s on 2
+cores) and once in this process, and every case must agree, to 1e-6 in the weights after each of its two SGD
+steps, on the round's completions, rewards and advantages and on the logged metrics."""
 
 import os
 import subprocess
