@@ -318,10 +318,14 @@ class PipelineConfig(_Section):
             self.grpo.batching(d.world_size)
         except ValueError as e:  # the round does not split over the processes: TRL's formula, with the key
             raise ValueError(f"grpo on {d.world_size} processes (distributed.nproc_per_node * nnodes): {e}") from None
-        if d.strategy == "fsdp2":
+        if d.strategy == "fsdp2" and self.model.load_in_4bit:
             raise ValueError(
-                "distributed.strategy=fsdp2: the GRPO stage cannot yet gather a sharded model for its final save "
-                'and export; use ddp (README "Distributed")'
+                "distributed.strategy=fsdp2 cannot shard model.load_in_4bit (bitsandbytes) weights; use ddp"
+            )
+        if d.strategy == "fsdp2" and self.grpo.beta > 0 and not self.model.lora.enabled:
+            raise ValueError(
+                "distributed.strategy=fsdp2 with grpo.beta > 0 and full fine-tuning needs a sharded reference model, "
+                "which is not implemented yet; use ddp, LoRA (the reference is the base without adapters) or beta 0"
             )
         return self
 

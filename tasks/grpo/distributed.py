@@ -169,3 +169,19 @@ def gathered(root: torch.nn.Module) -> Iterator[None]:
             for group, info in zip(state._fsdp_param_groups, infos):
                 group.post_forward_mesh_info = info
             m.reshard()
+
+
+def full_state_dict(root: torch.nn.Module, comm: Comm) -> dict[str, torch.Tensor] | None:
+    """The wrapped model's whole state dict, gathered onto rank 0's CPU (keys as ``root.model.state_dict()``), when
+    FSDP2 shards it (a collective every rank makes; None on the other ranks); None when the model is not sharded
+    (one process, DDP: every rank holds it whole)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    if not isinstance(root, FSDPModule):
+        return None
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    state = get_model_state_dict(root, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    if not comm.is_main:
+        return None
+    return {k.removeprefix("model."): v for k, v in state.items()}

@@ -23,7 +23,7 @@ from grpoflow.tasks.config import PipelineConfig
 from grpoflow.tasks.dataio.splits import load_split
 from grpoflow.tasks.generation.backend import make_generator
 from grpoflow.tasks.grpo.batch import PolicyLogProbs
-from grpoflow.tasks.grpo.distributed import wrap_root
+from grpoflow.tasks.grpo.distributed import full_state_dict, wrap_root
 from grpoflow.tasks.grpo.trainer import GRPOTrainer, list_checkpoints
 from grpoflow.tasks.model.device import resolve_device
 from grpoflow.tasks.model.loading import (
@@ -167,8 +167,9 @@ def train_grpo(
         if hasattr(generator, "close"):
             generator.close()  # free the engine before eval and export
     final_dir = out_dir / "final"
+    gathered = full_state_dict(root, comm)  # FSDP2: the shards gathered on rank 0 (every rank takes part)
     if comm.is_main:  # DDP: every rank holds the same weights; rank 0 writes them
-        model.save_pretrained(final_dir)
+        model.save_pretrained(final_dir, **({} if gathered is None else {"state_dict": gathered}))
         tokenizer.save_pretrained(final_dir)
         history_path = out_dir / "history.jsonl"
         history_path.write_text("".join(json.dumps(h) + "\n" for h in trainer.history))

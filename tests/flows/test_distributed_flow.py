@@ -19,6 +19,11 @@ def inf_reward(prompts, completions, **columns):
     return [float("inf")] * len(completions)
 """
 
+LENGTH_REWARD = """
+def length(prompts, completions, **columns):
+    return [float(len(c[0]["content"])) for c in completions]
+"""
+
 
 @pytest.mark.slow
 def test_two_processes_run_the_pipeline_and_rank_0_logs_once(tmp_path, monkeypatch):
@@ -42,6 +47,25 @@ def test_two_processes_run_the_pipeline_and_rank_0_logs_once(tmp_path, monkeypat
         assert [m.step for m in client.get_metric_history(grpo.info.run_id, key)] == [1, 2, 3], key  # once per step
     table = json.loads(Path(client.download_artifacts(grpo.info.run_id, "completions/end.json")).read_text())
     assert len(table["data"]) == 16  # the whole round of both ranks: 4 prompts x 4 generations
+
+
+@pytest.mark.slow
+def test_fsdp2_gathers_the_sharded_adapter_for_the_final_save(tmp_path, monkeypatch):
+    """Under FSDP2 each rank holds half of every weight: the stage's final adapter is the whole one, trained."""
+    from safetensors.torch import load_file
+
+    (tmp_path / "spread_reward.py").write_text(LENGTH_REWARD)  # an untrained model earns no built-in reward
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setenv("PYTHONPATH", f"{tmp_path}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")  # the ranks'
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    overrides = ["distributed.nproc_per_node=2", "distributed.strategy=fsdp2", "sft.enabled=false"]
+    overrides += ["eval.enabled=false", "export.enabled=false", "grpo.max_steps=2"]
+    overrides += ["grpo.reward_funcs=[spread_reward:length]"]
+    assert main(["run", str(MICRO), f"run.output_dir={tmp_path}", "run.name=f2", *overrides]) == 0
+    adapter = load_file(tmp_path / "f2" / "grpo" / "final" / "adapter_model.safetensors")
+    q_b = next(v for k, v in adapter.items() if "layers.0.self_attn.q_proj.lora_B" in k)
+    assert tuple(q_b.shape) == (32, 4)  # hidden_size x r: whole, not a rank's shard of 16 rows
+    assert any(v.abs().max() > 0 for k, v in adapter.items() if "lora_B" in k)  # trained from B = 0
 
 
 @pytest.mark.slow

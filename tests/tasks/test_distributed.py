@@ -47,7 +47,15 @@ def test_one_process_by_default():
             "grpo: generation_batch_size (24) must be divisible by per_device_train_batch_size * num_processes "
             "(8 * 2 = 16)",
         ),
-        (["distributed.nproc_per_node=2", "distributed.strategy=fsdp2"], "distributed.strategy=fsdp2"),
+        (
+            ["distributed.nproc_per_node=2", "distributed.strategy=fsdp2", "model.lora.enabled=false"]
+            + ["export.adapter=false", "grpo.beta=0.04"],
+            "distributed.strategy=fsdp2 with grpo.beta > 0 and full fine-tuning",
+        ),
+        (
+            ["distributed.nproc_per_node=2", "distributed.strategy=fsdp2", "model.load_in_4bit=true"],
+            "cannot shard model.load_in_4bit",
+        ),
     ],
 )
 def test_bad_distributed_config_names_the_key(overrides, message):
