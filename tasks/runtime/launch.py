@@ -12,7 +12,8 @@ A worker that fails writes ``rank<r>.error.json`` (:func:`write_rank_error`) in 
 exits. A non-zero exit raises the error of the rank that failed first: ValueError for what the user's input
 caused (a bad reward function, ...), so the stage fails with it as it would on one process; RuntimeError with the
 rank's traceback for a bug; ChildProcessError (an OSError: an environment failure) when no rank reported one (a
-rank killed by a signal, a collective that timed out), with torchrun's last lines.
+rank killed by a signal, a collective that timed out), naming torchrun's root cause (rank, exit code, signal). A
+rank whose collective failed because another rank died or hung (:func:`lost_peer`) is never taken for the cause.
 """
 
 from __future__ import annotations
@@ -32,7 +33,18 @@ from grpoflow.tasks.config import DistributedConfig
 
 log = logging.getLogger(__name__)
 
-ENV_ERRORS = ("DistBackendError", "DistNetworkError", "DistStoreError", "DistError")  # a peer went away: not a cause
+FIELDS = ("rank", "exitcode", "traceback")  # of torchrun's failure record
+# what a rank raises when another rank went away or hung: a consequence, never the cause of a failed launch
+PEER_ERRORS = ("DistBackendError", "DistNetworkError", "DistStoreError", "DistError")
+PEER_MESSAGES = ("Connection reset by peer", "Connection closed by peer", "gloo/transport", "Timed out", "timed out")
+
+
+def lost_peer(exc: BaseException) -> bool:
+    """Whether ``exc`` is a collective failing because another rank died or hung (gloo reports it as a plain
+    RuntimeError naming its transport; NCCL and the c10d store as torch.distributed.DistError)."""
+    if type(exc).__name__ in PEER_ERRORS:
+        return True
+    return isinstance(exc, RuntimeError) and any(m in str(exc) for m in PEER_MESSAGES)
 
 
 class RankTraceback(Exception):
@@ -67,6 +79,7 @@ def write_rank_error(folder: Path, rank: int, exc: BaseException, user_errors: t
         "type": type(exc).__name__,
         "message": str(exc),
         "user_error": isinstance(exc, user_errors),
+        "lost_peer": lost_peer(exc),
         "traceback": "".join(traceback.format_exception(exc)),
     }
     tmp = path.with_suffix(".tmp")
@@ -76,14 +89,14 @@ def write_rank_error(folder: Path, rank: int, exc: BaseException, user_errors: t
 
 
 def rank_errors(folder: Path) -> list[dict]:
-    """The error records the ranks wrote, the first failure first (by time; peers' lost-connection errors last)."""
+    """The error records the ranks wrote, the first failure first (by time; the lost-peer errors last)."""
     found = [json.loads(p.read_text()) for p in sorted(Path(folder).glob("rank*.error.json"))]
-    return sorted(found, key=lambda e: (e["type"] in ENV_ERRORS, e["time"]))
+    return sorted(found, key=lambda e: (e["lost_peer"], e["time"]))
 
 
 def failure(rc: int, errors: list[dict], tail: list[str], world: int) -> Exception:
     """The exception a failed launch raises (see the module docstring)."""
-    if errors and errors[0]["type"] not in ENV_ERRORS:
+    if errors and not errors[0]["lost_peer"]:
         e = errors[0]
         where = f"rank {e['rank']} of {world}"
         if e["user_error"]:
@@ -92,12 +105,23 @@ def failure(rc: int, errors: list[dict], tail: list[str], world: int) -> Excepti
             return exc
         return RuntimeError(f"{where}: {e['type']}: {e['message']}\n{e['traceback']}")
     reported = "; ".join(f"rank {e['rank']}: {e['type']}: {e['message']}" for e in errors)
-    last = "".join(tail[-25:])
-    return ChildProcessError(
+    exc = ChildProcessError(
         f"torchrun exited with code {rc} and no rank reported a cause of its own (a rank killed by a signal or out "
-        f"of memory, or a collective past distributed.timeout_s){': ' + reported if reported else ''}; "
-        f"torchrun's last lines:\n{last}"
+        f"of memory, or a collective past distributed.timeout_s): {root_cause(tail)}"
+        + (f"; then {reported}" if reported else "")
     )
+    exc.__cause__ = RankTraceback("".join(tail))  # torchrun's last lines, kept in the stage's error log
+    return exc
+
+
+def root_cause(lines: list[str]) -> str:
+    """torchrun's "Root Cause" record in one line (rank, exit code, signal), else its last non-empty line."""
+    block = [ln.strip() for ln in lines[next((i for i, ln in enumerate(lines) if "Root Cause" in ln), len(lines)) :]]
+    fields = dict(ln.split(":", 1) for ln in block if ":" in ln and ln.split(":", 1)[0].strip() in FIELDS)
+    if fields:
+        return ", ".join(f"{k.strip()} {v.strip()}" for k, v in fields.items())
+    rest = [ln.strip() for ln in lines if ln.strip()]
+    return rest[-1] if rest else "no output"
 
 
 def terminate_group(proc: subprocess.Popen, grace_s: float = 10.0) -> None:

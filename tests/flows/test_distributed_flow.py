@@ -4,14 +4,19 @@ fails fails the stage with its error, as on one process."""
 
 import json
 import os
-import subprocess
-import sys
+import time
 from pathlib import Path
 
 import pytest
 from mlflow.tracking import MlflowClient
 
 from grpoflow.flows.cli import main
+from grpoflow.tasks.config import load_config
+from grpoflow.tasks.runtime.errors import StageError
+from grpoflow.tasks.runtime.stage import run_stage
+from grpoflow.tasks.runtime.workspace import Workspace
+from grpoflow.tasks.stages.data import prepare_data
+from grpoflow.tasks.stages.grpo import run_grpo
 
 MICRO = Path(__file__).parents[1] / "fixtures" / "micro.yaml"
 INF_REWARD = """
@@ -23,6 +28,38 @@ LENGTH_REWARD = """
 def length(prompts, completions, **columns):
     return [float(len(c[0]["content"])) for c in completions]
 """
+
+KILLING_REWARD = """
+import os, signal, time
+from pathlib import Path
+
+calls = 0
+
+
+def die_on_rank_1(prompts, completions, **columns):
+    global calls
+    calls += 1
+    if calls == 2 and os.environ["RANK"] == "1":  # mid-GRPO: the second round, after step 1 was logged
+        Path(os.environ["KILLED_AT"]).write_text(str(time.time()))
+        os.kill(os.getpid(), signal.SIGKILL)
+    return [float(len(c[0]["content"])) for c in completions]
+"""
+
+
+def _grpo_stage_error(tmp_path: Path, monkeypatch, reward: str, *overrides: str) -> StageError:
+    """The StageError of the GRPO stage of micro.yaml on 2 processes (the data stage prepared first; no Prefect,
+    no MLflow: the launch and its failure are what is under test), with tmp_path's reward modules importable by
+    every rank."""
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setenv("PYTHONPATH", f"{tmp_path}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    monkeypatch.setenv("KILLED_AT", str(tmp_path / "killed_at"))
+    base = [f"run.output_dir={tmp_path}", "run.name=bad", "distributed.nproc_per_node=2", "sft.enabled=false"]
+    cfg = load_config(MICRO, [*base, f"grpo.reward_funcs=[{reward}]", *overrides])
+    prepare_data(cfg, Workspace(tmp_path / "bad"))
+    with pytest.raises(StageError) as err:
+        run_stage("grpo", run_grpo, cfg.to_dict(), str(tmp_path / "bad"), None, init_model=None)
+    return err.value
 
 
 @pytest.mark.slow
@@ -69,28 +106,34 @@ def test_fsdp2_gathers_the_sharded_adapter_for_the_final_save(tmp_path, monkeypa
 
 
 @pytest.mark.slow
-def test_a_failing_rank_fails_the_stage_with_its_error(tmp_path):
+def test_a_failing_rank_fails_the_stage_with_its_error(tmp_path, monkeypatch):
     (tmp_path / "bad_reward.py").write_text(INF_REWARD)
-    env = dict(
-        os.environ,
-        OMP_NUM_THREADS="1",
-        PYTHONPATH=f"{tmp_path}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
-        PREFECT_HOME=str(tmp_path / "prefect"),
-    )
-    overrides = [
-        f"run.output_dir={tmp_path / 'runs'}",
-        "run.name=bad",
-        "distributed.nproc_per_node=2",
-        "sft.enabled=false",
-        "grpo.reward_funcs=[bad_reward:inf_reward]",
-    ]
-    cmd = [sys.executable, "-m", "grpoflow.flows.cli", "run", str(MICRO), *overrides]
-    res = subprocess.run(cmd, env=env, cwd=tmp_path, capture_output=True, text=True, timeout=600)
-    assert res.returncode == 1, res.stderr[-3000:]
-    last = res.stderr.strip().splitlines()[-1]
-    assert last.startswith("grpoflow: grpo: rank "), last
-    assert " of 2: reward 'inf_reward' returned inf for completion 0" in last, last
-    ws = tmp_path / "runs" / "bad"
-    assert not (ws / "grpo" / "manifest.json").exists()
-    log = (ws / "logs" / "grpo.error.log").read_text()
+    err = _grpo_stage_error(tmp_path, monkeypatch, "bad_reward:inf_reward")
+    assert err.stage == "grpo" and err.message.startswith("rank "), err.message
+    assert " of 2: reward 'inf_reward' returned inf for completion 0" in err.message, err.message
+    assert not (tmp_path / "bad" / "grpo" / "manifest.json").exists()
+    log = Path(err.log_path).read_text()
     assert "RankTraceback" in log and "RewardError" in log  # the rank's own traceback, kept
+
+
+@pytest.mark.slow
+def test_a_rank_killed_mid_grpo_fails_the_stage_and_its_group(tmp_path, monkeypatch):
+    """kill -9 of rank 1 in the second round: torchrun stops rank 0 and the stage fails within seconds (not after
+    distributed.timeout_s, and never hangs), naming the killed rank; no process of the launch is left."""
+    (tmp_path / "killing_reward.py").write_text(KILLING_REWARD)
+    err = _grpo_stage_error(tmp_path, monkeypatch, "killing_reward:die_on_rank_1", "distributed.timeout_s=60")
+    ended = time.time()
+    killed_at = float((tmp_path / "killed_at").read_text())
+    assert err.message.startswith("ChildProcessError: torchrun exited with code 1"), err.message
+    assert "rank 1 (local_rank: 1), exitcode -9" in err.message and "SIGKILL" in err.message, err.message
+    assert ended - killed_at < 20, ended - killed_at
+    spec = str(tmp_path / "bad" / "grpo" / "launch" / "spec.json")
+    assert not [p for p in Path("/proc").glob("[0-9]*") if spec in _cmdline(p)]
+    assert "Root Cause" in Path(err.log_path).read_text()
+
+
+def _cmdline(proc: Path) -> str:
+    try:
+        return (proc / "cmdline").read_bytes().replace(b"\0", b" ").decode()
+    except OSError:
+        return ""

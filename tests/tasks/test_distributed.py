@@ -148,6 +148,22 @@ def test_torchrun_command():
     assert torchrun_command(pet, "m.w", [])[3:5] == ["--nnodes=4", "--nproc_per_node=1"]
 
 
+TORCHRUN_FAILURE = """E1202 00:32:50.536000 2701 api.py:1002] failed (exitcode: -9) local_rank: 1 (pid: 2607)
+============================================================
+tests.tasks.distributed_cases FAILED
+------------------------------------------------------------
+Root Cause (first observed failure):
+[0]:
+  time      : 2026-12-02_00:32:14
+  host      : localhost
+  rank      : 1 (local_rank: 1)
+  exitcode  : -9 (pid: 2607)
+  error_file: <N/A>
+  traceback : Signal 9 (SIGKILL) received by PID 2607
+============================================================
+"""
+
+
 def _raise(exc):
     try:
         raise exc
@@ -170,7 +186,20 @@ def test_a_failed_launch_raises_the_first_failing_ranks_error(tmp_path):
     assert type(exc) is RuntimeError and "rank 1 of 2: KeyError: 'oops'" in str(exc) and "Traceback" in str(exc)
 
     (tmp_path / "rank1.error.json").unlink()
-    exc = failure(-9, rank_errors(tmp_path), ["exitcode  : -9 (pid: 12)\n"], 2)
+    tail = TORCHRUN_FAILURE.splitlines(keepends=True)
+    write_rank_error(
+        tmp_path,
+        1,
+        _raise(RuntimeError("[gloo/transport/tcp/pair.cc:537] Read error: Connection reset by peer")),
+        USER_ERRORS,
+    )
+    assert [e["rank"] for e in rank_errors(tmp_path)] == [0, 1] and rank_errors(tmp_path)[1]["lost_peer"]
+    (tmp_path / "rank1.error.json").unlink()
+    exc = failure(1, rank_errors(tmp_path), tail, 2)
     assert isinstance(exc, ChildProcessError) and isinstance(exc, USER_ERRORS)  # the stage fails with a StageError
-    assert "code -9" in str(exc) and "rank 0: DistBackendError" in str(exc) and "exitcode  : -9" in str(exc)
+    assert "\n" not in str(exc) and str(exc).endswith(
+        ": rank 1 (local_rank: 1), exitcode -9 (pid: 2607), traceback Signal 9 (SIGKILL) received by PID 2607; "
+        "then rank 0: DistBackendError: Connection closed by peer"
+    )
+    assert "Root Cause" in str(exc.__cause__)  # torchrun's lines, for the error log
     assert json.loads((tmp_path / "rank0.error.json").read_text())["user_error"] is False
