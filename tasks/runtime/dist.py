@@ -51,7 +51,7 @@ class Comm:
 
     @property
     def is_main(self) -> bool:
-        """Rank 0: the one process that logs, writes manifests and checkpoints and uploads."""
+        """Rank 0: the one process that logs to MLflow and writes the stage's files."""
         return self.rank == 0
 
     def all_gather(self, x: torch.Tensor) -> torch.Tensor:
@@ -72,29 +72,15 @@ class Comm:
         return out
 
     def all_reduce(self, x: torch.Tensor, op: str = "sum") -> torch.Tensor:
-        """``x`` reduced over the ranks (sum | min | max | avg), as a new tensor on ``x``'s device."""
+        """``x`` reduced over the ranks (sum | min | max), as a new tensor on ``x``'s device."""
         if self.world == 1:
             return x
         ops = {"sum": dist.ReduceOp.SUM, "min": dist.ReduceOp.MIN, "max": dist.ReduceOp.MAX}
-        if op not in (*ops, "avg"):
-            raise ValueError(f"all_reduce: op must be sum, min, max or avg (got {op!r})")
+        if op not in ops:
+            raise ValueError(f"all_reduce: op must be sum, min or max (got {op!r})")
         y = x.detach().to(self.device, copy=True)
-        dist.all_reduce(y, ops.get(op, dist.ReduceOp.SUM))
-        if op == "avg":
-            y = y / self.world
+        dist.all_reduce(y, ops[op])
         return y.to(x.device)
-
-    def broadcast_object(self, obj: Any, src: int = 0) -> Any:
-        """Rank ``src``'s ``obj`` on every rank."""
-        if self.world == 1:
-            return obj
-        box = [obj]
-        dist.broadcast_object_list(box, src=src)
-        return box[0]
-
-    def barrier(self) -> None:
-        if self.world > 1:
-            dist.barrier()
 
 
 @contextlib.contextmanager

@@ -12,7 +12,7 @@ from grpoflow.tasks.config import ConfigError, GRPOConfig, config_from_dict, loa
 from grpoflow.tasks.generation.transformers_loop import TransformersGenerator
 from grpoflow.tasks.generation.types import SamplingParams
 from grpoflow.tasks.grpo.distributed import local_rows, rounds_done, row_seed
-from grpoflow.tasks.runtime.dist import Comm
+from grpoflow.tasks.runtime.dist import Comm, resolve_backend
 from grpoflow.tasks.runtime.launch import failure, rank_errors, torchrun_command, write_rank_error
 from grpoflow.tasks.runtime.stage import USER_ERRORS
 from tests.tasks.test_grpo_trainer import make
@@ -117,7 +117,17 @@ def test_one_process_collectives_return_their_input():
     comm = Comm()
     x = torch.arange(4.0)
     assert comm.all_gather(x) is x and comm.all_reduce(x) is x and comm.all_gather_object({"a": 1}) == [{"a": 1}]
-    assert comm.broadcast_object(3) == 3 and comm.is_main
+    assert comm.is_main and comm.world == 1
+
+
+def test_backend_auto_is_nccl_on_cuda_and_gloo_on_cpu():
+    assert (resolve_backend("auto", "cuda"), resolve_backend("auto", "cpu"), resolve_backend("gloo", "cuda")) == (
+        "nccl",
+        "gloo",
+        "gloo",
+    )
+    with pytest.raises(ValueError, match="distributed.backend=nccl needs CUDA"):
+        resolve_backend("nccl", "cpu")
 
 
 def test_torchrun_command():
