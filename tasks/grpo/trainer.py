@@ -34,6 +34,7 @@ import torch
 
 from grpoflow.tasks.config import GRPOConfig
 from grpoflow.tasks.generation.types import SamplingParams
+from grpoflow.tasks.grpo import dist_checkpoint
 from grpoflow.tasks.grpo.advantages import combine_rewards, group_advantages, nanstd
 from grpoflow.tasks.grpo.batch import PolicyLogProbs, RoundTensors, build_round, policy_logprobs, root_logprobs
 from grpoflow.tasks.grpo.distributed import (
@@ -347,8 +348,8 @@ class GRPOTrainer:
                     self.tracker.log_metrics(metrics, step=self.step)
                 for name in completion_tables(self.step, g.max_steps) if g.log_completions else ():
                     self._log_samples(r.samples, name)
-                if self.step % g.save_steps == 0 and self.step < g.max_steps and self.comm.world == 1:
-                    self.save_checkpoint()  # distributed runs do not checkpoint yet (README "Distributed")
+                if self.step % g.save_steps == 0 and self.step < g.max_steps:
+                    self.save_checkpoint()
                 advance(reward=metrics.get("reward", math.nan), loss=metrics.get("loss", 0.0))
         last = self.history[-1] if self.history else {}
         return {"steps": self.step, "final": last, "seconds": time.perf_counter() - t_start}
@@ -415,8 +416,15 @@ class GRPOTrainer:
         """Everything needed to continue exactly: trainable weights, optimizer, scheduler, RNG states
         (python, numpy, torch, the round shuffler), data position, step counters, history and the
         round in progress. Written to checkpoint-N.tmp and renamed, so a half-written checkpoint is
-        never picked up; the newest two are kept. The folder also holds save_pretrained() output."""
+        never picked up; the newest two are kept. The folder also holds save_pretrained() output. On several
+        processes the checkpoint is sharded (tasks/grpo/dist_checkpoint.py)."""
         final = self.checkpoint_dir / f"checkpoint-{self.step}"
+        if self.comm.world > 1:  # sharded: torch.distributed.checkpoint and one file per rank
+            dist_checkpoint.save(self, final)
+            if self.comm.is_main:
+                self._after_save(final)
+            self.comm.barrier()  # no rank starts the next checkpoint before this one is in place
+            return final
         tmp = final.with_name(final.name + ".tmp")
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
@@ -450,17 +458,22 @@ class GRPOTrainer:
         (tmp / "trainer_state.json").write_text(json.dumps(state))
         shutil.rmtree(final, ignore_errors=True)
         os.replace(tmp, final)
+        self._after_save(final)
+        return final
+
+    def _after_save(self, final: Path) -> None:
         for stale in list_checkpoints(self.checkpoint_dir)[:-2]:
             shutil.rmtree(stale, ignore_errors=True)
         if self.on_checkpoint is not None:
             self.on_checkpoint(final)
-        return final
 
     def load_checkpoint(self, path: Path) -> None:
+        if (path / "dcp").is_dir():  # written by several processes (tasks/grpo/dist_checkpoint.py)
+            return dist_checkpoint.load(self, path)
         if self.comm.world > 1:
             raise ValueError(
-                f"checkpoint {path}: resuming GRPO on {self.comm.world} processes is not implemented yet; remove "
-                f"{path.parent} or set grpo.resume=never to start over"
+                f"checkpoint {path} was written by one process: resuming it on {self.comm.world} is not implemented; "
+                f"remove {path.parent} or set grpo.resume=never to start over"
             )
         state = json.loads((path / "trainer_state.json").read_text())
         if state["config_hash"] != self.config_hash:

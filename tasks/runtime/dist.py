@@ -71,6 +71,11 @@ class Comm:
         dist.all_gather_object(out, obj)
         return out
 
+    def barrier(self) -> None:
+        """Wait until every rank is here."""
+        if self.world > 1:
+            dist.barrier()
+
     def all_reduce(self, x: torch.Tensor, op: str = "sum") -> torch.Tensor:
         """``x`` reduced over the ranks (sum | min | max), as a new tensor on ``x``'s device."""
         if self.world == 1:

@@ -1,7 +1,7 @@
 """The GRPO cases test_distributed_ranks.py compares between one process and two: run by that test in-process, and
 on 2 ranks by ONE torchrun launch (gloo), so the suite pays for one launch:
 
-    python -m torch.distributed.run --standalone --nproc_per_node=2 -m tests.tasks.distributed_cases OUT.pt
+    python -m torch.distributed.run --standalone --nproc_per_node=2 -m tests.tasks.distributed_cases OUT.pt CKPT_DIR
 
 Each case trains a tiny model for two SGD steps (SGD: Adam's per-coordinate normalization would hide a gradient
 that is off by a constant factor) over one generation round replayed twice (num_iterations 2: the second step
@@ -10,6 +10,7 @@ round of 12 completions in groups of 4, the second group straddling the ranks (r
 The DDP cases wrap the root module in DistributedDataParallel, the FSDP2 ones shard it per decoder layer plus
 the root on a CPU device mesh (generation runs on the gathered weights). Rank 0 writes what both runs are compared
 on: the round's completions, rewards and advantages, the weights after each optimizer step and the logged metrics.
+The RESUMED cases also write sharded checkpoints (tasks/grpo/dist_checkpoint.py) into CKPT_DIR and continue from one.
 """
 
 from __future__ import annotations
@@ -55,13 +56,27 @@ def eos_prone(model, tok, prompt: list[int]) -> None:
         base.get_output_embeddings().weight[tok.eos_token_id] = 4.0 * h / h.norm() ** 2
 
 
-def run_case(comm: Comm, name: str, loss_type: str, lora: bool, scale_rewards: str, strategy: str) -> dict:
+def run_case(
+    comm: Comm,
+    name: str,
+    loss_type: str,
+    lora: bool,
+    scale_rewards: str,
+    strategy: str,
+    *,
+    checkpoints: Path | None = None,
+    resume_from: Path | None = None,
+    max_steps: int = 2,
+    per_device: int | None = None,
+) -> dict:
+    """Train case ``name``; with ``checkpoints`` saving after every step there, with ``resume_from`` continuing that
+    checkpoint."""
     torch.manual_seed(0)
     tok, model = make(lora)
     eos_prone(model, tok, addition_rows(tok, 1)[1][0])
     settings = dict(
-        max_steps=2,
-        per_device_train_batch_size=ROWS_PER_ROUND // 2 // comm.world,
+        max_steps=max_steps,
+        per_device_train_batch_size=per_device or ROWS_PER_ROUND // 2 // comm.world,
         steps_per_generation=2,
         gradient_accumulation_steps=2,  # one optimizer step per replay of the round
         num_iterations=2,
@@ -71,11 +86,11 @@ def run_case(comm: Comm, name: str, loss_type: str, lora: bool, scale_rewards: s
         loss_type=loss_type,
         scale_rewards=scale_rewards,
         max_grad_norm=None,
-        save_steps=100,
+        save_steps=1 if checkpoints else 100,
     )
     cfg = GRPOConfig.model_validate(settings, context={"num_processes": comm.world})
     root = wrap_root(PolicyLogProbs(model), comm, strategy)
-    out = Path("/nonexistent-checkpoints")  # two steps, save_steps 100: nothing is written
+    out = checkpoints or Path("/nonexistent-checkpoints")  # save_steps 100: nothing is written
     trainer = make_trainer(cfg, tok, model, out, n_rows=8, comm=comm, root=root, row_seeded=True)
     trainer.optimizer = torch.optim.SGD([p for p in root.parameters() if p.requires_grad], lr=cfg.learning_rate)
     trainer.scheduler = build_scheduler(trainer.optimizer, cfg, cfg.max_steps)
@@ -94,18 +109,45 @@ def run_case(comm: Comm, name: str, loss_type: str, lora: bool, scale_rewards: s
         return r
 
     trainer.new_round = recording_new_round
+    loaded = None
+    if resume_from is not None:
+        trainer.load_checkpoint(resume_from)
+        loaded = {n: full(p).detach().clone() for n, p in model.named_parameters() if p.requires_grad}
     trainer.train()
-    return {"samples": rounds, "weights": snapshots, "history": trainer.history}
+    final = {n: full(p).detach().clone() for n, p in model.named_parameters() if p.requires_grad}
+    return {"samples": rounds, "weights": snapshots, "history": trainer.history, "loaded": loaded, "final": final}
+
+
+RESUMED = [("dapo-lora", "dapo", True, "group", "ddp"), ("grpo-full-fsdp2", "grpo", False, "group", "fsdp2")]
 
 
 def run_all(comm: Comm) -> dict:
     return {case[0]: run_case(comm, *case) for case in CASES}
 
 
+def run_resumed(comm: Comm, folder: Path) -> dict:
+    """Per case of RESUMED: 3 steps uninterrupted (a sharded checkpoint after each), and the same run continued
+    from its checkpoint-1 (written in the middle of a round: the round spans 2 steps) by a fresh trainer."""
+    out = {}
+    for case in RESUMED:
+        kw = dict(max_steps=3, per_device=4)  # a round of 8 * W rows: valid on 1 process and on 2
+        whole = run_case(comm, *case, checkpoints=folder / case[0] / "whole", **kw)
+        resumed = run_case(
+            comm,
+            *case,
+            checkpoints=folder / case[0] / "resumed",
+            resume_from=folder / case[0] / "whole" / "checkpoint-1",
+            **kw,
+        )
+        out[case[0]] = {"whole": whole, "resumed": resumed}
+    return out
+
+
 def main(argv: list[str]) -> int:
     torch.set_num_threads(1)
     with process_group("gloo", timeout_s=120) as comm:
         results = run_all(comm)
+        results["resumed"] = run_resumed(comm, Path(argv[1]))
         if comm.is_main:
             torch.save(results, argv[0])
     return 0

@@ -3,6 +3,7 @@ fine-tuning, loss types grpo, dr_grpo and dapo) run once on 2 ranks (ONE torchru
 cores) and once in this process, and every case must agree, to 1e-6 in the weights after each of its two SGD
 steps, on the round's completions, rewards and advantages and on the logged metrics."""
 
+import logging
 import os
 import subprocess
 import sys
@@ -14,7 +15,7 @@ import torch
 from grpoflow.tasks.config import GRPOConfig
 from grpoflow.tasks.grpo.distributed import local_rows
 from grpoflow.tasks.runtime.dist import Comm
-from tests.tasks.distributed_cases import CASES, ROWS_PER_ROUND, run_all
+from tests.tasks.distributed_cases import CASES, RESUMED, ROWS_PER_ROUND, run_all, run_case
 
 REPO = Path(__file__).resolve().parents[2]
 NAMES = [c[0] for c in CASES]
@@ -22,11 +23,12 @@ NAMES = [c[0] for c in CASES]
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    out = tmp_path_factory.mktemp("ranks") / "two.pt"
+    folder = tmp_path_factory.mktemp("ranks")
+    out, checkpoints = folder / "two.pt", folder / "checkpoints"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "GRPOFLOW_PROGRESS": "0"}
     res = subprocess.run(
-        [*cmd, "-m", "tests.tasks.distributed_cases", str(out)],
+        [*cmd, "-m", "tests.tasks.distributed_cases", str(out), str(checkpoints)],
         cwd=REPO,
         env=env,
         capture_output=True,
@@ -34,7 +36,7 @@ def runs(tmp_path_factory):
         timeout=600,
     )
     assert res.returncode == 0, res.stdout[-4000:] + res.stderr[-8000:]
-    return run_all(Comm()), torch.load(out, weights_only=False)
+    return run_all(Comm()), torch.load(out, weights_only=False), checkpoints
 
 
 def test_a_group_straddles_the_ranks():
@@ -106,3 +108,31 @@ def test_the_loss_types_are_told_apart(runs):
         return max((first[x][n] - first[y][n]).abs().max().item() for n in first[x])
 
     assert gap("grpo-lora", "dapo-lora") > 1e-4 and gap("grpo-lora", "dr_grpo-lora") > 1e-4
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", [c[0] for c in RESUMED])
+def test_two_ranks_resume_a_sharded_checkpoint_exactly(runs, name):
+    """Resumed from the checkpoint written after step 1 (in the middle of a round, with DDP and with FSDP2), a fresh
+    2-rank run ends with exactly the weights and metrics of the uninterrupted one."""
+    whole, resumed = runs[1]["resumed"][name]["whole"], runs[1]["resumed"][name]["resumed"]
+    assert [h["step"] for h in resumed["history"]] == [1, 2, 3]
+    for n, w in whole["final"].items():
+        assert torch.equal(resumed["final"][n], w), n
+    for n, w in whole["weights"][0].items():  # the weights after step 1, as the checkpoint holds them
+        assert torch.equal(resumed["loaded"][n], w), n
+    assert [h["loss"] for h in resumed["history"]] == [h["loss"] for h in whole["history"]]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", RESUMED, ids=[c[0] for c in RESUMED])
+def test_one_process_resumes_a_two_rank_checkpoint_with_a_warning(runs, case, tmp_path, caplog):
+    """Another world size: the sharded model and optimizer load whole into one process, the round in progress is
+    generated anew (warned), and the run continues to its last step."""
+    checkpoint = runs[2] / case[0] / "whole" / "checkpoint-1"
+    with caplog.at_level(logging.WARNING, logger="grpoflow.tasks.grpo.dist_checkpoint"):
+        one = run_case(Comm(), *case, checkpoints=tmp_path, resume_from=checkpoint, max_steps=3, per_device=4)
+    assert "written by 2 processes, this run has 1" in caplog.text
+    for n, w in runs[1]["resumed"][case[0]]["whole"]["weights"][0].items():
+        assert torch.equal(one["loaded"][n], w), n
+    assert [h["step"] for h in one["history"]] == [1, 2, 3]

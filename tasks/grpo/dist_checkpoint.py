@@ -1,0 +1,134 @@
+"""Checkpoints of a GRPO run on several processes (the single-process format is GRPOTrainer.save_checkpoint's).
+
+    checkpoint-N/
+        dcp/                  model and optimizer state, torch.distributed.checkpoint (each rank writes its shards;
+                              the trainable parameters only: a LoRA base is reloaded from its source)
+        rank<r>.pt            rank r's scheduler, RNG states (torch, CUDA, the round shuffler) and round in progress
+        trainer_state.json    rank 0's: step counters, sampler position, config hash, world size, history, python
+                              and numpy RNG states, the round's statistics; written last, so it marks the folder
+                              complete (list_checkpoints)
+
+Written into checkpoint-N.tmp by every rank and renamed by rank 0 after a barrier, so a killed run never leaves a
+half-written checkpoint; the newest two are kept. Resuming on the same number of processes continues exactly. On
+another number, torch.distributed.checkpoint reshards the model and optimizer and the round in progress is
+dropped (it is regenerated, with a warning), as are the per-rank RNG states.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import random
+import shutil
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from grpoflow.tasks.grpo.rounds import Round
+
+log = logging.getLogger(__name__)
+
+
+def _state_dicts(trainer) -> dict:
+    """The trainable parameters and optimizer state of ``trainer`` (a GRPOTrainer) by parameter name."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
+
+    model, optim = get_state_dict(trainer.root, trainer.optimizer, options=StateDictOptions(ignore_frozen_params=True))
+    return {"model": model, "optim": optim}
+
+
+def save(trainer, final: Path) -> None:
+    """Every rank writes its part of checkpoint ``final`` of ``trainer`` (a GRPOTrainer; a collective); rank 0
+    renames it into place."""
+    import torch.distributed.checkpoint as dcp
+
+    comm = trainer.comm
+    tmp = final.with_name(final.name + ".tmp")
+    if comm.is_main:
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+    comm.barrier()
+    dcp.save(_state_dicts(trainer), checkpoint_id=str(tmp / "dcp"))
+    round_tensors, round_meta = trainer.round.to_state() if trainer.round is not None else (None, None)
+    torch.save(
+        {
+            "scheduler": trainer.scheduler.state_dict(),
+            "torch_rng": torch.get_rng_state(),
+            "cuda_rng": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
+            "perm_rng": trainer.perm_rng.get_state(),
+            "round": round_tensors,
+        },
+        tmp / f"rank{comm.rank}.pt",
+    )
+    comm.barrier()  # every rank's files are written
+    if comm.is_main:
+        np_state = np.random.get_state()
+        state = {
+            "step": trainer.step,
+            "micro_step": trainer.micro_step,
+            "num_tokens": trainer.num_tokens,
+            "sampler": trainer.sampler.state(),
+            "config_hash": trainer.config_hash,
+            "world_size": comm.world,
+            "history": trainer.history,
+            "python_rng": random.getstate(),
+            "numpy_rng": [np_state[0], np_state[1].tolist(), *np_state[2:]],
+            "round": round_meta,
+        }
+        (tmp / "trainer_state.json").write_text(json.dumps(state))
+        shutil.rmtree(final, ignore_errors=True)
+        os.replace(tmp, final)
+
+
+def load(trainer, path: Path) -> None:
+    """Continue from checkpoint ``path`` (written by :func:`save`, on any number of processes)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
+
+    state = json.loads((path / "trainer_state.json").read_text())
+    if state["config_hash"] != trainer.config_hash:
+        raise ValueError(
+            f"checkpoint {path} was written with other grpo settings; remove {path.parent} or set "
+            "grpo.resume=never to start over"
+        )
+    dicts = _state_dicts(trainer)
+    dcp.load(dicts, checkpoint_id=str(path / "dcp"))
+    options = StateDictOptions(ignore_frozen_params=True, strict=False)  # the frozen base is not in a checkpoint
+    set_state_dict(
+        trainer.root,
+        trainer.optimizer,
+        model_state_dict=dicts["model"],
+        optim_state_dict=dicts["optim"],
+        options=options,
+    )
+    same_world = state["world_size"] == trainer.comm.world
+    mine = path / f"rank{trainer.comm.rank}.pt"
+    blob = torch.load(mine if same_world else path / "rank0.pt", weights_only=True, map_location="cpu")
+    trainer.scheduler.load_state_dict(blob["scheduler"])
+    version, internal, gauss = state["python_rng"]
+    random.setstate((version, tuple(internal), gauss))
+    name, keys, *rest = state["numpy_rng"]
+    np.random.set_state((name, np.asarray(keys, dtype=np.uint32), *rest))
+    if same_world:
+        torch.set_rng_state(blob["torch_rng"])
+        if blob["cuda_rng"] and torch.cuda.is_available() and len(blob["cuda_rng"]) == torch.cuda.device_count():
+            torch.cuda.set_rng_state_all(blob["cuda_rng"])
+        trainer.perm_rng.set_state(blob["perm_rng"])
+        meta = state["round"]
+        trainer.round = None if meta is None else Round.from_state(blob["round"], meta, trainer.device)
+    else:
+        trainer.round = None
+        if state["round"] is not None:
+            log.warning(
+                "checkpoint %s was written by %d processes, this run has %d: the model and optimizer are resharded, "
+                "the round in progress is dropped and generated anew (the run will not match an uninterrupted one)",
+                path,
+                state["world_size"],
+                trainer.comm.world,
+            )
+    trainer.step, trainer.micro_step, trainer.num_tokens = state["step"], state["micro_step"], state["num_tokens"]
+    trainer.sampler.load(state["sampler"])
+    trainer.history = state["history"]
+    log.info("resumed GRPO from %s (step %d, written by %d processes)", path, trainer.step, state["world_size"])
