@@ -25,6 +25,7 @@ from collections.abc import Iterator
 import torch
 
 from grpoflow.tasks.config import Batching, GRPOConfig
+from grpoflow.tasks.grpo.loss import masked_mean
 from grpoflow.tasks.runtime.dist import Comm
 
 
@@ -44,6 +45,42 @@ def row_seed(seed: int, round_index: int, row: int) -> int:
     completion depends on where it sits in the run, never on which process or batch drew it."""
     digest = hashlib.sha256(f"{seed}/{round_index}/{row}".encode()).digest()
     return int.from_bytes(digest[:8], "little") & ((1 << 63) - 1)
+
+
+def micro_metrics(
+    comm: Comm,
+    window: dict[str, list[float]],
+    loss: torch.Tensor,
+    extras: dict[str, torch.Tensor],
+    m: torch.Tensor,
+    entropy: torch.Tensor,
+    base_logp: torch.Tensor,
+    sampler_logp: torch.Tensor,
+    sampled: bool,
+    cfg: GRPOConfig,
+) -> None:
+    """A micro-step's metrics, appended to ``window``: loss (times GA: the micro-batch's own), entropy, clip ratios
+    (token means, the lowest low and highest high per-sequence ratio), kl, and with ``sampled`` (the round's first
+    replay) the gap between the trainer's and the sampler's log-probs. On several processes over every rank's
+    micro-batch (:func:`micro_metrics_distributed`)."""
+    if comm.world > 1:
+        micro_metrics_distributed(comm, window, loss, extras, m, entropy, base_logp, sampler_logp, sampled, cfg)
+        return
+    window["loss"].append(loss.item() * cfg.gradient_accumulation_steps)
+    window["entropy"].append(masked_mean(entropy.detach(), m))
+    for name in ("low", "high", "region"):
+        window[f"clip_ratio/{name}_mean"].append(masked_mean(extras[f"is_{name}_clipped"], m))
+    per_seq = lambda x: (x.float() * m).sum(-1) / m.sum(-1)  # noqa: E731  (NaN for masked rows)
+    window["clip_ratio/low_min"].append(torch.nan_to_num(per_seq(extras["is_low_clipped"]), nan=1.0).min().item())
+    window["clip_ratio/high_max"].append(torch.nan_to_num(per_seq(extras["is_high_clipped"]), nan=0.0).max().item())
+    if "kl" in extras:
+        window["kl"].append(masked_mean(extras["kl"], m))
+    if sampled:
+        real = m.bool() & ~torch.isnan(sampler_logp)
+        if real.any():
+            diff = (base_logp - sampler_logp).abs()[real]
+            window["sampling/sampling_logp_difference/mean"].append(diff.mean().item())
+            window["sampling/sampling_logp_difference/max"].append(diff.max().item())
 
 
 def micro_metrics_distributed(

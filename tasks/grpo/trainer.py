@@ -41,11 +41,11 @@ from grpoflow.tasks.grpo.distributed import (
     gathered,
     gradient_sync,
     local_rows,
-    micro_metrics_distributed,
+    micro_metrics,
     rounds_done,
     row_seed,
 )
-from grpoflow.tasks.grpo.loss import LossSettings, grpo_loss, importance_sampling_ratio, masked_mean
+from grpoflow.tasks.grpo.loss import LossSettings, grpo_loss, importance_sampling_ratio
 from grpoflow.tasks.grpo.rounds import PromptSampler, Round
 from grpoflow.tasks.grpo.schedule import is_optimizer_step, micro_batch_rows
 from grpoflow.tasks.model.device import model_device
@@ -384,28 +384,9 @@ class GRPOTrainer:
             loss.backward()
         old = r.old_logp[idx] if r.old_logp is not None else None
         self.micro_step += 1
-        m = mb.completion_mask
-        if self.comm.world > 1:  # the metrics over every rank's micro-batch, as TRL gathers them
-            base = old if old is not None else logp.detach()
-            sampled = iteration == 0 and not self.is_correction
-            micro_metrics_distributed(self.comm, window, loss, extras, m, entropy, base, mb.sampler_logp, sampled, g)
-            return
-        window["loss"].append(loss.item() * g.gradient_accumulation_steps)
-        window["entropy"].append(masked_mean(entropy.detach(), m))
-        for name in ("low", "high", "region"):
-            window[f"clip_ratio/{name}_mean"].append(masked_mean(extras[f"is_{name}_clipped"], m))
-        per_seq = lambda x: (x.float() * m).sum(-1) / m.sum(-1)  # noqa: E731  (NaN for masked rows)
-        window["clip_ratio/low_min"].append(torch.nan_to_num(per_seq(extras["is_low_clipped"]), nan=1.0).min().item())
-        window["clip_ratio/high_max"].append(torch.nan_to_num(per_seq(extras["is_high_clipped"]), nan=0.0).max().item())
-        if "kl" in extras:
-            window["kl"].append(masked_mean(extras["kl"], m))
-        if iteration == 0 and not self.is_correction:  # with the correction on, measured per round
-            base = old if old is not None else logp.detach()
-            real = m.bool() & ~torch.isnan(mb.sampler_logp)
-            if real.any():
-                diff = (base - mb.sampler_logp).abs()[real]
-                window["sampling/sampling_logp_difference/mean"].append(diff.mean().item())
-                window["sampling/sampling_logp_difference/max"].append(diff.max().item())
+        base = old if old is not None else logp.detach()
+        sampled = iteration == 0 and not self.is_correction  # with the correction on, measured per round
+        micro_metrics(self.comm, window, loss, extras, mb.completion_mask, entropy, base, mb.sampler_logp, sampled, g)
 
     def _log_samples(self, samples: list[dict], name: str) -> None:
         table = {"step": [self.step] * len(samples), **{k: [s[k] for s in samples] for k in samples[0]}}
