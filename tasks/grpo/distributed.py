@@ -13,7 +13,8 @@ The layout (TRL GRPOTrainer, where num_processes is the world size W; docs/grpo.
     grpo and dr_grpo normalize locally (the gradient average over the ranks makes them the global mean); bnpo
     normalizes by the local token count, as TRL does, so it is not invariant to W.
 
-At world size 1 every function here is the identity on what the single-process trainer computes.
+At world size 1 every function here is the identity on what the single-process trainer computes (the
+micro-step metrics, :func:`micro_metrics`, are the single-process trainer's own expressions there).
 """
 
 from __future__ import annotations
