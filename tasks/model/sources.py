@@ -65,6 +65,21 @@ def resolve_model(name: str, cache_dir: str) -> str:
     return name
 
 
+def cached_model(name: str, cache_dir: str) -> str | None:
+    """What :func:`resolve_model` would return, when that needs no fetch and no conversion; else None (an alias
+    not fetched yet, a GGUF not converted yet). For checks that must stay cheap and offline."""
+    cache = Path(cache_dir).expanduser()
+    if name in ALIASES:
+        name = str(cache / "aliases" / Path(ALIASES[name].member).name)
+    if not is_gguf(name):
+        return name
+    path = Path(name).expanduser()
+    if not path.is_file():
+        return None
+    folder = converted_folder(path, cache)
+    return str(folder) if (folder / "config.json").is_file() else None
+
+
 def file_sha256(path: Path) -> str:
     """sha256 of a file, read once per process for an unchanged file (every stage resolves model.name)."""
     st = Path(path).stat()
@@ -145,11 +160,15 @@ def model_problem(name: str) -> str | None:
     return None
 
 
+def converted_folder(path: Path, cache: Path) -> Path:
+    return cache / "gguf" / file_sha256(path)[:16]
+
+
 def convert_gguf(path: Path, cache: Path) -> Path:
     """The GGUF as a transformers folder (float32 safetensors, tokenizer, chat template), cached by sha256."""
     if problem := model_problem(str(path)):
         raise ValueError(f"model.name: {problem}")
-    folder = cache / "gguf" / file_sha256(path)[:16]
+    folder = converted_folder(path, cache)
     if (folder / "config.json").is_file():
         return folder
     from transformers import AutoModelForCausalLM, AutoTokenizer
