@@ -102,8 +102,14 @@ def _load(args) -> PipelineConfig:
     cfg = load_run_config(args.config, args.overrides, name=args.command == "run")
     from grpoflow.tasks.model.sources import model_problem
 
-    if problem := model_problem(cfg.model.name):  # a bad GGUF: now, not after data prep
+    if problem := model_problem(cfg.model.name):  # a bad GGUF or folder: now, not after data prep
         raise ConfigError(f"model.name: {problem}")
+    from grpoflow.tasks.dataio.sources import file_problem
+
+    d = cfg.data
+    for key, source in (("data.source", d.source), ("data.eval_source", d.eval_source)):
+        if source and (problem := file_problem(source, d.question_field, d.answer_field)):
+            raise ConfigError(f"{key}: {problem}")
     from grpoflow.tasks.rewards import resolve_reward_funcs
 
     try:  # imported and their signatures checked now, not in the GRPO stage after data prep and SFT

@@ -143,9 +143,17 @@ def gguf_architecture(path: Path) -> str:
 
 def model_problem(name: str) -> str | None:
     """Why ``model.name`` cannot be used, for the checks before any stage; None when it looks usable."""
-    if name in ALIASES or not is_gguf(name):
+    if name in ALIASES:
         return None
     path = Path(name).expanduser()
+    if not is_gguf(name):
+        # an explicit path ('/x', './x', '~/x') must be a model folder; 'owner/name' may be a hub id
+        if name.startswith((".", "~")) or os.path.isabs(name):
+            if not path.is_dir():
+                return f"{name}: no such model folder"
+            if not (path / "config.json").is_file():
+                return f"{name}: a folder without config.json, not a transformers model folder"
+        return None
     if not path.is_file():
         return f"{name}: no such GGUF file"
     try:

@@ -98,6 +98,11 @@ def test_model_problem_names_what_is_wrong(tiny_gguf, tmp_path):
     assert "architecture 'rwkv6'" in problem and "llama" in problem
     with pytest.raises(ValueError, match="model.name: .*rwkv6"):
         convert_gguf(other, tmp_path / "cache")
+    # an explicit path must be a model folder; 'owner/name' may be a hub id and is left to the loader
+    assert model_problem(str(tmp_path / "nope")) == f"{tmp_path / 'nope'}: no such model folder"
+    assert "without config.json" in model_problem(str(tmp_path))
+    assert model_problem("./not/here").endswith("no such model folder")
+    assert model_problem("someone/missing-model") is None
 
 
 def test_cli_validate_refuses_a_bad_gguf_before_anything_runs(tmp_path):
