@@ -7,8 +7,8 @@ another name count as new too. The ledger is one JSON file, replaced atomically 
 ``os.replace``), and the continuous flow adds to it only after a cycle succeeded: a failed cycle consumes nothing.
 
 Only data files the data stage reads are listed (.jsonl, .json, .csv, .parquet); names starting with "." or
-"_", and everything in such folders, are skipped (in a local folder and under an S3 prefix alike), so a writer can upload to a hidden name and rename when done (a half-written file is never
-trained on).
+"_", and everything in such folders, are skipped (in a local folder and under an S3 prefix alike), so a writer
+can upload to a hidden name and rename when done (a half-written file is never trained on).
 """
 
 from __future__ import annotations
