@@ -250,7 +250,7 @@ TRL_KEYS: dict[str, Rule] = {
     "log_level_replica": warned(_NO_DIST),
     "disable_tqdm": warned("grpoflow shows its own progress bar"),
     "report_to": warned("grpoflow reports to MLflow (tracking.*)"),
-    "run_name": maps("run.name"),
+    "run_name": maps("run.name", lambda v: _SKIP if v is None else v, "null: run.name's default"),
     "project": warned("a trackio project; grpoflow's MLflow experiment is tracking.experiment"),
     "trackio_space_id": warned(_NO_LOG),
     "trackio_bucket_id": warned(_NO_LOG),

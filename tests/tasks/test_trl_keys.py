@@ -142,6 +142,8 @@ def test_refused_and_conflicting_keys_are_named(trl_section, ours, named):
 def test_agreeing_keys_and_overrides(tmp_path):
     cfg, _ = load({"grpo": {"beta": 0.04, "scale_rewards": "batch"}, "trl": {"beta": 0.04, "scale_rewards": "batch"}})
     assert cfg.grpo.beta == 0.04
+    cfg, _ = load({"run": {"name": "mine"}, "trl": {"run_name": None, "max_grad_norm": 1.0}})  # null: no opinion
+    assert cfg.run.name == "mine"
     empty = tmp_path / "empty.yaml"
     empty.write_text("{}\n")
     cfg = load_config(empty, ["trl.loss_type=bnpo", "trl.epsilon_high=0.28"])
