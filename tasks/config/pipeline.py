@@ -305,6 +305,11 @@ class PipelineConfig(_Section):
     def _cross(self) -> PipelineConfig:
         if self.export.enabled and self.export.adapter and not self.model.lora.enabled:
             raise ValueError("export.adapter needs model.lora.enabled (full fine-tuning has no adapter)")
+        if self.grpo.sync_ref_model and self.model.lora.enabled:
+            raise ValueError(
+                "grpo.sync_ref_model needs full fine-tuning (model.lora.enabled: false): with LoRA the reference is "
+                "the base model with the adapter off, which is never trained (TRL 1.16 refuses it with PEFT too)"
+            )
         if self.model.dtype == "float16":
             raise ValueError(
                 "model.dtype=float16: GRPO and SFT in float16 needs a loss scaler, which grpoflow does not run (small "

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
-from grpoflow.kernels.logprobs import token_logprobs
+from grpoflow.kernels.logprobs import token_logprobs, token_logprobs_reference
 from grpoflow.tasks.generation.types import left_pad
 from grpoflow.tasks.model.loading import backbone_and_head
 
@@ -61,11 +61,18 @@ def build_round(
 
 
 def policy_logprobs(
-    model, batch: RoundTensors, temperature: float, compute_entropy: bool = False, impl: str = "auto"
+    model,
+    batch: RoundTensors,
+    temperature: float,
+    compute_entropy: bool = False,
+    impl: str = "auto",
+    entropy_grad: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Per-token log-probs [B, C] (and entropy, without gradient) of the completion tokens under ``model``.
 
-    ``impl`` picks the kernels.token_logprobs implementation (tests and benchmarks compare them)."""
+    ``impl`` picks the kernels.token_logprobs implementation (tests and benchmarks compare them).
+    ``entropy_grad`` (the entropy bonus): both from the full float32 logits, the entropy with its gradient
+    (memory: B * C * vocab floats; the fused kernels compute entropy without one)."""
     backbone, head = backbone_and_head(model)
     input_ids = torch.cat([batch.prompt_ids, batch.completion_ids], dim=1)
     attn = torch.cat([batch.prompt_mask, torch.ones_like(batch.completion_mask)], dim=1)
@@ -73,6 +80,11 @@ def policy_logprobs(
     P, C = batch.prompt_ids.shape[1], batch.completion_ids.shape[1]
     h = hidden[:, P - 1 : P + C - 1]  # [B, C, D]
     bias = getattr(head, "bias", None)
+    if entropy_grad:
+        logp, ent = token_logprobs_reference(
+            h.reshape(-1, h.shape[-1]), head.weight, batch.completion_ids.reshape(-1), temperature, bias
+        )
+        return logp.view(batch.completion_ids.shape), ent.view(batch.completion_ids.shape)
     return token_logprobs(
         h, head.weight, batch.completion_ids, temperature, bias, compute_entropy=compute_entropy, impl=impl
     )

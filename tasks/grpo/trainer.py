@@ -34,9 +34,11 @@ import torch
 
 from grpoflow.tasks.config import GRPOConfig
 from grpoflow.tasks.generation.types import SamplingParams
-from grpoflow.tasks.grpo.advantages import combine_rewards, group_advantages, nanstd
+from grpoflow.tasks.grpo.advantages import combine_rewards, decoupled_advantages, group_advantages, nanstd
 from grpoflow.tasks.grpo.batch import RoundTensors, build_round, policy_logprobs
+from grpoflow.tasks.grpo.dynamic import Drawn, fill_round, with_overlong_penalty
 from grpoflow.tasks.grpo.loss import LossSettings, grpo_loss, importance_sampling_ratio, masked_mean
+from grpoflow.tasks.grpo.regularizers import EntropyControl, mix_reference
 from grpoflow.tasks.grpo.rounds import PromptSampler, Round
 from grpoflow.tasks.grpo.schedule import is_optimizer_step, micro_batch_rows
 from grpoflow.tasks.model.device import model_device
@@ -122,6 +124,11 @@ class GRPOTrainer:
         self.scheduler = build_scheduler(self.optimizer, cfg, cfg.max_steps)
         self.params = SamplingParams.from_grpo(cfg)
         self.weights = torch.tensor(cfg.reward_weights) if cfg.reward_weights else None
+        self.reward_names = [name for name, _ in reward_funcs]
+        if cfg.overlong_buffer_length is not None:  # the column with_overlong_penalty adds, weight 1
+            self.reward_names.append("overlong")
+            self.weights = None if self.weights is None else torch.cat([self.weights, torch.ones(1)])
+        self.entropy = EntropyControl.from_config(cfg)  # None: no entropy bonus
         self.perm_rng = torch.Generator().manual_seed(seed)
         self.round: Round | None = None
         # what a checkpoint must agree with to be resumed (run length and logging may change)
@@ -135,9 +142,10 @@ class GRPOTrainer:
         self.history: list[dict] = []
 
     # ---------------------------------------------------------------- generation round
-    def generate_round(self) -> tuple[RoundTensors, torch.Tensor, dict, list[dict]]:
-        g, b = self.cfg, self.batching
-        idx = self.sampler.take(b.unique_prompts)
+    def draw(self, n_prompts: int) -> Drawn:
+        """The next ``n_prompts`` prompts, num_generations completions each, scored by every reward function."""
+        g = self.cfg
+        idx = self.sampler.take(n_prompts)
         prompts = [self.prompt_ids[i] for i in idx]
         gen = self.generator.generate(prompts, g.num_generations, self.params)
         rows = [self.rows[i] for i in idx for _ in range(g.num_generations)]
@@ -149,29 +157,43 @@ class GRPOTrainer:
             self.reward_funcs, [r["prompt"] for r in rows], completions, columns, g.reward_timeout_s
         )
         per_func = torch.tensor([scores[name] for name, _ in self.reward_funcs], dtype=torch.float32).t()  # [B, K]
+        if g.overlong_buffer_length is not None:  # DAPO's length penalty, one more reward column
+            per_func = with_overlong_penalty(per_func, gen.completion_ids, g)
+        return Drawn(idx, gen.completion_ids, gen.logprobs, gen.finish_reasons, rows, texts, per_func)
+
+    def generate_round(self) -> tuple[RoundTensors, torch.Tensor, dict, list[dict]]:
+        g, b = self.cfg, self.batching
+        d = self.draw(b.unique_prompts)
+        ds_stats = {}
+        if g.dynamic_sampling:
+            d, ds_stats = fill_round(d, self.draw, self.weights, g.num_generations, g.dynamic_sampling_max_rounds)
+        idx, rows, texts, per_func = d.idx, d.rows, d.texts, d.per_func
         total = combine_rewards(per_func, self.weights)
         unscored = torch.isnan(total)
         if bool(unscored.all()):
             log.warning(
                 "no reward function scored any completion of this round (every value None or NaN): its advantages "
                 "are 0 and it teaches nothing; check that the functions find the columns they need (%s)",
-                ", ".join(name for name, _ in self.reward_funcs),
+                ", ".join(self.reward_names),
             )
         adv, stats = group_advantages(total, g.num_generations, g.scale_rewards)
+        if g.multi_objective_aggregation == "normalize_then_sum":
+            adv, stats["frac_reward_zero_std"] = decoupled_advantages(per_func, self.weights, g.num_generations)
+        stats.update(ds_stats)
         stats["frac_unscored"] = unscored.float().mean().item()  # completions no reward function scored
-        for k, (name, _) in enumerate(self.reward_funcs):
+        for k, name in enumerate(self.reward_names):
             col = per_func[:, k]
             stats[f"rewards/{name}/mean"] = torch.nanmean(col).item()
             stats[f"rewards/{name}/std"] = torch.nan_to_num(nanstd(col), nan=0.0).item()
         batch = build_round(
             [self.prompt_ids[i] for i in idx for _ in range(g.num_generations)],
-            gen.completion_ids,
-            gen.logprobs,
-            gen.finish_reasons,
+            d.completion_ids,
+            d.logprobs,
+            d.finish_reasons,
             self.tokenizer.pad_token_id,
             g.mask_truncated_completions,
         )
-        lengths = torch.tensor([len(c) for c in gen.completion_ids], dtype=torch.float32)
+        lengths = torch.tensor([len(c) for c in d.completion_ids], dtype=torch.float32)
         term = lengths[~batch.truncated]
         self.num_tokens += int(batch.prompt_mask.sum() + lengths.sum())
         stats.update(
@@ -192,7 +214,7 @@ class GRPOTrainer:
                 "answer": r.get("answer", ""),
                 "completion": t,
                 "reward": float(tr),
-                **{f"rewards/{name}": float(v) for (name, _), v in zip(self.reward_funcs, parts)},
+                **{f"rewards/{name}": float(v) for name, v in zip(self.reward_names, parts)},
                 "advantage": float(a),
             }
             for r, t, tr, parts, a in zip(rows, texts, total.tolist(), per_func.tolist(), adv.tolist())
@@ -295,6 +317,7 @@ class GRPOTrainer:
                     continue
                 grad_norm = clip_and_step(self.model, self.optimizer, self.scheduler, g.max_grad_norm)
                 self.step += 1
+                self._after_step(window)
                 now = time.perf_counter()
                 metrics = {key: sum(v) / len(v) for key, v in window.items() if v}
                 # a reward statistic of nothing scored is NaN: left out (frac_unscored says so), never logged
@@ -325,7 +348,9 @@ class GRPOTrainer:
         (loss, extras, the micro-batch, logp, entropy), all on the model's device."""
         mb = r.batch.select(idx)
         with self._autocast():
-            logp, entropy = policy_logprobs(self.model, mb, self.cfg.temperature, compute_entropy=True)
+            logp, entropy = policy_logprobs(
+                self.model, mb, self.cfg.temperature, compute_entropy=True, entropy_grad=self.entropy is not None
+            )
         old = r.old_logp[idx] if r.old_logp is not None else None
         ref = r.ref_logp[idx] if r.ref_logp is not None else None
         loss, extras = grpo_loss(
@@ -339,6 +364,7 @@ class GRPOTrainer:
             num_items_in_round=r.n_tokens,
             entropy=entropy,
             sampler_logp=mb.sampler_logp if self.is_correction else None,  # a separate engine's, as TRL with vLLM
+            entropy_coef=self.entropy.applied() if self.entropy is not None else None,
         )
         return loss, extras, mb, logp, entropy
 
@@ -358,6 +384,8 @@ class GRPOTrainer:
         window["clip_ratio/high_max"].append(torch.nan_to_num(per_seq(extras["is_high_clipped"]), nan=0.0).max().item())
         if "kl" in extras:
             window["kl"].append(masked_mean(extras["kl"], m))
+        if self.entropy is not None:
+            self.entropy.observe(float(extras["entropy_sum"]), float(extras["entropy_tokens"]))
         if iteration == 0 and not self.is_correction:  # with the correction on, measured per round
             base = old if old is not None else logp.detach()
             real = m.bool() & ~torch.isnan(mb.sampler_logp)
@@ -365,6 +393,16 @@ class GRPOTrainer:
                 diff = (base - mb.sampler_logp).abs()[real]
                 window["sampling/sampling_logp_difference/mean"].append(diff.mean().item())
                 window["sampling/sampling_logp_difference/max"].append(diff.max().item())
+
+    def _after_step(self, window: dict) -> None:
+        """After an optimizer step: the adaptive entropy coefficient moves, the reference model follows the policy
+        (sync_ref_model), as TRL does at the end of a step."""
+        g = self.cfg
+        if self.entropy is not None:
+            self.entropy.step()
+            window["entropy_coef"].append(self.entropy.coef)
+        if g.sync_ref_model and self.ref_model is not None and self.step % g.ref_model_sync_steps == 0:
+            mix_reference(self.model, self.ref_model, g.ref_model_mixup_alpha)
 
     def _log_samples(self, samples: list[dict], name: str) -> None:
         table = {"step": [self.step] * len(samples), **{k: [s[k] for s in samples] for k in samples[0]}}
@@ -393,6 +431,7 @@ class GRPOTrainer:
                 "cuda_rng": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
                 "perm_rng": self.perm_rng.get_state(),
                 "round": round_tensors,
+                **({"ref_model": _cpu_params(self.ref_model)} if self.cfg.sync_ref_model and self.ref_model else {}),
             },
             tmp / "trainer_state.pt",
         )
@@ -406,6 +445,7 @@ class GRPOTrainer:
             "python_rng": random.getstate(),
             "numpy_rng": [np_state[0], np_state[1].tolist(), *np_state[2:]],
             "round": round_meta,
+            **({"entropy_control": self.entropy.state()} if self.entropy is not None else {}),
         }
         (tmp / "trainer_state.json").write_text(json.dumps(state))
         shutil.rmtree(final, ignore_errors=True)
@@ -431,9 +471,12 @@ class GRPOTrainer:
         # weights_only: a checkpoint pulled from a shared bucket cannot run code when loaded
         blob = torch.load(path / "trainer_state.pt", weights_only=True, map_location="cpu")
         params = dict(self.model.named_parameters())
+        ref = dict(self.ref_model.named_parameters()) if "ref_model" in blob else {}
         with torch.no_grad():
             for name, value in blob["trainable"].items():
                 params[name].copy_(value)  # copy_ moves it to the parameter's device
+            for name, value in blob.get("ref_model", {}).items():  # sync_ref_model: the reference moved too
+                ref[name].copy_(value)
         self.optimizer.load_state_dict(blob["optimizer"])  # casts and moves the state to the parameters' devices
         self.scheduler.load_state_dict(blob["scheduler"])
         torch.set_rng_state(blob["torch_rng"])
@@ -448,7 +491,13 @@ class GRPOTrainer:
         self.step, self.micro_step, self.num_tokens = state["step"], state["micro_step"], state["num_tokens"]
         self.sampler.load(state["sampler"])
         self.history = state["history"]
+        if self.entropy is not None:
+            self.entropy.load(state["entropy_control"])
         log.info("resumed GRPO from %s (step %d)", path, self.step)
+
+
+def _cpu_params(model) -> dict[str, torch.Tensor]:
+    return {n: p.detach().cpu().clone() for n, p in model.named_parameters()}
 
 
 def _is_reward_key(key: str) -> bool:
