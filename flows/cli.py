@@ -17,6 +17,7 @@ import logging
 import os
 import sys
 import time
+import warnings
 from pathlib import Path
 
 from grpoflow.tasks.config import (
@@ -27,6 +28,7 @@ from grpoflow.tasks.config import (
     load_config,
     load_run_config,
 )
+from grpoflow.tasks.config.trl_keys import TRLKeyWarning
 from grpoflow.tasks.runtime import s3
 from grpoflow.tasks.runtime.errors import StageError
 from grpoflow.tasks.runtime.workspace import join_location, local_dir
@@ -99,11 +101,24 @@ def _setup_env(cfg: PipelineConfig) -> None:
 
 
 def _load(args) -> PipelineConfig:
-    cfg = load_run_config(args.config, args.overrides, name=args.command == "run")
+    with warnings.catch_warnings(record=True) as caught:  # trl: keys with no meaning here, one line each
+        warnings.simplefilter("always", TRLKeyWarning)
+        cfg = load_run_config(args.config, args.overrides, name=args.command == "run", trl_config=args.trl_config)
+    for w in caught:
+        if issubclass(w.category, TRLKeyWarning):
+            print(f"grpoflow: warning: {w.message}", file=sys.stderr)
+        else:
+            warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
     from grpoflow.tasks.model.sources import model_problem
 
-    if problem := model_problem(cfg.model.name):  # a bad GGUF: now, not after data prep
+    if problem := model_problem(cfg.model.name):  # a bad GGUF or folder: now, not after data prep
         raise ConfigError(f"model.name: {problem}")
+    from grpoflow.tasks.dataio.sources import file_problem
+
+    d = cfg.data
+    for key, source in (("data.source", d.source), ("data.eval_source", d.eval_source)):
+        if source and (problem := file_problem(source, d.question_field, d.answer_field)):
+            raise ConfigError(f"{key}: {problem}")
     from grpoflow.tasks.rewards import resolve_reward_funcs
 
     try:  # imported and their signatures checked now, not in the GRPO stage after data prep and SFT
@@ -278,6 +293,11 @@ def main(argv: list[str] | None = None) -> int:
         p.add_argument("config", nargs="?", default=None, help="YAML config (default: the embedded offline config)")
         p.add_argument("overrides", nargs="*", help="key=value overrides, e.g. grpo.max_steps=10")
         p.set_defaults(fn=fn)
+        p.add_argument(
+            "--trl-config",
+            metavar="FILE",
+            help="a TRL GRPOConfig as YAML/JSON (flat keys): read as the config's trl: section (README: TRL keys)",
+        )
         if name == "validate":
             p.add_argument("--show", action="store_true", help="print the resolved config")
     p = sub.add_parser("resume", help="rerun a run workspace: skip complete stages, continue GRPO and the MLflow run")

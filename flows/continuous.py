@@ -8,9 +8,11 @@ interval schedule and by the ``grpoflow.data.landed`` event).
                                                   -> register (the alias moves only when accuracy beats the champion)
                                                -> add the files to the ledger
 
-The ledger (``<state_dir>/ledger.json``) is written only after the pipeline finished, so a failed cycle consumes
-nothing and the next run retries the same files. Run one cycle at a time (the deployment's concurrency limit is
-1): two concurrent cycles would both train on the same new files.
+The ledger (``<state>/ledger.json``) is written only after the pipeline finished, so a failed cycle consumes
+nothing and the next run retries the same files. The state (ledger and cycle workspaces) may live on S3
+(tasks/ops/datasource.py: state_location), so a worker pod that restarts does not retrain on everything.
+Run one cycle at a time (the deployment's concurrency limit is 1): two concurrent cycles would both train on
+the same new files.
 """
 
 from __future__ import annotations
@@ -21,7 +23,8 @@ from pathlib import Path
 from prefect import flow, get_run_logger, task
 
 from grpoflow.tasks.config import ConfigError, StorageConfig, load_run_config
-from grpoflow.tasks.ops.datasource import DataFile, Ledger, list_source
+from grpoflow.tasks.ops.datasource import DataFile, Ledger, list_source, state_location
+from grpoflow.tasks.runtime.s3 import is_s3_uri, join_uri, local_path
 
 # grpoflow.flows.pipeline (torch, transformers) and grpoflow.tasks.ops.continuous (mlflow) are imported where used:
 # `prefect deploy` imports this module, and a cycle with no new data should start in seconds
@@ -29,10 +32,15 @@ from grpoflow.tasks.ops.datasource import DataFile, Ledger, list_source
 LEDGER = "ledger.json"
 
 
+def join_location(base: str, *parts: str) -> str:
+    """``base``/``parts`` for a local folder or an s3:// URI."""
+    return join_uri(base, *parts) if is_s3_uri(base) else str(Path(base, *parts))
+
+
 @task(name="new-data-files")
 def new_files_task(source: str, ledger_path: str, storage: dict | None = None) -> list[dict]:
-    settings = StorageConfig.model_validate(storage) if storage else None  # the endpoint of an s3:// source
-    files = Ledger(ledger_path).new_files(list_source(source, settings))
+    settings = StorageConfig.model_validate(storage) if storage else None  # the endpoint of an s3:// source/state
+    files = Ledger(ledger_path, settings).new_files(list_source(source, settings))
     return [f.__dict__ for f in files]
 
 
@@ -54,8 +62,9 @@ def grpo_continuous(
     """One cycle: train on the files of ``source`` (a folder or s3://bucket/prefix) not consumed yet.
 
     ``config``/``overrides`` as for grpo-pipeline (the config must name a fixed held-out file,
-    ``data.eval_source``); ``state_dir`` holds the ledger and one workspace per cycle (default
-    <run.output_dir>/continuous)."""
+    ``data.eval_source``); ``state_dir`` (a folder or s3:// URI) holds the ledger and one workspace per cycle
+    (default <run.output_dir>/continuous, or <source>/_grpoflow-continuous for an s3:// source when
+    run.output_dir is local)."""
     from grpoflow.tasks.ops.continuous import check_continuous_config
 
     logger = get_run_logger()
@@ -63,27 +72,29 @@ def grpo_continuous(
         raise ConfigError("source: the continuous flow needs a data source (a folder or s3://bucket/prefix)")
     cfg = load_run_config(config, overrides)
     check_continuous_config(cfg)
-    state = Path(state_dir or Path(cfg.run.output_dir) / "continuous").resolve()
-    ledger = Ledger(state / LEDGER)
-    new = [DataFile(**f) for f in new_files_task(source, str(ledger.path), cfg.storage.model_dump())]
+    state = state_location(source, state_dir, cfg.run.output_dir)
+    ledger = Ledger(join_location(state, LEDGER), cfg.storage)
+    new = [DataFile(**f) for f in new_files_task(source, ledger.location, cfg.storage.model_dump())]
     if not new:
-        logger.info("no new data files in %s (ledger %s): nothing to do", source, ledger.path)
+        logger.info("no new data files in %s (ledger %s): nothing to do", source, ledger.location)
         return {"consumed": [], "decision": None}
     from grpoflow.flows.pipeline import grpo_pipeline
     from grpoflow.tasks.ops.continuous import cycle_config, gather
 
     name = time.strftime("cycle-%Y%m%d-%H%M%S")
-    ws = state / "cycles" / name
-    data_file, rows = gather(new, ws / "incoming" / "train.jsonl", cfg.storage)
+    ws = join_location(state, "cycles", name)
+    # the new rows and the champion are this worker's local inputs of the cycle (beside an S3 workspace's cache)
+    incoming = (local_path(ws, cfg.storage.cache_dir) if is_s3_uri(ws) else Path(ws)) / "incoming"
+    data_file, rows = gather(new, incoming / "train.jsonl", cfg.storage)
     logger.info("%d new data files (%d rows) in %s: %s", len(new), rows, source, [f.name for f in new])
-    champion = champion_task(cfg.to_dict(), str(ws / "incoming" / "champion"))
+    champion = champion_task(cfg.to_dict(), str(incoming / "champion"))
     if champion is None:
         logger.info("no champion in the registry yet: starting from %s (SFT: %s)", cfg.model.name, cfg.sft.enabled)
     else:
         logger.info("warm start from champion %s version %s", champion[1]["name"], champion[1]["version"])
     cycle = cycle_config(cfg, name, data_file, warm_start=champion is not None)
     result = grpo_pipeline(
-        config=cycle.to_dict(), workspace=str(ws), init_model=champion[0] if champion is not None else None
+        config=cycle.to_dict(), workspace=ws, init_model=champion[0] if champion is not None else None
     )
     reg = result.get("registry")
     if reg is None:
@@ -97,7 +108,7 @@ def grpo_continuous(
     logger.info("decision: %s", decision)
     _tag_run(cycle, result, new, champion, decision)
     ledger.record(new, cycle=name, mlflow_run_id=result["mlflow_run_id"])
-    logger.info("ledger %s: recorded %d files", ledger.path, len(new))
+    logger.info("ledger %s: recorded %d files", ledger.location, len(new))
     return {"consumed": [f.name for f in new], "decision": decision, "mlflow_run_id": result["mlflow_run_id"]}
 
 

@@ -14,6 +14,7 @@ from pydantic import ValidationError
 
 from grpoflow.tasks.config.base import ConfigError
 from grpoflow.tasks.config.pipeline import PipelineConfig
+from grpoflow.tasks.config.trl_keys import merge_trl_section
 
 PACKAGED_CONFIGS = files("grpoflow.configs")  # configs/*.yaml, shipped with the package
 DEFAULT_CONFIG = Path(str(PACKAGED_CONFIGS / "default.yaml"))
@@ -68,10 +69,12 @@ def apply_overrides(raw: dict[str, Any], overrides: list[str]) -> dict[str, Any]
     return raw
 
 
-def _format_error(err: ValidationError) -> str:
+def _format_error(err: ValidationError, sources: dict[str, str] | None = None) -> str:
     lines = []
     for e in err.errors():
         key = ".".join(str(p) for p in e["loc"]) or "<root>"
+        if sources and key in sources:  # a value the trl: section set
+            key = f"{key} (from trl.{sources[key]})"
         msg = e["msg"].removeprefix("Value error, ")
         if e["type"] == "extra_forbidden":
             msg = "unknown key"
@@ -122,26 +125,56 @@ def _world_size(raw: dict[str, Any]) -> int:
 
 
 def config_from_dict(raw: dict[str, Any]) -> PipelineConfig:
+    """Validate a run config; its ``trl:`` section (TRL GRPOConfig keys, tasks/config/trl_keys.py) is translated
+    into our sections first."""
     _reject_credentials(raw)
+    raw, sources = merge_trl_section(raw)
     try:
         return PipelineConfig.model_validate(raw, context={"num_processes": _world_size(raw)})
     except ValidationError as err:
-        raise ConfigError(_format_error(err)) from None
+        raise ConfigError(_format_error(err, sources)) from None
 
 
-def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> PipelineConfig:
-    """Read a YAML config (the embedded default when path is None), apply key=value overrides, validate."""
+def load_config(
+    path: str | Path | None = None, overrides: list[str] | None = None, trl_config: str | Path | None = None
+) -> PipelineConfig:
+    """Read a YAML config (the embedded default when path is None), add a TRL GRPOConfig file to its ``trl:``
+    section, apply key=value overrides, validate."""
     path = resolve_config_path(path)
-    try:
-        raw = yaml.safe_load(path.read_text()) or {}
-    except yaml.YAMLError as e:
-        raise ConfigError(f"{path}: not valid YAML: {e}") from None
-    if not isinstance(raw, dict):
-        raise ConfigError(f"{path}: the top level must be a mapping of sections")
+    raw = _read_mapping(path, "the top level must be a mapping of sections")
+    if trl_config is not None:
+        raw = _with_trl_file(raw, Path(trl_config).expanduser())
     return config_from_dict(apply_overrides(raw, list(overrides or [])))
 
 
-def load_run_config(config: str | None, overrides: list[str] | None = None, name: bool = True) -> PipelineConfig:
+def _read_mapping(path: Path, what: str) -> dict[str, Any]:
+    try:
+        raw = yaml.safe_load(path.read_text()) or {}
+    except OSError as e:
+        raise ConfigError(f"{path}: cannot read: {e.strerror or e}") from None
+    except yaml.YAMLError as e:
+        raise ConfigError(f"{path}: not valid YAML: {e}") from None
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{path}: {what}")
+    return raw
+
+
+def _with_trl_file(raw: dict[str, Any], path: Path) -> dict[str, Any]:
+    """``--trl-config FILE``: a flat YAML/JSON mapping of TRL GRPOConfig keys (a TRL config as TRL's own CLI reads
+    it, or a dumped GRPOConfig) joins the config's ``trl:`` section; a key in both with different values is an
+    error naming the file."""
+    trl = _read_mapping(path, "a TRL config file must be a mapping of GRPOConfig keys")
+    section = dict(raw.get("trl") or {})
+    for key, value in trl.items():
+        if key in section and section[key] != value:
+            raise ConfigError(f"trl.{key}: {path} sets {value!r}, the config's trl: section {section[key]!r}")
+        section[key] = value
+    return {**raw, "trl": section}
+
+
+def load_run_config(
+    config: str | None, overrides: list[str] | None = None, name: bool = True, trl_config: str | None = None
+) -> PipelineConfig:
     """The config of a run, as `grpoflow run` and the deployed flows read it: CONFIG (default: the embedded one)
     plus key=value overrides (a first argument with "=" that is no file is an override); run.name defaults to
     run-<time>."""
@@ -149,7 +182,7 @@ def load_run_config(config: str | None, overrides: list[str] | None = None, name
     if config and "=" in config and not Path(config).exists():  # `grpoflow run key=value` without a file
         overrides.insert(0, config)
         config = None
-    cfg = load_config(config, overrides)
+    cfg = load_config(config, overrides, trl_config)
     if name and cfg.run.name is None:
         cfg = cfg.model_copy(update={"run": cfg.run.model_copy(update={"name": time.strftime("run-%Y%m%d-%H%M%S")})})
     return cfg

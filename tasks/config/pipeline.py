@@ -312,6 +312,11 @@ class PipelineConfig(_Section):
                 "engine per process and per-row seeds are not implemented yet; use generation.backend=transformers "
                 "(auto picks it)"
             )
+        if d.row_seeded and self.grpo.dynamic_sampling:
+            raise ValueError(
+                "grpo.dynamic_sampling with distributed (nproc_per_node * nnodes > 1, or seed_by_row): refilling a "
+                "round with fresh prompts is not implemented over several processes yet; turn one of them off"
+            )
         if d.world_size == 1:
             return self
         try:  # config_from_dict checks it in the grpo section already; this covers PipelineConfig.model_validate
@@ -333,6 +338,11 @@ class PipelineConfig(_Section):
     def _cross(self) -> PipelineConfig:
         if self.export.enabled and self.export.adapter and not self.model.lora.enabled:
             raise ValueError("export.adapter needs model.lora.enabled (full fine-tuning has no adapter)")
+        if self.grpo.sync_ref_model and self.model.lora.enabled:
+            raise ValueError(
+                "grpo.sync_ref_model needs full fine-tuning (model.lora.enabled: false): with LoRA the reference is "
+                "the base model with the adapter off, which is never trained (TRL 1.16 refuses it with PEFT too)"
+            )
         if self.model.dtype == "float16":
             raise ValueError(
                 "model.dtype=float16: GRPO and SFT in float16 needs a loss scaler, which grpoflow does not run (small "

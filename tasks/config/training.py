@@ -68,6 +68,47 @@ class GRPOConfig(OptimizerFields):
     vespo_k_neg: float = Field(3.0, description="vespo: shape k of the gamma weight, A < 0.")
     vespo_lambda_neg: float = Field(2.0, description="vespo: rate lambda of the gamma weight, A < 0.")
     scale_rewards: ScaleRewards = "group"
+    multi_objective_aggregation: Literal["sum_then_normalize", "normalize_then_sum"] = Field(
+        "sum_then_normalize",
+        description="sum_then_normalize: weight and sum the reward functions, then group-normalize (scale_rewards); "
+        "normalize_then_sum: normalize each function within its group, weight, sum, then normalize over the batch "
+        "(GDPO, group reward-decoupled normalization; scale_rewards is not used, as in TRL).",
+    )
+    entropy_coef: float = Field(
+        0.0, ge=0, description="Entropy bonus: loss -= entropy_coef * mean token entropy (0: off, TRL's meaning)."
+    )
+    use_adaptive_entropy: bool = Field(
+        False,
+        description="Skywork-OR1's adaptive entropy control: entropy_coef (the start value) moves by "
+        "entropy_coef_delta each optimizer step, up while the step's entropy is <= entropy_target, down otherwise; "
+        "the bonus applies only while the last step's entropy is <= entropy_target.",
+    )
+    entropy_coef_min: float = Field(0.0, ge=0, description="Adaptive entropy control: lower bound of the coef.")
+    entropy_coef_max: float = Field(1.0, ge=0, description="Adaptive entropy control: upper bound of the coef.")
+    entropy_coef_delta: float = Field(0.005, ge=0, description="Adaptive entropy control: step of the coef.")
+    entropy_target: float = Field(0.2, description="Adaptive entropy control: target mean token entropy (nats).")
+    sync_ref_model: bool = Field(
+        False,
+        description="TR-DPO reference updates: every ref_model_sync_steps optimizer steps, "
+        "ref = alpha * policy + (1 - alpha) * ref (full fine-tuning with beta > 0; TRL refuses it with PEFT too).",
+    )
+    ref_model_mixup_alpha: float = Field(0.6, ge=0, le=1, description="alpha of sync_ref_model.")
+    ref_model_sync_steps: int = Field(512, ge=1, description="Optimizer steps between reference updates.")
+    dynamic_sampling: bool = Field(
+        False,
+        description="DAPO dynamic sampling: groups whose rewards all agree are dropped and fresh prompts drawn for "
+        "their places (tasks/grpo/dynamic.py); counts logged as dynamic_sampling/*.",
+    )
+    dynamic_sampling_max_rounds: int = Field(
+        3, ge=0, description="Dynamic sampling: extra generation calls per round at most; then dropped groups fill it."
+    )
+    overlong_buffer_length: int | None = Field(
+        None,
+        ge=1,
+        description="DAPO overlong reward shaping: a length penalty ramping from 0 to -overlong_penalty_factor over "
+        "the last N tokens before max_completion_length, added as the reward 'overlong'. None: off.",
+    )
+    overlong_penalty_factor: float = Field(1.0, ge=0, description="Overlong shaping: the penalty at full length.")
     reward_funcs: list[str] = Field(
         default_factory=lambda: ["correctness", "strict_format", "soft_format", "int", "xmlcount"],
         min_length=1,
@@ -131,6 +172,24 @@ class GRPOConfig(OptimizerFields):
             raise ValueError(
                 f"vllm_importance_sampling_clip_min ({lo}) must be less than vllm_importance_sampling_cap "
                 f"(TRL: vllm_importance_sampling_clip_max) ({hi}), as TRL 1.16 requires"
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _regularizers(self) -> GRPOConfig:
+        if self.sync_ref_model and self.beta == 0:
+            raise ValueError(
+                "sync_ref_model needs beta > 0: with beta = 0 no reference model is used, so there is nothing to "
+                "synchronize (as TRL 1.16 refuses)"
+            )
+        if self.overlong_buffer_length is not None and self.overlong_buffer_length > self.max_completion_length:
+            raise ValueError(
+                f"overlong_buffer_length ({self.overlong_buffer_length}) must be <= max_completion_length "
+                f"({self.max_completion_length})"
+            )
+        if self.use_adaptive_entropy and self.entropy_coef_min > self.entropy_coef_max:
+            raise ValueError(
+                f"entropy_coef_min ({self.entropy_coef_min}) must be <= entropy_coef_max ({self.entropy_coef_max})"
             )
         return self
 

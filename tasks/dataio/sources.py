@@ -4,6 +4,7 @@ S3 file is downloaded into storage.cache_dir first), or a Hugging Face dataset i
 from __future__ import annotations
 
 import csv
+import json
 import os
 import re
 from collections.abc import Callable
@@ -110,3 +111,75 @@ def row_locator(source: str, storage: StorageConfig | None = None) -> Callable[[
             f.seek(0)
             lines = [n for n, line in enumerate(f, 1) if line.strip()]
     return lambda i: f"line {lines[i]}" if i < len(lines) else f"row {i + 1}"
+
+
+HEAD_ROWS = 5  # rows the pre-stage check reads of a local data file
+
+
+def file_problem(source: str, question_field: str, answer_field: str) -> str | None:
+    """Why a local data file cannot be used, found by reading only its head (the checks `grpoflow validate` and
+    `grpoflow run` make before any stage): missing, an unsupported suffix, a first row that does not parse, or
+    no question/answer column. None for a file that looks usable, and for anything that is not a local file
+    (an s3:// URI, a dataset id: the data stage checks those)."""
+    if s3.is_s3_uri(source) or not looks_like_file(source):
+        return None
+    path = Path(source).expanduser()
+    if not path.is_file():
+        return f"data file not found: {source!r} (looked at {path.resolve()})"
+    try:
+        _builder(source, path.suffix)
+    except ValueError as e:
+        return str(e)
+    try:
+        keys, where = _head_columns(path)
+    except ValueError as e:
+        return f"data file {source!r} {e}"
+    except (OSError, UnicodeDecodeError) as e:
+        return f"data file {source!r}: cannot read it: {type(e).__name__}: {e}"
+    if keys is None:
+        return None
+    for key, field in (("data.question_field", question_field), ("data.answer_field", answer_field)):
+        if field not in keys:
+            return f"data file {source!r} {where}: {key} {field!r} is not a column; it has {sorted(keys)}"
+    return None
+
+
+def _head_columns(path: Path) -> tuple[set[str] | None, str]:
+    """The columns of the file's first rows and where they were read ("line 3", "the header"); None when the
+    head alone cannot tell (a .json array: the whole file is one document)."""
+    suffix = path.suffix.lower()
+    if suffix == ".parquet":
+        import pyarrow.parquet as pq
+
+        try:
+            return set(pq.read_schema(path).names), "(its schema)"
+        except Exception as e:  # not parquet at all: pyarrow's own words
+            raise ValueError(f"is not a parquet file: {type(e).__name__}: {e}") from None
+    if suffix == ".csv":
+        with open(path, newline="", encoding="utf-8") as f:
+            header = next(csv.reader(f), None)
+        if not header:
+            raise ValueError("is empty: a CSV file needs a header row naming its columns")
+        return set(header), "(its header)"
+    with open(path, "rb") as f:
+        if suffix == ".json" and f.read(4096).lstrip().startswith(b"["):
+            return None, ""
+        f.seek(0)
+        common: set[str] | None = None
+        seen = 0
+        for n, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"line {n}: not a JSON object ({e.msg} at column {e.colno})") from None
+            if not isinstance(row, dict):
+                raise ValueError(f"line {n}: a JSON {type(row).__name__}, not an object of columns")
+            common = set(row) if common is None else common & set(row)
+            seen += 1
+            if seen == HEAD_ROWS:
+                break
+    if common is None:
+        raise ValueError("has no rows")
+    return common, f"(first {seen} rows)"

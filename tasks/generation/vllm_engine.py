@@ -113,10 +113,15 @@ def config_problem(cfg) -> str | None:
         archs = ["Qwen2ForCausalLM" if m.tiny.architecture == "qwen2" else "LlamaForCausalLM"]
         head_dim = config_head_dim(m.tiny)
     else:
+        from grpoflow.tasks.model.sources import cached_model
+
+        name = cached_model(m.name, m.cache_dir)
+        if name is None:  # an alias or GGUF not converted yet: the GRPO stage checks the converted model
+            return import_problem()
         try:
             from transformers import AutoConfig
 
-            hf = AutoConfig.from_pretrained(m.name, revision=m.revision, trust_remote_code=m.trust_remote_code)
+            hf = AutoConfig.from_pretrained(name, revision=m.revision, trust_remote_code=m.trust_remote_code)
         except Exception:  # noqa: BLE001 - unreadable here: check the import now, the rest at the GRPO stage
             return import_problem()
         archs = list(getattr(hf, "architectures", None) or [])

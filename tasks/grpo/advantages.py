@@ -7,6 +7,10 @@
                     none : no division
     NaN advantages -> 0.
 
+multi_objective_aggregation = normalize_then_sum (GDPO; :func:`decoupled_advantages`): each function's rewards are
+normalized within their group first, r~_k = (r_k - mean_group(r_k)) / (std_group(r_k) + 1e-4), then
+r = nansum_k w_k r~_k and A = (r - mean_batch(r)) / (std_batch(r) + 1e-4).
+
 Completions of one prompt are consecutive: rows [g*G, (g+1)*G) form group g. TRL uses the
 unbiased (n-1) std from torch.std; so do we (nanstd with correction 1).
 """
@@ -62,3 +66,22 @@ def group_advantages(
         "frac_reward_zero_std": torch.isclose(std, torch.zeros_like(std)).float().mean().item(),
     }
     return adv, stats
+
+
+def decoupled_advantages(
+    per_func: torch.Tensor, weights: torch.Tensor | None, num_generations: int, eps: float = 1e-4
+) -> tuple[torch.Tensor, float]:
+    """[B, K] rewards -> [B] advantages by normalize_then_sum (module docstring), and the fraction of rows whose
+    (batch) std is 0; rows no function scored stay NaN through the sums and end with advantage 0."""
+    b, k = per_func.shape
+    if weights is None:
+        weights = torch.ones(k, dtype=per_func.dtype)
+    grouped = per_func.view(-1, num_generations, k)  # [P, G, K]
+    mean_k = torch.nanmean(grouped, dim=1, keepdim=True)
+    std_k = nanstd(grouped, dim=1).unsqueeze(1)
+    normed = ((grouped - mean_k) / (std_k + eps)).view(b, k)
+    rewards = (normed * weights.to(per_func.dtype).unsqueeze(0)).nansum(dim=1)
+    rewards[torch.isnan(per_func).all(dim=1)] = torch.nan
+    std = nanstd(rewards).expand_as(rewards)
+    adv = torch.nan_to_num((rewards - torch.nanmean(rewards)) / (std + eps), nan=0.0)
+    return adv, torch.isclose(std, torch.zeros_like(std)).float().mean().item()

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
-from grpoflow.kernels.logprobs import token_logprobs
+from grpoflow.kernels.logprobs import token_logprobs, token_logprobs_reference
 from grpoflow.tasks.generation.types import left_pad
 from grpoflow.tasks.model.loading import backbone_and_head
 
@@ -80,6 +80,7 @@ class PolicyLogProbs(torch.nn.Module):
         temperature: float,
         compute_entropy: bool = False,
         impl: str = "auto",
+        entropy_grad: bool = False,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         backbone, head = backbone_and_head(self.model)
         input_ids = torch.cat([prompt_ids, completion_ids], dim=1)
@@ -88,23 +89,42 @@ class PolicyLogProbs(torch.nn.Module):
         P, C = prompt_ids.shape[1], completion_ids.shape[1]
         h = hidden[:, P - 1 : P + C - 1]  # [B, C, D]
         bias = getattr(head, "bias", None)
+        if entropy_grad:
+            logp, ent = token_logprobs_reference(
+                h.reshape(-1, h.shape[-1]), head.weight, completion_ids.reshape(-1), temperature, bias
+            )
+            return logp.view(completion_ids.shape), ent.view(completion_ids.shape)
         return token_logprobs(
             h, head.weight, completion_ids, temperature, bias, compute_entropy=compute_entropy, impl=impl
         )
 
 
 def root_logprobs(
-    root: torch.nn.Module, batch: RoundTensors, temperature: float, compute_entropy: bool = False, impl: str = "auto"
+    root: torch.nn.Module,
+    batch: RoundTensors,
+    temperature: float,
+    compute_entropy: bool = False,
+    impl: str = "auto",
+    entropy_grad: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Per-token log-probs [B, C] (and entropy) of ``batch``'s completions through ``root``: a
     :class:`PolicyLogProbs` or the distributed wrapper around one."""
-    return root(batch.prompt_ids, batch.prompt_mask, batch.completion_ids, temperature, compute_entropy, impl)
+    return root(
+        batch.prompt_ids, batch.prompt_mask, batch.completion_ids, temperature, compute_entropy, impl, entropy_grad
+    )
 
 
 def policy_logprobs(
-    model, batch: RoundTensors, temperature: float, compute_entropy: bool = False, impl: str = "auto"
+    model,
+    batch: RoundTensors,
+    temperature: float,
+    compute_entropy: bool = False,
+    impl: str = "auto",
+    entropy_grad: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Per-token log-probs [B, C] (and entropy, without gradient) of the completion tokens under ``model``.
 
-    ``impl`` picks the kernels.token_logprobs implementation (tests and benchmarks compare them)."""
-    return root_logprobs(PolicyLogProbs(model), batch, temperature, compute_entropy, impl)
+    ``impl`` picks the kernels.token_logprobs implementation (tests and benchmarks compare them).
+    ``entropy_grad`` (the entropy bonus): both from the full float32 logits, the entropy with its gradient
+    (memory: B * C * vocab floats; the fused kernels compute entropy without one)."""
+    return root_logprobs(PolicyLogProbs(model), batch, temperature, compute_entropy, impl, entropy_grad)

@@ -223,3 +223,13 @@ def full_state_dict(root: torch.nn.Module, comm: Comm) -> dict[str, torch.Tensor
     if not comm.is_main:
         return None
     return {k.removeprefix("model."): v for k, v in state.items()}
+
+
+def entropy_counts(comm: Comm, extras: dict[str, torch.Tensor]) -> tuple[float, float]:
+    """The entropy bonus's (entropy sum, tokens) of a micro-step for its adaptive coefficient, summed over the
+    ranks, so that every rank moves the coefficient alike."""
+    s, n = extras["entropy_sum"], extras["entropy_tokens"]
+    if comm.world > 1:
+        total = comm.all_reduce(torch.stack([s.float(), n.float()]))
+        return float(total[0]), float(total[1])
+    return float(s), float(n)

@@ -28,6 +28,8 @@ advantages A [B].
       bnpo      : sum(m*l) / max(1, sum(m)) / GA
       dr_grpo   : sum(m*l) / (B * max_completion_length) / GA
       dapo/cispo/vespo : sum(m*l) / (max(1, N_round) / world * GA / steps_per_generation)
+    loss  -= entropy_coef * sum(m'*H) / max(1, sum(m')) / GA   (entropy bonus, when entropy_coef is given;
+                                                        m' = m times the high-entropy mask; tasks/grpo/regularizers.py)
 
 The returned loss is what one micro-batch contributes to the gradient of an optimizer step
 (the division by GA is inside), so the caller just sums backward() calls.
@@ -76,10 +78,12 @@ def grpo_loss(
     num_items_in_round: float | None = None,
     entropy: torch.Tensor | None = None,
     sampler_logp: torch.Tensor | None = None,
+    entropy_coef: float | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Loss of one micro-batch and detached per-token tensors for metrics. ``entropy`` (the policy's, [B, T]) is
-    needed when top_entropy_quantile < 1; ``sampler_logp`` is what the off-policy mask compares the policy with
-    (the sampling engine's log-probs; default: old_logp)."""
+    needed when top_entropy_quantile < 1 or with the entropy bonus; ``sampler_logp`` is what the off-policy mask
+    compares the policy with (the sampling engine's log-probs; default: old_logp). ``entropy_coef`` (None: no
+    bonus) subtracts the bonus; extras then hold ``entropy_sum`` and ``entropy_tokens`` for its controller."""
     mask = mask.to(logp.dtype)
     old = logp.detach() if old_logp is None else old_logp
     log_ratio = logp - old  # [B, T]
@@ -114,10 +118,12 @@ def grpo_loss(
         per_token = -torch.min(coef_1 * adv, coef_2 * adv)
     if s.off_policy_mask_threshold is not None:
         per_token = per_token * off_policy_mask(adv, logp, sampler_logp if sampler_logp is not None else old, mask, s)
+    entropy_mask = None
     if s.top_entropy_quantile < 1.0:
         if entropy is None:
             raise ValueError("top_entropy_quantile < 1 needs the policy's per-token entropy")
-        per_token = per_token * high_entropy_mask(entropy, mask, 1 - s.top_entropy_quantile)
+        entropy_mask = high_entropy_mask(entropy, mask, 1 - s.top_entropy_quantile)
+        per_token = per_token * entropy_mask
     if is_ratio is not None and s.loss_type != "vespo":
         per_token = per_token * is_ratio
     if kl is not None:
@@ -140,6 +146,13 @@ def grpo_loss(
         loss = (per_token * mask).sum() / normalizer
     else:
         raise ValueError(f"unknown loss_type {s.loss_type!r}")
+    bonus = None
+    if entropy_coef is not None:
+        if entropy is None:
+            raise ValueError("the entropy bonus needs the policy's per-token entropy")
+        on = mask if entropy_mask is None else mask * entropy_mask
+        bonus = ((entropy * on).sum().detach(), on.sum())
+        loss = loss - entropy_coef * ((entropy * on).sum() / on.sum().clamp(min=1.0) / ga)
 
     with torch.no_grad():
         w = coef_1.expand_as(mask)  # delta-capped ratio, as TRL's clip metrics use
@@ -148,6 +161,8 @@ def grpo_loss(
         extras = {"is_low_clipped": low, "is_high_clipped": high, "is_region_clipped": low | high}
         if kl is not None:
             extras["kl"] = kl.detach().expand_as(mask)
+        if bonus is not None:
+            extras["entropy_sum"], extras["entropy_tokens"] = bonus
     return loss, extras
 
 

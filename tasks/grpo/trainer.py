@@ -18,9 +18,6 @@ import hashlib
 import json
 import logging
 import math
-import os
-import random
-import re
 import shutil
 import time
 from collections import defaultdict
@@ -29,15 +26,16 @@ from contextlib import nullcontext
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-import numpy as np
 import torch
 
 from grpoflow.tasks.config import GRPOConfig
 from grpoflow.tasks.generation.types import SamplingParams
-from grpoflow.tasks.grpo import dist_checkpoint
-from grpoflow.tasks.grpo.advantages import combine_rewards, group_advantages, nanstd
+from grpoflow.tasks.grpo import checkpoint, dist_checkpoint
+from grpoflow.tasks.grpo.advantages import combine_rewards, decoupled_advantages, group_advantages, nanstd
 from grpoflow.tasks.grpo.batch import PolicyLogProbs, RoundTensors, build_round, policy_logprobs, root_logprobs
+from grpoflow.tasks.grpo.checkpoint import list_checkpoints
 from grpoflow.tasks.grpo.distributed import (
+    entropy_counts,
     gathered,
     gradient_sync,
     local_rows,
@@ -45,7 +43,9 @@ from grpoflow.tasks.grpo.distributed import (
     rounds_done,
     row_seed,
 )
+from grpoflow.tasks.grpo.dynamic import Drawn, fill_round, with_overlong_penalty
 from grpoflow.tasks.grpo.loss import LossSettings, grpo_loss, importance_sampling_ratio
+from grpoflow.tasks.grpo.regularizers import EntropyControl, mix_reference
 from grpoflow.tasks.grpo.rounds import PromptSampler, Round
 from grpoflow.tasks.grpo.schedule import is_optimizer_step, micro_batch_rows
 from grpoflow.tasks.model.device import model_device
@@ -141,6 +141,11 @@ class GRPOTrainer:
         self.scheduler = build_scheduler(self.optimizer, cfg, cfg.max_steps)
         self.params = SamplingParams.from_grpo(cfg)
         self.weights = torch.tensor(cfg.reward_weights) if cfg.reward_weights else None
+        self.reward_names = [name for name, _ in reward_funcs]
+        if cfg.overlong_buffer_length is not None:  # the column with_overlong_penalty adds, weight 1
+            self.reward_names.append("overlong")
+            self.weights = None if self.weights is None else torch.cat([self.weights, torch.ones(1)])
+        self.entropy = EntropyControl.from_config(cfg)  # None: no entropy bonus
         self.perm_rng = torch.Generator().manual_seed(seed)
         self.round: Round | None = None
         # what a checkpoint must agree with to be resumed (run length and logging may change)
@@ -154,11 +159,15 @@ class GRPOTrainer:
         self.history: list[dict] = []
 
     # ---------------------------------------------------------------- generation round
-    def generate_round(self) -> tuple[RoundTensors, torch.Tensor, dict, list[dict]]:
+    def draw(self, n_prompts: int) -> Drawn:
+        """The next ``n_prompts`` prompts, num_generations completions each, scored by every reward function.
+
+        Every rank takes the same prompts in the same order; with several processes (or seed_by_row) each samples
+        and scores only its rows of the round (local_rows: all of them at world size 1), ``per_func`` [L, K]."""
         g, b, comm = self.cfg, self.batching, self.comm
         n_round = rounds_done(self.sampler.epoch, self.sampler.cursor, len(self.rows), b.unique_prompts)
-        idx = self.sampler.take(b.unique_prompts)  # the same prompts in the same order on every rank
-        mine = local_rows(b, comm.rank)  # this rank's rows of the round (all of them at world size 1)
+        idx = self.sampler.take(n_prompts)
+        mine = local_rows(b, comm.rank)
         row_idx = [i for i in idx for _ in range(g.num_generations)][mine]
         if self.row_seeded:  # each row sampled with its own seed: the same completions whatever the world size
             seeds = [row_seed(self.seed, n_round, r) for r in range(mine.start, mine.stop)]
@@ -174,7 +183,20 @@ class GRPOTrainer:
         scores = score_completions(
             self.reward_funcs, [r["prompt"] for r in rows], completions, columns, g.reward_timeout_s
         )
-        local_func = torch.tensor([scores[name] for name, _ in self.reward_funcs], dtype=torch.float32).t()  # [L, K]
+        per_func = torch.tensor([scores[name] for name, _ in self.reward_funcs], dtype=torch.float32).t()  # [L, K]
+        if g.overlong_buffer_length is not None:  # DAPO's length penalty, one more reward column
+            per_func = with_overlong_penalty(per_func, gen.completion_ids, g)
+        return Drawn(idx, gen.completion_ids, gen.logprobs, gen.finish_reasons, rows, texts, per_func)
+
+    def generate_round(self) -> tuple[RoundTensors, torch.Tensor, dict, list[dict]]:
+        g, b, comm = self.cfg, self.batching, self.comm
+        d = self.draw(b.unique_prompts)
+        ds_stats = {}
+        if g.dynamic_sampling:  # one process only (the config refuses it with distributed)
+            d, ds_stats = fill_round(d, self.draw, self.weights, g.num_generations, g.dynamic_sampling_max_rounds)
+        mine = local_rows(b, comm.rank)
+        row_idx = [i for i in d.idx for _ in range(g.num_generations)][mine]
+        rows, texts, local_func = d.rows, d.texts, d.per_func
         per_func = comm.all_gather(local_func)  # [B, K]: the whole round's, on every rank
         total = combine_rewards(per_func, self.weights)
         unscored = torch.isnan(total)
@@ -182,23 +204,26 @@ class GRPOTrainer:
             log.warning(
                 "no reward function scored any completion of this round (every value None or NaN): its advantages "
                 "are 0 and it teaches nothing; check that the functions find the columns they need (%s)",
-                ", ".join(name for name, _ in self.reward_funcs),
+                ", ".join(self.reward_names),
             )
         adv, stats = group_advantages(total, g.num_generations, g.scale_rewards)  # over the round, then sliced
+        if g.multi_objective_aggregation == "normalize_then_sum":
+            adv, stats["frac_reward_zero_std"] = decoupled_advantages(per_func, self.weights, g.num_generations)
+        stats.update(ds_stats)
         stats["frac_unscored"] = unscored.float().mean().item()  # completions no reward function scored
-        for k, (name, _) in enumerate(self.reward_funcs):
+        for k, name in enumerate(self.reward_names):
             col = per_func[:, k]
             stats[f"rewards/{name}/mean"] = torch.nanmean(col).item()
             stats[f"rewards/{name}/std"] = torch.nan_to_num(nanstd(col), nan=0.0).item()
         batch = build_round(
             [self.prompt_ids[i] for i in row_idx],
-            gen.completion_ids,
-            gen.logprobs,
-            gen.finish_reasons,
+            d.completion_ids,
+            d.logprobs,
+            d.finish_reasons,
             self.tokenizer.pad_token_id,
             g.mask_truncated_completions,
         )
-        local_lengths = torch.tensor([len(c) for c in gen.completion_ids], dtype=torch.float32)
+        local_lengths = torch.tensor([len(c) for c in d.completion_ids], dtype=torch.float32)
         lengths, truncated = comm.all_gather(local_lengths), comm.all_gather(batch.truncated)  # the round's
         term = lengths[~truncated]
         self.num_tokens += int(comm.all_reduce(batch.prompt_mask.sum() + local_lengths.sum()))
@@ -220,7 +245,7 @@ class GRPOTrainer:
                 "answer": r.get("answer", ""),
                 "completion": t,
                 "reward": float(tr),
-                **{f"rewards/{name}": float(v) for (name, _), v in zip(self.reward_funcs, parts)},
+                **{f"rewards/{name}": float(v) for name, v in zip(self.reward_names, parts)},
                 "advantage": float(a),
             }
             for r, t, tr, parts, a in zip(rows, texts, total[mine].tolist(), local_func.tolist(), adv[mine].tolist())
@@ -329,6 +354,7 @@ class GRPOTrainer:
                     continue
                 grad_norm = clip_and_step(self.root, self.optimizer, self.scheduler, g.max_grad_norm)
                 self.step += 1
+                self._after_step(window)
                 now = time.perf_counter()
                 metrics = {key: sum(v) / len(v) for key, v in window.items() if v}
                 # a reward statistic of nothing scored is NaN: left out (frac_unscored says so), never logged
@@ -359,7 +385,9 @@ class GRPOTrainer:
         (loss, extras, the micro-batch, logp, entropy), all on the model's device."""
         mb = r.batch.select(idx)
         with self._autocast():
-            logp, entropy = root_logprobs(self.root, mb, self.cfg.temperature, compute_entropy=True)
+            logp, entropy = root_logprobs(
+                self.root, mb, self.cfg.temperature, compute_entropy=True, entropy_grad=self.entropy is not None
+            )
         old = r.old_logp[idx] if r.old_logp is not None else None
         ref = r.ref_logp[idx] if r.ref_logp is not None else None
         loss, extras = grpo_loss(
@@ -373,6 +401,7 @@ class GRPOTrainer:
             num_items_in_round=r.n_tokens,
             entropy=entropy,
             sampler_logp=mb.sampler_logp if self.is_correction else None,  # a separate engine's, as TRL with vLLM
+            entropy_coef=self.entropy.applied() if self.entropy is not None else None,
         )
         return loss, extras, mb, logp, entropy
 
@@ -387,6 +416,18 @@ class GRPOTrainer:
         base = old if old is not None else logp.detach()
         sampled = iteration == 0 and not self.is_correction  # with the correction on, measured per round
         micro_metrics(self.comm, window, loss, extras, mb.completion_mask, entropy, base, mb.sampler_logp, sampled, g)
+        if self.entropy is not None:
+            self.entropy.observe(*entropy_counts(self.comm, extras))
+
+    def _after_step(self, window: dict) -> None:
+        """After an optimizer step: the adaptive entropy coefficient moves, the reference model follows the policy
+        (sync_ref_model), as TRL does at the end of a step."""
+        g = self.cfg
+        if self.entropy is not None:
+            self.entropy.step()
+            window["entropy_coef"].append(self.entropy.coef)
+        if g.sync_ref_model and self.ref_model is not None and self.step % g.ref_model_sync_steps == 0:
+            mix_reference(self.model, self.ref_model, g.ref_model_mixup_alpha)
 
     def _log_samples(self, samples: list[dict], name: str) -> None:
         table = {"step": [self.step] * len(samples), **{k: [s[k] for s in samples] for k in samples[0]}}
@@ -406,39 +447,7 @@ class GRPOTrainer:
                 self._after_save(final)
             self.comm.barrier()  # no rank starts the next checkpoint before this one is in place
             return final
-        tmp = final.with_name(final.name + ".tmp")
-        shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir(parents=True)
-        self.model.save_pretrained(tmp)
-        trainable = {n: p.detach().cpu().clone() for n, p in self.model.named_parameters() if p.requires_grad}
-        round_tensors, round_meta = self.round.to_state() if self.round is not None else (None, None)
-        np_state = np.random.get_state()
-        torch.save(  # tensors, dicts, lists and numbers only: loads with weights_only=True
-            {
-                "trainable": trainable,
-                "optimizer": self.optimizer.state_dict(),
-                "scheduler": self.scheduler.state_dict(),
-                "torch_rng": torch.get_rng_state(),
-                "cuda_rng": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
-                "perm_rng": self.perm_rng.get_state(),
-                "round": round_tensors,
-            },
-            tmp / "trainer_state.pt",
-        )
-        state = {
-            "step": self.step,
-            "micro_step": self.micro_step,
-            "num_tokens": self.num_tokens,
-            "sampler": self.sampler.state(),
-            "config_hash": self.config_hash,
-            "history": self.history,
-            "python_rng": random.getstate(),
-            "numpy_rng": [np_state[0], np_state[1].tolist(), *np_state[2:]],
-            "round": round_meta,
-        }
-        (tmp / "trainer_state.json").write_text(json.dumps(state))
-        shutil.rmtree(final, ignore_errors=True)
-        os.replace(tmp, final)
+        checkpoint.save(self, final)
         self._after_save(final)
         return final
 
@@ -456,46 +465,8 @@ class GRPOTrainer:
                 f"checkpoint {path} was written by one process: resuming it on {self.comm.world} is not implemented; "
                 f"remove {path.parent} or set grpo.resume=never to start over"
             )
-        state = json.loads((path / "trainer_state.json").read_text())
-        if state["config_hash"] != self.config_hash:
-            raise ValueError(
-                f"checkpoint {path} was written with other grpo settings; remove {path.parent} or set "
-                "grpo.resume=never to start over"
-            )
-        if "python_rng" not in state:
-            raise ValueError(
-                f"checkpoint {path} is in the older pickled format, which this version does not load (it could run "
-                f"code); remove {path.parent} or set grpo.resume=never to start over"
-            )
-        # weights_only: a checkpoint pulled from a shared bucket cannot run code when loaded
-        blob = torch.load(path / "trainer_state.pt", weights_only=True, map_location="cpu")
-        params = dict(self.model.named_parameters())
-        with torch.no_grad():
-            for name, value in blob["trainable"].items():
-                params[name].copy_(value)  # copy_ moves it to the parameter's device
-        self.optimizer.load_state_dict(blob["optimizer"])  # casts and moves the state to the parameters' devices
-        self.scheduler.load_state_dict(blob["scheduler"])
-        torch.set_rng_state(blob["torch_rng"])
-        if blob["cuda_rng"] and torch.cuda.is_available() and len(blob["cuda_rng"]) == torch.cuda.device_count():
-            torch.cuda.set_rng_state_all(blob["cuda_rng"])
-        self.perm_rng.set_state(blob["perm_rng"])
-        version, internal, gauss = state["python_rng"]
-        random.setstate((version, tuple(internal), gauss))
-        name, keys, *rest = state["numpy_rng"]
-        np.random.set_state((name, np.asarray(keys, dtype=np.uint32), *rest))
-        self.round = None if state["round"] is None else Round.from_state(blob["round"], state["round"], self.device)
-        self.step, self.micro_step, self.num_tokens = state["step"], state["micro_step"], state["num_tokens"]
-        self.sampler.load(state["sampler"])
-        self.history = state["history"]
-        log.info("resumed GRPO from %s (step %d)", path, self.step)
+        checkpoint.load(self, path)
 
 
 def _is_reward_key(key: str) -> bool:
     return key in ("reward", "reward_std") or key.startswith("rewards/")
-
-
-def list_checkpoints(folder: Path) -> list[Path]:
-    """Complete checkpoints (no .tmp), oldest first."""
-    found = [p for p in folder.glob("checkpoint-*") if re.fullmatch(r"checkpoint-\d+", p.name)]
-    found = [p for p in found if (p / "trainer_state.json").is_file()]
-    return sorted(found, key=lambda p: int(p.name.split("-")[1]))

@@ -65,6 +65,21 @@ def resolve_model(name: str, cache_dir: str) -> str:
     return name
 
 
+def cached_model(name: str, cache_dir: str) -> str | None:
+    """What :func:`resolve_model` would return, when that needs no fetch and no conversion; else None (an alias
+    not fetched yet, a GGUF not converted yet). For checks that must stay cheap and offline."""
+    cache = Path(cache_dir).expanduser()
+    if name in ALIASES:
+        name = str(cache / "aliases" / Path(ALIASES[name].member).name)
+    if not is_gguf(name):
+        return name
+    path = Path(name).expanduser()
+    if not path.is_file():
+        return None
+    folder = converted_folder(path, cache)
+    return str(folder) if (folder / "config.json").is_file() else None
+
+
 def file_sha256(path: Path) -> str:
     """sha256 of a file, read once per process for an unchanged file (every stage resolves model.name)."""
     st = Path(path).stat()
@@ -128,9 +143,17 @@ def gguf_architecture(path: Path) -> str:
 
 def model_problem(name: str) -> str | None:
     """Why ``model.name`` cannot be used, for the checks before any stage; None when it looks usable."""
-    if name in ALIASES or not is_gguf(name):
+    if name in ALIASES:
         return None
     path = Path(name).expanduser()
+    if not is_gguf(name):
+        # an explicit path ('/x', './x', '~/x') must be a model folder; 'owner/name' may be a hub id
+        if name.startswith((".", "~")) or os.path.isabs(name):
+            if not path.is_dir():
+                return f"{name}: no such model folder"
+            if not (path / "config.json").is_file():
+                return f"{name}: a folder without config.json, not a transformers model folder"
+        return None
     if not path.is_file():
         return f"{name}: no such GGUF file"
     try:
@@ -145,11 +168,15 @@ def model_problem(name: str) -> str | None:
     return None
 
 
+def converted_folder(path: Path, cache: Path) -> Path:
+    return cache / "gguf" / file_sha256(path)[:16]
+
+
 def convert_gguf(path: Path, cache: Path) -> Path:
     """The GGUF as a transformers folder (float32 safetensors, tokenizer, chat template), cached by sha256."""
     if problem := model_problem(str(path)):
         raise ValueError(f"model.name: {problem}")
-    folder = cache / "gguf" / file_sha256(path)[:16]
+    folder = converted_folder(path, cache)
     if (folder / "config.json").is_file():
         return folder
     from transformers import AutoModelForCausalLM, AutoTokenizer

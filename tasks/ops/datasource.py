@@ -7,8 +7,8 @@ another name count as new too. The ledger is one JSON file, replaced atomically 
 ``os.replace``), and the continuous flow adds to it only after a cycle succeeded: a failed cycle consumes nothing.
 
 Only data files the data stage reads are listed (.jsonl, .json, .csv, .parquet); names starting with "." or
-"_" are skipped, so a writer can upload to a hidden name and rename when done (a half-written file is never
-trained on).
+"_", and everything in such folders, are skipped (in a local folder and under an S3 prefix alike), so a writer
+can upload to a hidden name and rename when done (a half-written file is never trained on).
 """
 
 from __future__ import annotations
@@ -44,8 +44,10 @@ def _is_data_name(name: str) -> bool:
         FILE_BUILDERS,  # here: dataio imports datasets, slow for a deployment's entry module
     )
 
-    base = name.rsplit("/", 1)[-1]
-    return bool(base) and not base.startswith((".", "_")) and Path(base).suffix.lower() in FILE_BUILDERS
+    parts = name.split("/")  # a hidden folder ("_staging/", ".tmp/") hides its files too
+    base = parts[-1]
+    hidden = any(p.startswith((".", "_")) for p in parts)
+    return bool(base) and not hidden and Path(base).suffix.lower() in FILE_BUILDERS
 
 
 def sha256_file(path: Path, chunk: int = 1 << 20) -> str:
@@ -73,7 +75,7 @@ def list_source(source: str, storage: StorageConfig | None = None) -> list[DataF
     files = []
     for path in sorted(root.rglob("*")):
         rel = path.relative_to(root).as_posix()
-        if path.is_file() and _is_data_name(rel) and not any(p.startswith((".", "_")) for p in rel.split("/")[:-1]):
+        if path.is_file() and _is_data_name(rel):
             files.append(DataFile(rel, str(path.resolve()), path.stat().st_size, sha256_file(path)))
     return files
 
@@ -89,19 +91,35 @@ def fetch(file: DataFile, dest_dir: Path, storage: StorageConfig | None = None) 
 
 
 class Ledger:
-    """The files already consumed, in ``path`` (JSON: {"consumed": [{name, uri, size, hash, cycle, ...}]})."""
+    """The files already consumed, in ``path`` (JSON: {"consumed": [{name, uri, size, hash, cycle, ...}]}): a local
+    file, or an s3:// object reached with ``storage`` (one PUT replaces it whole), so that a worker pod that
+    restarts, or another worker, sees what was consumed."""
 
-    def __init__(self, path: str | Path):
-        self.path = Path(path)
+    def __init__(self, path: str | Path, storage: StorageConfig | None = None):
+        self.location = str(path)
+        self.store = S3Store(storage) if is_s3_uri(self.location) else None
+        self.path = None if self.store else Path(path)
+
+    def _read(self) -> str | None:
+        if self.store is not None:
+            from grpoflow.tasks.runtime.s3 import S3NoSuchBucketError, S3NotFoundError
+
+            try:
+                return self.store.get_bytes(self.location).decode()
+            except S3NoSuchBucketError:
+                raise
+            except S3NotFoundError:
+                return None
+        return self.path.read_text() if self.path.is_file() else None
 
     def entries(self) -> list[dict]:
-        if not self.path.is_file():
+        text = self._read()
+        if text is None:
             return []
         try:
-            data = json.loads(self.path.read_text())
-            return list(data["consumed"])
+            return list(json.loads(text)["consumed"])
         except (json.JSONDecodeError, KeyError, TypeError) as e:
-            raise ValueError(f"ledger {self.path}: not a grpoflow ledger ({type(e).__name__}: {e})") from e
+            raise ValueError(f"ledger {self.location}: not a grpoflow ledger ({type(e).__name__}: {e})") from e
 
     def keys(self) -> set[str]:
         return {f"{e['name']}|{e['size']}|{e['hash']}" for e in self.entries()}
@@ -112,10 +130,33 @@ class Ledger:
         return [f for f in files if f.key not in seen]
 
     def record(self, files: list[DataFile], **info) -> None:
-        """Add ``files`` (with ``info``, e.g. the cycle name and MLflow run id) and replace the file atomically."""
+        """Add ``files`` (with ``info``, e.g. the cycle name and MLflow run id) and replace the ledger whole."""
         at = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
         entries = self.entries() + [{**asdict(f), "consumed_at": at, **info} for f in files]
+        text = json.dumps({"consumed": entries}, indent=2)
+        if self.store is not None:
+            self.store.put_bytes(text.encode(), self.location)
+            return
         self.path.parent.mkdir(parents=True, exist_ok=True)
         tmp = self.path.with_name(f".{self.path.name}.{os.getpid()}.tmp")
-        tmp.write_text(json.dumps({"consumed": entries}, indent=2))
+        tmp.write_text(text)
         os.replace(tmp, self.path)
+
+
+STATE_PREFIX = "_grpoflow-continuous"  # under an s3:// source: skipped by list_source (a name starting with "_")
+
+
+def state_location(source: str, state_dir: str | None, output_dir: str) -> str:
+    """Where the continuous flow keeps its ledger and cycle workspaces: ``state_dir`` when given; else
+    <run.output_dir>/continuous when that is on S3 or the source is local; else, for an s3:// source with a local
+    output_dir, <source>/_grpoflow-continuous, so that a worker pod that restarts with an empty disk does not
+    retrain on every file of the source. A local location is returned absolute."""
+    from grpoflow.tasks.runtime.s3 import join_uri
+
+    if state_dir:
+        return state_dir if is_s3_uri(state_dir) else str(Path(state_dir).expanduser().resolve())
+    if is_s3_uri(output_dir):
+        return join_uri(output_dir, "continuous")
+    if is_s3_uri(source):
+        return join_uri(source, STATE_PREFIX)
+    return str((Path(output_dir).expanduser() / "continuous").resolve())

@@ -55,3 +55,24 @@ def test_a_reward_returning_inf_fails_grpo_naming_it_and_keeps_sft(tmp_path):
     ws = tmp_path / "runs" / "inf"
     assert (ws / "sft" / "manifest.json").is_file() and not (ws / "grpo" / "manifest.json").exists()
     assert "RewardError" in (ws / "logs" / "grpo.error.log").read_text()
+
+
+def test_validate_refuses_a_bad_data_file_or_model_folder_before_any_stage(tmp_path):
+    """A data file whose head does not parse, or names no answer column, and a model path that is no model
+    folder: exit 2 from `grpoflow validate` with one line naming the key, file and line; no workspace made."""
+    data = tmp_path / "rows.jsonl"
+    data.write_text('{"question": "What is 1 + 2?", "answer": "3"}\n{"question": "What is 2 + 2?" "answer": "4"}\n')
+    env = dict(os.environ, OMP_NUM_THREADS="1", PREFECT_HOME=str(tmp_path / "prefect"))
+    base = [sys.executable, "-m", "grpoflow.flows.cli", "validate", str(MICRO), f"run.output_dir={tmp_path / 'runs'}"]
+    cases = {
+        f"data.source={data}": f"grpoflow: data.source: data file '{data}' line 2: not a JSON object",
+        f"data.eval_source={data.with_name('held_out.csv')}": "grpoflow: data.eval_source: data file not found",
+        f"model.name={tmp_path}": f"grpoflow: model.name: {tmp_path}: a folder without config.json",
+    }
+    for override, want in cases.items():
+        res = subprocess.run([*base, override], env=env, capture_output=True, text=True, timeout=300)
+        assert res.returncode == 2, (override, res.stderr[-2000:])
+        lines = res.stderr.strip().splitlines()
+        assert lines[-1].startswith(want), (override, lines[-1])
+        assert "Traceback" not in res.stderr
+    assert not (tmp_path / "runs").exists()

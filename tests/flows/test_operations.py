@@ -111,6 +111,39 @@ def test_a_failed_cycle_consumes_nothing(tmp_path):
     ]
 
 
+@pytest.mark.slow
+def test_a_cycle_keeps_its_state_on_s3(tmp_path, seaweedfs, monkeypatch):
+    """An s3:// source with a local run.output_dir: the ledger and the cycle's workspace live under the source's
+    hidden state prefix (no local folder named 's3:'), so a restarted worker pod sees what was consumed. A cycle
+    whose data stage rejects the new file consumes nothing there; once the file is fixed, the next cycle fails
+    no more at data, and the ledger on S3 then holds the file."""
+    from grpoflow.flows.continuous import grpo_continuous
+    from grpoflow.tasks.runtime import s3
+
+    for k, v in seaweedfs.env().items():
+        monkeypatch.setenv(k, v)
+    monkeypatch.chdir(tmp_path)
+    store = s3.S3Store()
+    source = f"s3://{seaweedfs.bucket}/landing-{tmp_path.name}"
+    store.put_bytes(json.dumps({"prompt": "no question column"}).encode() + b"\n", f"{source}/bad.jsonl")
+    (tmp_path / "heldout.jsonl").write_text(json.dumps({"question": "What is 1 + 1?", "answer": "2"}) + "\n")
+    overrides = [
+        "run.output_dir=runs",
+        f"data.eval_source={tmp_path / 'heldout.jsonl'}",
+        f"storage.cache_dir={tmp_path / 'cache'}",
+    ]
+    state = grpo_continuous(config=str(MICRO), overrides=overrides, source=source, return_state=True)
+    assert state.is_failed()
+    with pytest.raises(StageError, match="data: .*'question' is not a column"):
+        state.result()
+    ledger = f"{source}/_grpoflow-continuous/ledger.json"
+    assert not store.exists(ledger)
+    written = [o["uri"] for o in store.list_objects(f"{source}/_grpoflow-continuous/cycles/")]
+    assert any(uri.endswith("/config.yaml") for uri in written), written  # the cycle's workspace, on S3
+    assert not (tmp_path / "s3:").exists() and not (tmp_path / "runs" / "continuous").exists()
+    assert [f.name for f in Ledger(ledger).new_files(list_source(source))] == ["bad.jsonl"]
+
+
 def test_a_champion_adapter_is_merged_onto_its_base(tmp_path):
     """A champion registered as a LoRA adapter becomes a plain model folder (base + B @ A) GRPO can start from."""
     import torch

@@ -11,7 +11,7 @@ import pytest
 
 from grpoflow.tasks.config import GSM8K_SYSTEM_PROMPT, config_from_dict
 from grpoflow.tasks.dataio.rows import generate_arithmetic, parse_row
-from grpoflow.tasks.dataio.sources import load_source
+from grpoflow.tasks.dataio.sources import file_problem, load_source
 from grpoflow.tasks.dataio.splits import corpus_text, load_split
 from grpoflow.tasks.rewards import correctness, strict_format
 from grpoflow.tasks.runtime.workspace import Workspace
@@ -241,6 +241,43 @@ def test_unreachable_hf_id(tmp_path, monkeypatch):
     monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
     with pytest.raises(ValueError, match=r"'no-such-owner/no-such-dataset'.*neither a local .*reachable Hugging Face"):
         run(tmp_path, source="no-such-owner/no-such-dataset")
+
+
+def test_file_problem_reads_only_the_head_and_names_file_line_and_key(tmp_path):
+    """The pre-stage check of a local data file: what the data stage would fail on later, found from the head."""
+    q, a = "question", "answer"
+    good = write_rows(tmp_path / "good.jsonl", read_jsonl(GSM8K_SAMPLE)[:8])
+    assert file_problem(str(good), q, a) is None
+    assert file_problem("arithmetic", q, a) is None and file_problem("openai/gsm8k", q, a) is None
+    assert file_problem("s3://bucket/rows.jsonl", q, a) is None  # the data stage fetches and checks it
+    assert file_problem(str(tmp_path / "nope.jsonl"), q, a).startswith(f"data file not found: '{tmp_path}/nope.jsonl'")
+    (tmp_path / "rows.txt").write_text("x\n")
+    assert "unsupported suffix '.txt'" in file_problem(str(tmp_path / "rows.txt"), q, a)
+    assert file_problem(str(good), "prompt", a) == (
+        f"data file '{good}' (first 5 rows): data.question_field 'prompt' is not a column; "
+        "it has ['answer', 'question']"
+    )
+    broken = tmp_path / "broken.jsonl"
+    broken.write_text(good.read_text().split("\n", 1)[0] + "\n\n{not json\n")
+    assert file_problem(str(broken), q, a) == (
+        f"data file '{broken}' line 3: not a JSON object "
+        "(Expecting property name enclosed in double quotes at column 2)"
+    )
+    listed = tmp_path / "list.jsonl"
+    listed.write_text("[1, 2]\n")
+    assert "line 1: a JSON list, not an object of columns" in file_problem(str(listed), q, a)
+    (tmp_path / "empty.jsonl").write_text("\n")
+    assert file_problem(str(tmp_path / "empty.jsonl"), q, a).endswith("has no rows")
+    csv_file = tmp_path / "rows.csv"
+    csv_file.write_text("question,solution\nWhat is 1 + 1?,2\n")
+    assert "(its header): data.answer_field 'answer' is not a column; it has ['question', 'solution']" in (
+        file_problem(str(csv_file), q, a)
+    )
+    assert file_problem(str(csv_file), q, "solution") is None
+    pd.DataFrame({"q": ["x"], "answer": ["1"]}).to_parquet(tmp_path / "rows.parquet")
+    assert "(its schema): data.question_field 'question'" in file_problem(str(tmp_path / "rows.parquet"), q, a)
+    (tmp_path / "fake.parquet").write_text("not parquet")
+    assert "is not a parquet file" in file_problem(str(tmp_path / "fake.parquet"), q, a)
 
 
 # ---------------------------------------------------------------------------- invalid rows

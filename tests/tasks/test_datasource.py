@@ -5,7 +5,7 @@ import json
 
 import pytest
 
-from grpoflow.tasks.ops.datasource import DataFile, Ledger, list_source, sha256_file
+from grpoflow.tasks.ops.datasource import STATE_PREFIX, DataFile, Ledger, list_source, sha256_file, state_location
 
 
 def write(path, rows):
@@ -51,6 +51,16 @@ def test_ledger_consumes_once_and_sees_rewrites(tmp_path):
     assert len(ledger.entries()) == 4 and ledger.new_files(list_source(str(src))) == []
 
 
+def test_state_location():
+    """Where the continuous flow keeps its ledger: never a local folder named 's3:'."""
+    assert state_location("/data/in", "s3://b/state", "runs") == "s3://b/state"
+    assert state_location("s3://b/in", "/var/state", "runs") == "/var/state"
+    assert state_location("/data/in", None, "s3://b/runs") == "s3://b/runs/continuous"
+    assert state_location("s3://b/in/", None, "s3://b/runs") == "s3://b/runs/continuous"
+    assert state_location("s3://b/in/", None, "/runs") == f"s3://b/in/{STATE_PREFIX}"
+    assert state_location("/data/in", None, "/runs") == "/runs/continuous"
+
+
 def test_a_broken_ledger_is_an_error_naming_it(tmp_path):
     path = tmp_path / "ledger.json"
     path.write_text("{not json")
@@ -82,12 +92,23 @@ def test_s3_prefix_source_lists_fetches_and_gathers(seaweedfs, monkeypatch, tmp_
     assert files[0].hash == hashlib.md5(a.read_bytes()).hexdigest()  # single-part ETag
     assert fetch(files[1], tmp_path / "dl").read_bytes() == b.read_bytes()
 
-    ledger = Ledger(tmp_path / "ledger.json")
+    # the ledger on S3 too, under the hidden prefix the listing skips: what a restarted worker pod reads back
+    state = state_location(prefix, None, str(tmp_path / "runs"))
+    assert state == f"{prefix}/{STATE_PREFIX}"
+    ledger = Ledger(f"{state}/ledger.json", StorageConfig(cache_dir=str(tmp_path / "cache")))
+    assert ledger.entries() == []
     ledger.record(files, cycle="c1")
-    assert ledger.new_files(list_source(prefix)) == []
+    assert [e["cycle"] for e in store.get_json(f"{state}/ledger.json")["consumed"]] == ["c1", "c1"]
+    assert [f.name for f in list_source(prefix)] == ["a.jsonl", "sub/b.jsonl"]  # the ledger is no data file
+    restarted = Ledger(f"{state}/ledger.json")  # a new process: nothing local, everything from S3
+    assert restarted.new_files(list_source(prefix)) == []
     write(tmp_path / "a.jsonl", [{"question": "What is 5 + 5?", "answer": "10"}])
     store.upload_file(tmp_path / "a.jsonl", f"{prefix}/a.jsonl")
-    assert [f.name for f in ledger.new_files(list_source(prefix))] == ["a.jsonl"]
+    assert [f.name for f in restarted.new_files(list_source(prefix))] == ["a.jsonl"]
+    assert not (tmp_path / "s3:").exists() and not list(tmp_path.glob("**/ledger.json"))
+    store.put_bytes(b"{not json", f"{state}/ledger.json")
+    with pytest.raises(ValueError, match=f"ledger {state}/ledger.json: not a grpoflow ledger"):
+        restarted.keys()
 
     out, rows = gather(list_source(prefix), tmp_path / "cycle" / "train.jsonl")
     assert rows == 2

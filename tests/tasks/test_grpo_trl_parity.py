@@ -19,6 +19,7 @@ from grpoflow.tasks.grpo.batch import policy_logprobs
 from grpoflow.tasks.grpo.loss import LossSettings, grpo_loss
 from grpoflow.tasks.grpo.schedule import micro_batch_rows
 from tests.tasks.test_grpo_trainer import make, make_trainer
+from tests.tasks.trl_source import run_trl, trl_block, trl_span
 
 
 class _Accelerator:
@@ -48,9 +49,8 @@ NEW_LOSS_ARGS = dict(
 )
 
 
-def trl_loss(
+def trl_stub(
     logp,
-    inputs,
     *,
     loss_type,
     level,
@@ -66,9 +66,8 @@ def trl_loss(
     off_policy_mask_threshold=None,
     entropies=None,
 ):
+    """A stand-in GRPOTrainer with the attributes TRL's _compute_loss reads (entropy bonus off)."""
     entropies = torch.zeros_like(logp) if entropies is None else entropies
-    if not is_correction:  # TRL's inputs hold the ratio only with vLLM's correction on (vespo reads it if present)
-        inputs = {k: v for k, v in inputs.items() if k != "importance_sampling_ratio"}
     stub = SimpleNamespace(
         top_entropy_quantile=top_entropy_quantile,
         off_policy_mask_threshold=off_policy_mask_threshold,
@@ -92,6 +91,13 @@ def trl_loss(
         _get_per_token_logps_and_entropies=lambda *a, **k: (logp, entropies, None),
     )
     stub.get_high_entropy_mask = lambda e, m, t: TRLGRPOTrainer.get_high_entropy_mask(stub, e, m, t)
+    return stub
+
+
+def trl_loss(logp, inputs, *, is_correction, **settings):
+    if not is_correction:  # TRL's inputs hold the ratio only with vLLM's correction on (vespo reads it if present)
+        inputs = {k: v for k, v in inputs.items() if k != "importance_sampling_ratio"}
+    stub = trl_stub(logp, is_correction=is_correction, **settings)
     return TRLGRPOTrainer._compute_loss(stub, None, inputs)
 
 
@@ -195,57 +201,67 @@ def test_loss_and_gradient_match_trl(loss_type, level, beta, delta, truncate, is
     torch.testing.assert_close(ours_logp.grad, trl_logp.grad, rtol=1e-5, atol=1e-7)
 
 
-@pytest.mark.parametrize("scale", ["group", "batch", "none"])
-def test_advantages_match_trl_formulas_with_nan_rewards(scale):
-    """TRL computes advantages inline in _generate_and_score_completions; this restates those lines with
-    TRL's own nanstd and compares (NaN = a reward function that did not score the sample)."""
+TRL_ADVANTAGES = trl_span(
+    TRLGRPOTrainer._generate_and_score_completions,
+    "unscorable_mask = torch.isnan(rewards_per_func).all(dim=1)",
+    "advantages = torch.nan_to_num(advantages, nan=0.0)",
+)
+TRL_IS_RATIO = trl_block(
+    TRLGRPOTrainer._generate_and_score_completions, "if self.use_vllm and self.vllm_importance_sampling_correction:"
+)
+
+
+def trl_advantages(per_func, weights, num_generations, scale, aggregation):
+    """TRL 1.16's advantage lines of _generate_and_score_completions, run as they are (tests/tasks/trl_source.py)."""
     from trl.trainer.utils import nanstd as trl_nanstd
 
-    from grpoflow.tasks.grpo.advantages import combine_rewards, group_advantages
+    stub = SimpleNamespace(
+        multi_objective_aggregation=aggregation,
+        scale_rewards=scale,
+        reward_weights=weights,
+        reward_funcs=[None] * per_func.shape[1],
+    )
+    ns = dict(self=stub, rewards_per_func=per_func.clone(), num_generations=num_generations, device="cpu")
+    ns = run_trl(TRL_ADVANTAGES, {"torch": torch, "nanstd": trl_nanstd, **ns})
+    return ns["advantages"], ns["is_std_zero"]
+
+
+def nan_rewards(seed: int, groups: int = 5, g: int = 4, k: int = 3) -> torch.Tensor:
+    """[groups*g, k] rewards with NaNs (a function that did not score a sample), a row no function scored, a
+    group whose rewards all agree and a function constant within a group."""
+    gen = torch.Generator().manual_seed(seed)
+    r = torch.randn(groups * g, k, generator=gen)
+    r[torch.rand(groups * g, k, generator=gen) < 0.2] = float("nan")
+    r[3] = float("nan")
+    r[g : 2 * g] = 1.0
+    r[2 * g : 3 * g, 0] = 0.5
+    return r
+
+
+@pytest.mark.parametrize("aggregation", ["sum_then_normalize", "normalize_then_sum"])
+@pytest.mark.parametrize("scale", ["group", "batch", "none"])
+@pytest.mark.parametrize("seed", [0, 1])
+def test_advantages_match_trls_own_lines(aggregation, scale, seed):
+    """Our advantages (group_advantages, and decoupled_advantages for normalize_then_sum, as the trainer calls
+    them) against TRL's advantage lines run on the same rewards, with NaNs and zero-spread groups."""
+    from grpoflow.tasks.grpo.advantages import combine_rewards, decoupled_advantages, group_advantages
 
     G = 4
-    per_func = torch.tensor(
-        [
-            [1.0, float("nan")],
-            [0.0, 0.5],
-            [2.0, 0.25],
-            [float("nan"), float("nan")],
-            [1.0, 1.0],
-            [1.0, 1.0],
-            [1.0, 1.0],
-            [1.0, 1.0],
-            [float("nan"), 0.1],
-            [float("nan"), float("nan")],
-            [float("nan"), float("nan")],
-            [float("nan"), float("nan")],
-        ]
-    )
-    weights = torch.tensor([1.0, 0.5])
-    rewards = (per_func * weights.unsqueeze(0)).nansum(dim=1)
-    rewards[torch.isnan(per_func).all(dim=1)] = torch.nan
-    mean = torch.nanmean(rewards.view(-1, G), dim=1).repeat_interleave(G)
-    if scale == "batch":
-        std = trl_nanstd(rewards).expand_as(rewards)
-    else:
-        std = trl_nanstd(rewards.view(-1, G), dim=1).repeat_interleave(G)
-    expected = rewards - mean
-    if scale != "none":
-        expected = expected / (std + 1e-4)
-    expected = torch.nan_to_num(expected, nan=0.0)
-
-    total = combine_rewards(per_func, weights)
-    ours, stats = group_advantages(total, G, scale)
-    torch.testing.assert_close(ours, expected)
-    assert stats["reward"] == pytest.approx(torch.nanmean(rewards).item())
-    assert stats["reward_std"] == pytest.approx(trl_nanstd(rewards).item())
-    frac = torch.isclose(std, torch.zeros_like(std)).float().mean().item()
-    assert stats["frac_reward_zero_std"] == pytest.approx(frac)
+    per_func = nan_rewards(seed, g=G)
+    weights = torch.tensor([1.0, 0.5, 2.0])
+    expected, is_std_zero = trl_advantages(per_func, weights, G, scale, aggregation)
+    ours, stats = group_advantages(combine_rewards(per_func, weights), G, scale)
+    if aggregation == "normalize_then_sum":
+        ours, stats["frac_reward_zero_std"] = decoupled_advantages(per_func, weights, G)
+    torch.testing.assert_close(ours, expected, rtol=1e-5, atol=1e-6)
+    assert stats["frac_reward_zero_std"] == pytest.approx(is_std_zero.float().mean().item())
+    assert ours.abs().sum() > 0 and not torch.isnan(ours).any()
 
 
 @pytest.mark.parametrize("mode", ["token_truncate", "token_mask", "sequence_truncate", "sequence_mask"])
 @pytest.mark.parametrize("floor", [None, 0.5])
-def test_importance_sampling_ratio_matches_trl(mode, floor):
-    """Restates TRL 1.16's vLLM correction lines (grpo_trainer._generate_and_score_completions)."""
+def test_importance_sampling_ratio_matches_trls_own_lines(mode, floor):
+    """The sampler correction against TRL 1.16's own lines of _generate_and_score_completions."""
     import math
 
     from grpoflow.tasks.grpo.loss import importance_sampling_ratio
@@ -257,17 +273,17 @@ def test_importance_sampling_ratio_matches_trl(mode, floor):
     mask = torch.ones(4, 6)
     mask[2, 4:] = 0
     cap = 2.0
-    diff = torch.nan_to_num((old - sampler) * mask, nan=0.0)
-    if mode.startswith("sequence"):
-        diff = diff.sum(dim=-1, keepdim=True)
-    rho = torch.exp(diff)
-    if mode.endswith("truncate"):
-        expected = torch.clamp(rho, min=floor, max=cap)
-    else:
-        lo = floor if floor is not None else -math.inf
-        expected = rho.masked_fill((rho < lo) | (rho > cap), 0.0)
+    stub = SimpleNamespace(
+        use_vllm=True,
+        vllm_importance_sampling_correction=True,
+        vllm_importance_sampling_mode=mode,
+        vllm_importance_sampling_clip_min=floor,
+        vllm_importance_sampling_clip_max=cap,
+    )
+    ns = dict(self=stub, completion_mask=mask, tool_mask=None, old_per_token_logps=old)
+    ns = run_trl(TRL_IS_RATIO, {"torch": torch, "math": math, "sampling_per_token_logps": sampler, **ns})
     ours = importance_sampling_ratio(old, sampler, mask, mode, cap, floor)
-    torch.testing.assert_close(ours, expected)
+    torch.testing.assert_close(ours, ns["vllm_importance_sampling_ratio"])
     if mode == "token_truncate":
         assert ours[1, 2] == 1.0
 

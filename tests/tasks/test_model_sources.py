@@ -15,6 +15,7 @@ import torch
 from grpoflow.tasks.model.gguf import write_gguf
 from grpoflow.tasks.model.sources import (
     ALIASES,
+    cached_model,
     convert_gguf,
     fetch_alias,
     file_sha256,
@@ -55,6 +56,29 @@ def test_a_gguf_converts_once_and_loads_as_the_model_it_came_from(tiny_gguf, tmp
     assert "converting" not in caplog.text
 
 
+def test_cached_model_neither_fetches_nor_converts(tiny_gguf, tmp_path):
+    """The pre-stage checks (vLLM's architecture check reads the model's config) must not reach a hub with an
+    alias or GGUF name, nor fetch or convert: they get the converted folder only when it is already there."""
+    from grpoflow.tasks.config import load_config
+    from grpoflow.tasks.generation.vllm_engine import config_problem
+
+    path, _, _ = tiny_gguf
+    cache = tmp_path / "cache"
+    assert cached_model("smollm2-135m-instruct", str(cache)) is None
+    assert cached_model(str(path), str(cache)) is None
+    assert not cache.exists()  # nothing fetched, nothing converted
+    assert cached_model("Qwen/Qwen2.5-0.5B-Instruct", str(cache)) == "Qwen/Qwen2.5-0.5B-Instruct"
+    folder = resolve_model(str(path), str(cache))
+    assert cached_model(str(path), str(cache)) == folder
+    over = [f"model.name={path}", f"model.cache_dir={cache}", "generation.backend=vllm"]
+    # the converted config is what is read: the tiny Llama's head size has no CPU kernel, and a broken
+    # architecture is named
+    assert "head_dim=16" in config_problem(load_config(None, over))
+    cfg_file = Path(folder) / "config.json"
+    cfg_file.write_text(cfg_file.read_text().replace('"LlamaForCausalLM"', '"NoSuchForCausalLM"'))
+    assert "NoSuchForCausalLM" in config_problem(load_config(None, over))
+
+
 def test_model_problem_names_what_is_wrong(tiny_gguf, tmp_path):
     assert model_problem("tiny") is None and model_problem("Qwen/Qwen2.5-0.5B-Instruct") is None
     assert model_problem("smollm2-135m-instruct") is None
@@ -74,6 +98,11 @@ def test_model_problem_names_what_is_wrong(tiny_gguf, tmp_path):
     assert "architecture 'rwkv6'" in problem and "llama" in problem
     with pytest.raises(ValueError, match="model.name: .*rwkv6"):
         convert_gguf(other, tmp_path / "cache")
+    # an explicit path must be a model folder; 'owner/name' may be a hub id and is left to the loader
+    assert model_problem(str(tmp_path / "nope")) == f"{tmp_path / 'nope'}: no such model folder"
+    assert "without config.json" in model_problem(str(tmp_path))
+    assert model_problem("./not/here").endswith("no such model folder")
+    assert model_problem("someone/missing-model") is None
 
 
 def test_cli_validate_refuses_a_bad_gguf_before_anything_runs(tmp_path):

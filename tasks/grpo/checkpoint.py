@@ -1,0 +1,120 @@
+"""Checkpoints of a GRPO run in one process (several processes: dist_checkpoint.py).
+
+    checkpoint-N/
+        adapter or model files  save_pretrained() of the model being trained
+        trainer_state.pt        tensors only (loads with torch.load(weights_only=True): a checkpoint pulled from a
+                                shared bucket cannot run code): trainable weights, optimizer, scheduler, torch/CUDA
+                                RNG states, the round shuffler, the round in progress (its tensors)
+        trainer_state.json      step counters, sampler position, config hash, history, python and numpy RNG states,
+                                the round's metadata; its presence marks the folder complete (list_checkpoints)
+
+Written into checkpoint-N.tmp and renamed, so a half-written checkpoint is never picked up.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import random
+import re
+import shutil
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from grpoflow.tasks.grpo.rounds import Round
+
+log = logging.getLogger(__name__)
+
+
+def save(t, final: Path) -> None:
+    """Write ``t``'s (a GRPOTrainer) state to ``final`` through ``final``.tmp."""
+    tmp = final.with_name(final.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    t.model.save_pretrained(tmp)
+    trainable = {n: p.detach().cpu().clone() for n, p in t.model.named_parameters() if p.requires_grad}
+    round_tensors, round_meta = t.round.to_state() if t.round is not None else (None, None)
+    np_state = np.random.get_state()
+    torch.save(  # tensors, dicts, lists and numbers only: loads with weights_only=True
+        {
+            "trainable": trainable,
+            "optimizer": t.optimizer.state_dict(),
+            "scheduler": t.scheduler.state_dict(),
+            "torch_rng": torch.get_rng_state(),
+            "cuda_rng": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
+            "perm_rng": t.perm_rng.get_state(),
+            "round": round_tensors,
+            **({"ref_model": cpu_params(t.ref_model)} if t.cfg.sync_ref_model and t.ref_model else {}),
+        },
+        tmp / "trainer_state.pt",
+    )
+    state = {
+        "step": t.step,
+        "micro_step": t.micro_step,
+        "num_tokens": t.num_tokens,
+        "sampler": t.sampler.state(),
+        "config_hash": t.config_hash,
+        "history": t.history,
+        "python_rng": random.getstate(),
+        "numpy_rng": [np_state[0], np_state[1].tolist(), *np_state[2:]],
+        "round": round_meta,
+        **({"entropy_control": t.entropy.state()} if t.entropy is not None else {}),
+    }
+    (tmp / "trainer_state.json").write_text(json.dumps(state))
+    shutil.rmtree(final, ignore_errors=True)
+    os.replace(tmp, final)
+
+
+def load(t, path: Path) -> None:
+    """Restore ``t``'s (a GRPOTrainer) state from the checkpoint folder ``path``."""
+    state = json.loads((path / "trainer_state.json").read_text())
+    if state["config_hash"] != t.config_hash:
+        raise ValueError(
+            f"checkpoint {path} was written with other grpo settings; remove {path.parent} or set "
+            "grpo.resume=never to start over"
+        )
+    if "python_rng" not in state:
+        raise ValueError(
+            f"checkpoint {path} is in the older pickled format, which this version does not load (it could run "
+            f"code); remove {path.parent} or set grpo.resume=never to start over"
+        )
+    # weights_only: a checkpoint pulled from a shared bucket cannot run code when loaded
+    blob = torch.load(path / "trainer_state.pt", weights_only=True, map_location="cpu")
+    params = dict(t.model.named_parameters())
+    ref = dict(t.ref_model.named_parameters()) if "ref_model" in blob else {}
+    with torch.no_grad():
+        for name, value in blob["trainable"].items():
+            params[name].copy_(value)  # copy_ moves it to the parameter's device
+        for name, value in blob.get("ref_model", {}).items():  # sync_ref_model: the reference moved too
+            ref[name].copy_(value)
+    t.optimizer.load_state_dict(blob["optimizer"])  # casts and moves the state to the parameters' devices
+    t.scheduler.load_state_dict(blob["scheduler"])
+    torch.set_rng_state(blob["torch_rng"])
+    if blob["cuda_rng"] and torch.cuda.is_available() and len(blob["cuda_rng"]) == torch.cuda.device_count():
+        torch.cuda.set_rng_state_all(blob["cuda_rng"])
+    t.perm_rng.set_state(blob["perm_rng"])
+    version, internal, gauss = state["python_rng"]
+    random.setstate((version, tuple(internal), gauss))
+    name, keys, *rest = state["numpy_rng"]
+    np.random.set_state((name, np.asarray(keys, dtype=np.uint32), *rest))
+    t.round = None if state["round"] is None else Round.from_state(blob["round"], state["round"], t.device)
+    t.step, t.micro_step, t.num_tokens = state["step"], state["micro_step"], state["num_tokens"]
+    t.sampler.load(state["sampler"])
+    t.history = state["history"]
+    if t.entropy is not None:
+        t.entropy.load(state["entropy_control"])
+    log.info("resumed GRPO from %s (step %d)", path, t.step)
+
+
+def cpu_params(model) -> dict[str, torch.Tensor]:
+    return {n: p.detach().cpu().clone() for n, p in model.named_parameters()}
+
+
+def list_checkpoints(folder: Path) -> list[Path]:
+    """Complete checkpoints (no .tmp), oldest first."""
+    found = [p for p in folder.glob("checkpoint-*") if re.fullmatch(r"checkpoint-\d+", p.name)]
+    found = [p for p in found if (p / "trainer_state.json").is_file()]
+    return sorted(found, key=lambda p: int(p.name.split("-")[1]))
