@@ -4,9 +4,9 @@ may be an s3:// workspace (its config.yaml is read with $AWS_ENDPOINT_URL or a s
 ``grpoflow deploy`` and ``grpoflow data-landed PATH`` talk to a Prefect server (flows/operations.py).
 
 The config is loaded and validated before anything heavy is imported, so a bad key fails in
-about a second with a message naming it (exit code 2). Prefect runs the flow in-process with
-its own SQLite store under <output_dir>/.prefect (nothing to start); set PREFECT_API_URL to
-use a Prefect server instead.
+about a second with a message naming it (exit code 2). Prefect runs the flow in-process against a
+server the CLI starts and stops itself (flows/embedded_server.py), with its SQLite store under
+<output_dir>/.prefect; set PREFECT_API_URL to use a Prefect server instead.
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ import time
 import warnings
 from pathlib import Path
 
+from grpoflow.flows.embedded_server import Terminated, embedded_server, handle_sigterm
 from grpoflow.tasks.config import (
     ConfigError,
     PipelineConfig,
@@ -206,7 +207,8 @@ def _run_pipeline(cfg: PipelineConfig, before=None) -> int:
         before()
     workspace = join_location(cfg.run.output_dir, cfg.run.name)
     t0 = time.perf_counter()
-    result = grpo_pipeline(config=cfg.to_dict(), workspace=str(workspace))
+    with embedded_server():  # its own session: Ctrl-C reaches the CLI, which stops the server last
+        result = grpo_pipeline(config=cfg.to_dict(), workspace=str(workspace))
     print_summary(result, time.perf_counter() - t0)
     return 0
 
@@ -333,6 +335,7 @@ def main(argv: list[str] | None = None) -> int:
         args.overrides = [*args.overrides, *extra]  # overrides on both sides of --from-stage
     elif extra:
         parser.error(f"unrecognized arguments: {' '.join(extra)}")
+    handle_sigterm()
     try:
         return args.fn(args)
     except ConfigError as e:
@@ -348,12 +351,13 @@ def main(argv: list[str] | None = None) -> int:
             file=sys.stderr,
         )
         return 1
-    except KeyboardInterrupt:
+    except KeyboardInterrupt as e:  # Ctrl-C, or SIGTERM (Terminated)
         print(
-            "grpoflow: interrupted; `grpoflow resume RUN_DIR` continues (GRPO from its newest checkpoint)",
+            f"grpoflow: {'terminated' if isinstance(e, Terminated) else 'interrupted'}; `grpoflow resume RUN_DIR` "
+            "continues (GRPO from its newest checkpoint)",
             file=sys.stderr,
         )
-        return 130
+        return 143 if isinstance(e, Terminated) else 130
 
 
 if __name__ == "__main__":

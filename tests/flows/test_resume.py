@@ -88,3 +88,68 @@ def test_sigkill_then_resume_matches_uninterrupted_run(tmp_path, env):
     assert a.keys() == b.keys()
     for k in a:
         assert torch.equal(a[k], b[k]), k
+
+
+def _ours(prefect_home: Path) -> list[int]:
+    """Processes started for this test's runs (the CLI, the Prefect server it starts: their environment has this
+    PREFECT_HOME), alive or not yet reaped by nobody."""
+    tag = f"PREFECT_HOME={prefect_home}".encode()
+    pids = []
+    for proc in Path("/proc").iterdir():
+        if proc.name.isdigit():
+            try:
+                if tag in (proc / "environ").read_bytes().split(b"\0"):
+                    pids.append(int(proc.name))
+            except OSError:
+                continue
+    return pids
+
+
+def _interrupt_after(cmd: list[str], env: dict, ckpt: Path, sig: int) -> tuple[subprocess.CompletedProcess, float]:
+    """Run ``cmd`` in a session of its own (a terminal's foreground group), send ``sig`` to the whole group once
+    ``ckpt`` exists (as Ctrl-C does); (the result, seconds from the signal to the exit)."""
+    proc = subprocess.Popen(
+        cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True
+    )
+    deadline = time.time() + 300
+    while not ckpt.is_dir() and proc.poll() is None and time.time() < deadline:
+        time.sleep(0.05)
+    assert proc.poll() is None, "the run ended before the signal"
+    os.killpg(proc.pid, sig)
+    t0 = time.time()
+    out, err = proc.communicate(timeout=120)
+    return subprocess.CompletedProcess(cmd, proc.returncode, out, err), time.time() - t0
+
+
+@pytest.mark.slow
+def test_ctrl_c_and_sigterm_stop_cleanly_and_resume_continues(tmp_path, env):
+    """Ctrl-C (SIGINT to the process group) mid-GRPO: exit 130 within seconds, one line, no traceback, no process
+    of ours left (the Prefect server the CLI started is stopped by it, not killed by the signal first); then
+    `grpoflow resume` under SIGTERM: exit 143 the same way; a last resume finishes from the newest checkpoint."""
+    out = tmp_path / "out"
+    ckpts = out / "r" / "grpo" / "checkpoints"
+    cmd = [*_cmd(out), "grpo.max_steps=8", "grpo.save_steps=1"]
+    res, seconds = _interrupt_after(cmd, env, ckpts / "checkpoint-1", signal.SIGINT)
+    assert res.returncode == 130, res.stderr[-3000:]
+    assert res.stderr.strip().splitlines()[-1].startswith("grpoflow: interrupted; `grpoflow resume RUN_DIR`")
+    assert "Traceback" not in res.stderr and "Error logging to API" not in res.stderr, res.stderr[-3000:]
+    assert seconds < 30, seconds  # 10 s on an idle machine; this one is shared
+    time.sleep(1)
+    assert _ours(Path(env["PREFECT_HOME"])) == []
+
+    resume = [sys.executable, "-m", "grpoflow.flows.cli", "resume", str(out / "r")]
+    newest = max(int(p.name.split("-")[1]) for p in ckpts.glob("checkpoint-*") if ".tmp" not in p.name)
+    res, seconds = _interrupt_after(resume, env, ckpts / f"checkpoint-{newest + 1}", signal.SIGTERM)
+    assert res.returncode == 143, res.stderr[-3000:]
+    assert "resumed GRPO from" in res.stderr
+    assert res.stderr.strip().splitlines()[-1].startswith("grpoflow: terminated; `grpoflow resume RUN_DIR`")
+    assert "Traceback" not in res.stderr and seconds < 30, (seconds, res.stderr[-3000:])
+    time.sleep(1)
+    assert _ours(Path(env["PREFECT_HOME"])) == []
+
+    newest = max(int(p.name.split("-")[1]) for p in ckpts.glob("checkpoint-*") if ".tmp" not in p.name)
+    assert newest < 8, "the resumed run finished before SIGTERM"
+    done = subprocess.run(resume, env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert f"resumed GRPO from {ckpts / f'checkpoint-{newest}'}" in done.stderr
+    assert (out / "r" / "grpo" / "manifest.json").is_file()
