@@ -79,13 +79,15 @@ GSM8K_SYSTEM_PROMPT = "Respond in the following format:\n<reasoning>\n...\n</rea
 class DataConfig(_Section):
     source: str = Field(
         "arithmetic",
-        description="'arithmetic' (built-in task), a local or s3://bucket/key .jsonl/.json/.parquet/.csv file, "
+        description="'arithmetic' (built-in task), 'humaneval' (HumanEval's 164 problems, extra 'code'), a local "
+        "or s3://bucket/key .jsonl/.json/.parquet/.csv file, "
         "or a Hugging Face dataset id.",
     )
-    format: Literal["auto", "gsm8k", "qa", "arithmetic"] = Field(
+    format: Literal["auto", "gsm8k", "qa", "arithmetic", "code"] = Field(
         "auto",
-        description="Row mapping: gsm8k = gold answer after '####'; qa = answer field used as is; "
-        "auto = gsm8k when answers contain '####', else qa.",
+        description="Row mapping: gsm8k = gold answer after '####'; qa = answer field used as is; code = answer "
+        "field holds Python tests for the code_tests reward; auto = gsm8k when answers contain '####', else qa "
+        "(code for data.source humaneval).",
     )
     question_field: str = "question"
     answer_field: str = "answer"

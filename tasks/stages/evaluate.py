@@ -208,7 +208,7 @@ def run_eval(
         rows = rows[: e.max_samples]
     if not rows:
         raise ValueError("eval: the eval split is empty (data.eval_size)")
-    reward_funcs = resolve_reward_funcs(cfg.grpo.reward_funcs)
+    reward_funcs = resolve_reward_funcs(cfg.grpo.reward_funcs, cfg.grpo.code_reward)
     params = SamplingParams.from_grpo(cfg.grpo)
     if e.max_new_tokens:
         params = dataclasses.replace(params, max_new_tokens=e.max_new_tokens)

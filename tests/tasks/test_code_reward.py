@@ -1,0 +1,151 @@
+"""The code_tests reward and its sandbox: extraction, hostile programs contained and counted, HumanEval problems
+scored by their canonical solutions, the reward through score_completions, and the refusal without isolation."""
+
+from __future__ import annotations
+
+import os
+import socket
+
+import pytest
+
+from grpoflow.tasks.config import CodeRewardConfig
+from grpoflow.tasks.rewards import (
+    CodeTests,
+    build_program,
+    extract_program,
+    resolve_reward_funcs,
+    score_completions,
+)
+from grpoflow.tasks.runtime import sandbox
+
+FAST = CodeRewardConfig(timeout_s=1.5, cpu_s=1, memory_mb=256, max_processes=8, max_output_bytes=4096, workers=2)
+LIMITS = CodeTests(FAST).limits
+SECRET = "GRPOFLOW_TEST_SECRET"
+
+
+def test_extract_program_takes_the_last_fence_then_answer_then_text() -> None:
+    assert extract_program("x\n```python\na = 1\n```\ntext\n```py\nb = 2\n```") == "b = 2\n"
+    assert extract_program("```\nc = 3\n```") == "c = 3\n"
+    assert extract_program("```python\nd = 4\n") == "d = 4\n"  # unclosed: to the end
+    assert extract_program("<reasoning>r</reasoning><answer>\ne = 5\n</answer>") == "e = 5"
+    assert extract_program("f = 6") == "f = 6"
+
+
+def test_build_program_prefixes_a_python_question_only() -> None:
+    stub = 'def add(a, b):\n    """Sum."""\n'
+    assert build_program(stub, "    return a + b", "assert add(1, 2) == 3").startswith(stub + "    return a + b")
+    assert build_program("Write add(a, b).", "def add(a, b): return a + b", "T").startswith("def add")
+
+
+# (program, statuses it may end in); every one must score 0 and leave the test process and its files alone
+HOSTILE = {
+    "infinite_loop": ("while True:\n    pass", {"cpu_limit", "timeout"}),
+    "sleep_forever": ("import time\ntime.sleep(1000)", {"timeout"}),
+    "fork_bomb": (
+        "import os\nwhile True:\n    try:\n        os.fork()\n    except OSError:\n        pass",
+        {"timeout", "cpu_limit", "killed"},
+    ),
+    "memory_bomb": ("x = []\nwhile True:\n    x.append(bytearray(10**7))", {"memory"}),
+    "huge_output": ("while True:\n    print('x' * 1000)", {"output_limit"}),
+    "exit_early": ("import os\nos._exit(0)", {"failed"}),
+    "sys_exit_zero": ("import sys\nsys.exit(0)", {"failed"}),
+}
+
+
+@pytest.mark.parametrize("name", sorted(HOSTILE))
+def test_hostile_program_is_contained_and_counted(name: str) -> None:
+    program, statuses = HOSTILE[name]
+    reward = CodeTests(FAST)
+    scores = reward(prompts=["p"], completions=[f"```python\n{program}\n```"], answer=["assert True"])
+    assert scores == [0.0]
+    assert sum(reward.reasons.values()) == 1
+    assert set(reward.reasons) <= statuses, reward.reasons
+
+
+def test_program_cannot_kill_the_trainer_or_read_its_secrets(monkeypatch: pytest.MonkeyPatch, tmp_path) -> None:
+    monkeypatch.setenv(SECRET, "hunter2")
+    outside = tmp_path / "pwned.txt"
+    kill = f"import os, signal\ntry:\n    os.kill({os.getpid()}, signal.SIGKILL)\nexcept OSError as e:\n    print(e)"
+    r = sandbox.run_python(kill + "\nprint('after kill')", LIMITS)
+    assert r.passed and "after kill" in r.stdout  # the kill failed and the test process is still here
+    r = sandbox.run_python(
+        "import os\nprint(sorted(os.environ))\n"
+        "for p in ('/proc/1/environ', f'/proc/{os.getppid()}/environ'):\n"
+        "    try:\n        print(open(p).read())\n    except OSError as e:\n        print(type(e).__name__)",
+        LIMITS,
+    )
+    assert r.passed and SECRET not in r.stdout and "hunter2" not in r.stdout
+    r = sandbox.run_python(f"open({str(outside)!r}, 'w').write('x')", LIMITS)
+    assert r.status == "failed" and not outside.exists()
+    r = sandbox.run_python("open('inside.txt', 'w').write('x')\nprint(open('inside.txt').read())", LIMITS)
+    assert r.passed and r.stdout.strip() == "x"
+    assert not os.path.exists(r.workdir)  # the private folder is removed
+
+
+def test_no_network_in_the_sandbox() -> None:
+    if sandbox.isolation() != "bwrap":
+        pytest.skip("bwrap cannot create namespaces here: the sandbox has no network isolation")
+    server = socket.socket()
+    server.bind(("127.0.0.1", 0))
+    server.listen(1)
+    port = server.getsockname()[1]
+    try:
+        r = sandbox.run_python(
+            f"import socket\ns = socket.create_connection(('127.0.0.1', {port}), timeout=1)\nprint('connected')",
+            LIMITS,
+        )
+    finally:
+        server.close()
+    assert r.status == "failed" and "connected" not in r.stdout and "ConnectionRefused" in r.stderr
+
+
+def test_rlimits_mode_contains_the_bombs() -> None:
+    for program in (HOSTILE["memory_bomb"][0], HOSTILE["huge_output"][0], HOSTILE["infinite_loop"][0]):
+        r = sandbox.run_python(program, LIMITS, mode="rlimits")
+        assert r.status in {"memory", "output_limit", "cpu_limit", "timeout"}, r
+        assert not os.path.exists(r.workdir)
+
+
+def _humaneval(n: int) -> list[dict]:
+    from grpoflow.tasks.dataio.sources import humaneval_rows
+
+    return humaneval_rows()[:n]
+
+
+def test_humaneval_canonical_solutions_pass_and_wrong_ones_fail() -> None:
+    rows = _humaneval(3)
+    reward = CodeTests(FAST)
+    good = [f"```python\n{r['prompt']}{r['canonical_solution']}```" for r in rows]
+    body_only = [r["canonical_solution"] for r in rows]  # continues the question's stub
+    wrong = ["```python\n" + r["prompt"] + "    return None\n```" for r in rows]
+    tests = [r["answer"] for r in rows]
+    questions = [r["prompt"] for r in rows]
+    scores = reward(["p"] * 9, good + body_only + wrong, answer=tests * 3, question=questions * 3)
+    assert scores == [1.0] * 6 + [0.0] * 3
+    assert reward.reasons == {"passed": 6, "failed": 3}
+
+
+def test_code_tests_through_score_completions() -> None:
+    funcs = resolve_reward_funcs(["code_tests", "soft_format"], FAST)
+    completions = [
+        [{"role": "assistant", "content": "```python\ndef f(x):\n    return x + 1\n```"}],
+        [{"role": "assistant", "content": "```python\nwhile True:\n    pass\n```"}],
+        [{"role": "assistant", "content": "```python\nimport os\nos.kill(os.getppid(), 9)\n```"}],
+    ]
+    columns = {"answer": ["assert f(1) == 2"] * 3, "question": ["Write f."] * 3}
+    scores = score_completions(funcs, ["p"] * 3, completions, columns, timeout=30)
+    assert scores["code_tests"] == [1.0, 0.0, 0.0]
+    assert scores["soft_format"] == [0.0, 0.0, 0.0]
+    assert sum(funcs[0][1].reasons.values()) == 3
+
+
+def test_refuses_without_isolation_unless_unsafe(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(sandbox, "bwrap_binary", lambda: None)  # a machine without bwrap
+    sandbox.isolation.cache_clear()
+    try:
+        with pytest.raises(ValueError, match="allow_unsafe"):
+            resolve_reward_funcs(["code_tests"], FAST)
+        funcs = resolve_reward_funcs(["code_tests"], FAST.model_copy(update={"allow_unsafe": True}))
+        assert funcs[0][1](["p"], ["x = 1"], answer=["assert x == 1"]) == [1.0]
+    finally:
+        sandbox.isolation.cache_clear()
