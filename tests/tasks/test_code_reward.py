@@ -49,7 +49,23 @@ HOSTILE = {
     "huge_output": ("while True:\n    print('x' * 1000)", {"output_limit"}),
     "exit_early": ("import os\nos._exit(0)", {"failed"}),
     "sys_exit_zero": ("import sys\nsys.exit(0)", {"failed"}),
+    # a program that looks like a sandbox failure still scores 0, not None (not scored)
+    "fake_sandbox_error": ("import os, sys\nsys.stderr.write('bwrap: cannot start\\n')\nos._exit(5)", {"failed"}),
 }
+
+
+def _processes_of(uid: int) -> list[int]:
+    """Live processes of ``uid`` (zombies are dead: killed, waiting for init to reap them)."""
+    pids = []
+    for entry in os.listdir("/proc"):
+        try:
+            with open(f"/proc/{entry}/status") as f:
+                fields = dict(line.split(":", 1) for line in f if ":" in line)
+        except OSError:
+            continue
+        if int(fields.get("Uid", "-1").split()[0]) == uid and not fields.get("State", "").strip().startswith("Z"):
+            pids.append(int(entry))
+    return pids
 
 
 @pytest.mark.parametrize("name", sorted(HOSTILE))
@@ -97,6 +113,17 @@ def test_no_network_in_the_sandbox() -> None:
     finally:
         server.close()
     assert r.status == "failed" and "connected" not in r.stdout and "ConnectionRefused" in r.stderr
+
+
+@pytest.mark.parametrize("mode", ["bwrap", "rlimits"])
+def test_a_fork_bomb_leaves_no_process(mode: str) -> None:
+    if mode == "bwrap" and sandbox.isolation() != "bwrap":
+        pytest.skip("bwrap cannot create namespaces here")
+    spawn = "import os, time\nfor _ in range(5):\n    if os.fork() == 0:\n        time.sleep(60)\n"
+    r = sandbox.run_python(spawn + "time.sleep(60)", LIMITS, mode=mode)
+    assert r.status == "timeout"
+    if os.geteuid() == 0:  # each run has its own uid: nothing of it is left
+        assert r.uid != 0 and _processes_of(r.uid) == []
 
 
 def test_rlimits_mode_contains_the_bombs() -> None:
