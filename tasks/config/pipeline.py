@@ -312,6 +312,11 @@ class PipelineConfig(_Section):
                 "grpo.sync_ref_model needs full fine-tuning (model.lora.enabled: false): with LoRA the reference is "
                 "the base model with the adapter off, which is never trained (TRL 1.16 refuses it with PEFT too)"
             )
+        if (self.data.format == "code" or self.data.source == "humaneval") and self.sft.enabled:
+            raise ValueError(
+                "sft.enabled: code rows (data.format code, data.source humaneval) have no SFT target, their answer "
+                "is the tests; set sft.enabled: false"
+            )
         if self.model.dtype == "float16":
             raise ValueError(
                 "model.dtype=float16: GRPO and SFT in float16 needs a loss scaler, which grpoflow does not run (small "

@@ -3,6 +3,7 @@ scored by their canonical solutions, the reward through score_completions, and t
 
 from __future__ import annotations
 
+import json
 import os
 import socket
 
@@ -176,3 +177,70 @@ def test_refuses_without_isolation_unless_unsafe(monkeypatch: pytest.MonkeyPatch
         assert funcs[0][1](["p"], ["x = 1"], answer=["assert x == 1"]) == [1.0]
     finally:
         sandbox.isolation.cache_clear()
+
+
+# ---------------------------------------------------------------------------- data and the trainer
+def _prepare(tmp_path, **data):
+    from grpoflow.tasks.config import config_from_dict
+    from grpoflow.tasks.runtime.workspace import Workspace
+    from grpoflow.tasks.stages.data import prepare_data
+
+    cfg = config_from_dict({"run": {"output_dir": str(tmp_path), "seed": 7}, "sft": {"enabled": False}, "data": data})
+    ws = Workspace(tmp_path / "ws")
+    return prepare_data(cfg, ws), ws
+
+
+def test_humaneval_source_prepares_code_rows_the_reward_scores(tmp_path) -> None:
+    from datasets import load_from_disk
+
+    summary, _ = _prepare(tmp_path, source="humaneval", eval_size=4)
+    assert summary["format"] == "code" and (summary["train_rows"], summary["eval_rows"]) == (160, 4)
+    rows = list(load_from_disk(summary["eval_path"]))
+    by_prompt = {r["prompt"].strip(): r for r in _humaneval(164)}  # questions are stripped
+    solutions = [f"```python\n{r['question']}\n{by_prompt[r['question']]['canonical_solution']}```" for r in rows]
+    assert all(r["answer"].rstrip().endswith(f"check({by_prompt[r['question']]['entry_point']})") for r in rows)
+    scores = CodeTests(FAST)(
+        [r["prompt"] for r in rows],
+        solutions,
+        answer=[r["answer"] for r in rows],
+        question=[r["question"] for r in rows],
+    )
+    assert scores == [1.0] * 4
+
+
+def test_code_format_file_and_its_errors(tmp_path) -> None:
+    path = tmp_path / "code.jsonl"
+    good = {"question": "Write f(x) returning x + 1.", "answer": "assert f(1) == 2"}
+    path.write_text("\n".join(json.dumps(r) for r in [good] * 5 + [{"question": "q", "answer": "assert ("}]) + "\n")
+    with pytest.raises(ValueError, match=r"line 6: answer \(the tests\) is not valid Python"):
+        _prepare(tmp_path, source=str(path), format="code")
+    summary, _ = _prepare(tmp_path, source=str(path), format="code", on_invalid_row="skip", eval_size=1)
+    assert (summary["format"], summary["train_rows"], summary["skipped_rows"]) == ("code", 4, 1)
+    from grpoflow.tasks.config import config_from_dict
+
+    with pytest.raises(ValueError, match="sft.enabled: code rows"):
+        config_from_dict({"data": {"source": "humaneval"}})
+
+
+def test_a_grpo_step_with_hostile_programs_goes_on(tmp_path) -> None:
+    """A real GRPOTrainer step whose reward runs hostile programs (the tiny model cannot write them, so the reward
+    substitutes one per completion): every one is contained, scored 0 and counted, and training continues."""
+    from grpoflow.tasks.config import GRPOConfig
+    from tests.tasks.test_grpo_trainer import length, make, make_trainer
+
+    good = "def f(x):\n    return x + 1"
+    rounds = iter([HOSTILE[k][0], good] * 2 for k in ("infinite_loop", "memory_bomb", "huge_output", "exit_early"))
+    code = CodeTests(FAST)
+
+    def hostile_code(prompts, completions, **columns):
+        programs = next(rounds)[: len(completions)]
+        return code(prompts, programs, answer=["assert f(1) == 2"] * len(programs))
+
+    tok, model = make()
+    cfg = GRPOConfig(
+        max_steps=2, per_device_train_batch_size=4, num_generations=4, max_completion_length=4, save_steps=10
+    )
+    trainer = make_trainer(cfg, tok, model, tmp_path / "ckpt", funcs=[("length", length), ("code", hostile_code)])
+    assert trainer.train()["steps"] == 2
+    assert sum(code.reasons.values()) == 8 and code.reasons["passed"] == 4, code.reasons
+    assert [h["rewards/code/mean"] for h in trainer.history] == [0.5, 0.5]
