@@ -244,3 +244,15 @@ def test_a_grpo_step_with_hostile_programs_goes_on(tmp_path) -> None:
     assert trainer.train()["steps"] == 2
     assert sum(code.reasons.values()) == 8 and code.reasons["passed"] == 4, code.reasons
     assert [h["rewards/code/mean"] for h in trainer.history] == [0.5, 0.5]
+
+
+def test_eval_accuracy_and_pass_at_k_count_passing_programs() -> None:
+    from grpoflow.tasks.stages.evaluate import eval_reward_funcs, greedy_metrics, pass_at_k, sampled_metrics
+
+    funcs = eval_reward_funcs(resolve_reward_funcs(["code_tests"], FAST))
+    good, bad = "```python\ndef f(x):\n    return x + 1\n```", "```python\ndef f(x):\n    return x\n```"
+    rows = [{"prompt": "p", "question": "Write f.", "answer": "assert f(1) == 2"}] * 2
+    metrics, scores = greedy_metrics(funcs, rows, [good, bad], [10, 10])
+    assert scores["code_tests"] == [1.0, 0.0] and metrics["accuracy"] == 0.5
+    metrics, correct = sampled_metrics(funcs, rows, [good, bad, bad, bad], [10] * 4, 2, [1, 2])
+    assert correct == [1, 0] and metrics["pass_at_2"] == pytest.approx(pass_at_k(2, 1, 2) / 2)
