@@ -19,8 +19,13 @@ from grpoflow.tasks.rewards import (
 )
 from grpoflow.tasks.runtime import sandbox
 
-FAST = CodeRewardConfig(timeout_s=1.5, cpu_s=1, memory_mb=256, max_processes=8, max_output_bytes=4096, workers=2)
-LIMITS = CodeTests(FAST).limits
+# allow_unsafe: the containment tests also run where bwrap cannot isolate (each says what it needs). FAST has
+# room for a busy machine where a result must be a pass; SHORT ends the programs that only a timeout ends.
+FAST = CodeRewardConfig(
+    timeout_s=20, cpu_s=1, memory_mb=256, max_processes=8, max_output_bytes=4096, workers=2, allow_unsafe=True
+)
+SHORT = FAST.model_copy(update={"timeout_s": 1.5})
+LIMITS, SHORT_LIMITS = CodeTests(FAST).limits, CodeTests(SHORT).limits
 SECRET = "GRPOFLOW_TEST_SECRET"
 
 
@@ -72,7 +77,7 @@ def _processes_of(uid: int) -> list[int]:
 @pytest.mark.parametrize("name", sorted(HOSTILE))
 def test_hostile_program_is_contained_and_counted(name: str) -> None:
     program, statuses = HOSTILE[name]
-    reward = CodeTests(FAST)
+    reward = CodeTests(SHORT)
     scores = reward(prompts=["p"], completions=[f"```python\n{program}\n```"], answer=["assert True"])
     assert scores == [0.0]
     assert sum(reward.reasons.values()) == 1
@@ -80,6 +85,8 @@ def test_hostile_program_is_contained_and_counted(name: str) -> None:
 
 
 def test_program_cannot_kill_the_trainer_or_read_its_secrets(monkeypatch: pytest.MonkeyPatch, tmp_path) -> None:
+    if sandbox.isolation() != "bwrap" and os.geteuid() != 0:
+        pytest.skip("rlimits only, not root: the program has the trainer's uid and could signal it")
     monkeypatch.setenv(SECRET, "hunter2")
     outside = tmp_path / "pwned.txt"
     kill = f"import os, signal\ntry:\n    os.kill({os.getpid()}, signal.SIGKILL)\nexcept OSError as e:\n    print(e)"
@@ -121,7 +128,7 @@ def test_a_fork_bomb_leaves_no_process(mode: str) -> None:
     if mode == "bwrap" and sandbox.isolation() != "bwrap":
         pytest.skip("bwrap cannot create namespaces here")
     spawn = "import os, time\nfor _ in range(5):\n    if os.fork() == 0:\n        time.sleep(60)\n"
-    r = sandbox.run_python(spawn + "time.sleep(60)", LIMITS, mode=mode)
+    r = sandbox.run_python(spawn + "time.sleep(60)", SHORT_LIMITS, mode=mode)
     assert r.status == "timeout"
     if os.geteuid() == 0:  # each run has its own uid: nothing of it is left
         assert r.uid != 0 and _processes_of(r.uid) == []
@@ -129,7 +136,7 @@ def test_a_fork_bomb_leaves_no_process(mode: str) -> None:
 
 def test_rlimits_mode_contains_the_bombs() -> None:
     for program in (HOSTILE["memory_bomb"][0], HOSTILE["huge_output"][0], HOSTILE["infinite_loop"][0]):
-        r = sandbox.run_python(program, LIMITS, mode="rlimits")
+        r = sandbox.run_python(program, SHORT_LIMITS, mode="rlimits")
         assert r.status in {"memory", "output_limit", "cpu_limit", "timeout"}, r
         assert not os.path.exists(r.workdir)
 
@@ -172,8 +179,8 @@ def test_refuses_without_isolation_unless_unsafe(monkeypatch: pytest.MonkeyPatch
     sandbox.isolation.cache_clear()
     try:
         with pytest.raises(ValueError, match="allow_unsafe"):
-            resolve_reward_funcs(["code_tests"], FAST)
-        funcs = resolve_reward_funcs(["code_tests"], FAST.model_copy(update={"allow_unsafe": True}))
+            resolve_reward_funcs(["code_tests"], FAST.model_copy(update={"allow_unsafe": False}))
+        funcs = resolve_reward_funcs(["code_tests"], FAST)
         assert funcs[0][1](["p"], ["x = 1"], answer=["assert x == 1"]) == [1.0]
     finally:
         sandbox.isolation.cache_clear()
@@ -256,3 +263,17 @@ def test_eval_accuracy_and_pass_at_k_count_passing_programs() -> None:
     assert scores["code_tests"] == [1.0, 0.0] and metrics["accuracy"] == 0.5
     metrics, correct = sampled_metrics(funcs, rows, [good, bad, bad, bad], [10] * 4, 2, [1, 2])
     assert correct == [1, 0] and metrics["pass_at_2"] == pytest.approx(pass_at_k(2, 1, 2) / 2)
+
+
+def test_cli_validate_resolves_code_tests_and_checks_its_keys(tmp_path) -> None:
+    import subprocess
+    import sys
+
+    def validate(*overrides: str) -> subprocess.CompletedProcess:
+        cmd = [sys.executable, "-m", "grpoflow.flows.cli", "validate", "default", *overrides]
+        return subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=120)
+
+    res = validate("grpo.reward_funcs=[code_tests]", "grpo.code_reward.allow_unsafe=true")
+    assert res.returncode == 0, res.stderr[-2000:]
+    res = validate("grpo.reward_funcs=[code_tests]", "grpo.code_reward.timeout_s=0")
+    assert res.returncode == 2 and "grpo.code_reward.timeout_s" in res.stderr, res.stderr[-2000:]
