@@ -99,7 +99,7 @@ class Limits:
     timeout_s: float = 5.0
     cpu_s: int = 5
     memory_mb: int = 512
-    max_processes: int = 32
+    max_processes: int = 16
     max_output_bytes: int = 65536
     tmpfs_mb: int = 64
 
@@ -171,7 +171,11 @@ def isolation() -> str:
         return "rlimits"
     r = run_python("print('ok')", Limits(timeout_s=30), mode="bwrap")
     if r.passed and r.stdout.strip() == "ok":
-        log.info("code sandbox: isolation = bwrap (%s): new net/pid/ipc/uts namespaces, read-only root", bwrap)
+        log.info(
+            "code sandbox: isolation = bwrap (%s): new net/pid/ipc/uts namespaces, read-only root, %s",
+            bwrap,
+            "a uid of its own per run" if os.geteuid() == 0 else "the caller's uid in a user namespace",
+        )
         return "bwrap"
     log.warning(
         "code sandbox: bwrap cannot create its namespaces here (%s); isolation = rlimits only (no network or PID "

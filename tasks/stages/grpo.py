@@ -40,9 +40,8 @@ log = logging.getLogger(__name__)
 def run_grpo(cfg: PipelineConfig, ws: Workspace, tracker: RunLogger, init_model: str | None = None) -> dict:
     g = cfg.grpo
     torch.manual_seed(cfg.run.seed)
-    reward_funcs = resolve_reward_funcs(
-        g.reward_funcs, g.code_reward
-    )  # fail on a bad import path before loading anything
+    # fail on a bad import path (or a code_tests sandbox that cannot isolate) before loading anything
+    reward_funcs = resolve_reward_funcs(g.reward_funcs, g.code_reward)
     start = init_model or base_model_path(cfg, ws)
     tokenizer = load_tokenizer(start, cfg.model)
     use_lora = cfg.model.lora.enabled
