@@ -77,7 +77,7 @@ def _processes_of(uid: int) -> list[int]:
 @pytest.mark.parametrize("name", sorted(HOSTILE))
 def test_hostile_program_is_contained_and_counted(name: str) -> None:
     program, statuses = HOSTILE[name]
-    reward = CodeTests(SHORT)
+    reward = CodeTests(SHORT if "timeout" in statuses else FAST)  # a busy machine must not turn a bomb into a timeout
     scores = reward(prompts=["p"], completions=[f"```python\n{program}\n```"], answer=["assert True"])
     assert scores == [0.0]
     assert sum(reward.reasons.values()) == 1
