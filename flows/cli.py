@@ -123,7 +123,7 @@ def _load(args) -> PipelineConfig:
     from grpoflow.tasks.rewards import resolve_reward_funcs
 
     try:  # imported and their signatures checked now, not in the GRPO stage after data prep and SFT
-        resolve_reward_funcs(cfg.grpo.reward_funcs)
+        resolve_reward_funcs(cfg.grpo.reward_funcs, cfg.grpo.code_reward)
     except ValueError as e:
         raise ConfigError(f"grpo.reward_funcs: {e}") from None
     return cfg

@@ -20,15 +20,23 @@ which the advantage computation ignores (as TRL does).
 
 from __future__ import annotations
 
+import ast
 import importlib
 import inspect
+import logging
 import math
 import re
+from collections import Counter
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FuturesTimeout
 from functools import partial
 from typing import Any
+
+from grpoflow.tasks.config import CodeRewardConfig
+from grpoflow.tasks.runtime import sandbox
+
+log = logging.getLogger(__name__)
 
 RewardFunc = Callable[..., list[float | None]]
 
@@ -170,7 +178,84 @@ def proximity(prompts: list[Any], completions: list[Any], **kwargs: Any) -> list
     return out
 
 
+_FENCE = re.compile(r"```[ \t]*(?:python3?|py)?[ \t]*\n(.*?)(?:```|\Z)", re.DOTALL | re.IGNORECASE)
+
+
+def extract_program(text: str) -> str:
+    """The code of a completion: the last fenced block (```python, ```py or a bare ```; an unclosed last fence
+    runs to the end), else the inside of the last <answer>...</answer>, else the whole text."""
+    blocks = _FENCE.findall(text)
+    if blocks:
+        return blocks[-1]
+    answer = extract_xml_answer(text)
+    return answer if answer is not None else text
+
+
+def _is_code(text: str) -> bool:
+    try:
+        tree = ast.parse(text)
+    except (SyntaxError, ValueError):
+        return False
+    return any(isinstance(n, (ast.FunctionDef, ast.ClassDef, ast.Import, ast.ImportFrom)) for n in tree.body)
+
+
+def build_program(question: str | None, code: str, tests: str) -> str:
+    """What the sandbox runs: [the question, when it is Python source (HumanEval's signature + docstring, so a
+    completion that is only the body still runs)] + the completion's code + the row's tests. A completion that
+    writes the whole function redefines it after the question's stub."""
+    head = question if question and _is_code(question) else ""
+    if head and not head.endswith("\n"):
+        head += "\n"
+    return f"{head}{code}\n\n{tests}\n"
+
+
+class CodeTests:
+    """The ``code_tests`` reward: 1.0 when the completion's program passes the row's tests (the ``answer``
+    column: Python that raises on a failure) in the sandbox (:mod:`grpoflow.tasks.runtime.sandbox`), 0.0 when it
+    fails, raises, or hits a limit, None when the sandbox itself could not start. ``reasons`` counts the outcome
+    of every program run (passed, failed, timeout, cpu_limit, memory, output_limit, killed, sandbox_error)."""
+
+    __name__ = "code_tests"
+
+    def __init__(self, cfg: CodeRewardConfig | None = None) -> None:
+        self.cfg = cfg or CodeRewardConfig()
+        c = self.cfg
+        self.limits = sandbox.Limits(c.timeout_s, c.cpu_s, c.memory_mb, c.max_processes, c.max_output_bytes, c.tmpfs_mb)
+        self.reasons: Counter[str] = Counter()
+
+    def check_isolation(self) -> str:
+        """The isolation in force; ValueError when it is rlimits only and code_reward.allow_unsafe is off."""
+        mode = sandbox.isolation()
+        if mode != "bwrap" and not self.cfg.allow_unsafe:
+            raise ValueError(
+                "reward 'code_tests': bwrap cannot isolate programs on this machine (see the log); set "
+                "grpo.code_reward.allow_unsafe=true to run them with rlimits only (no network or PID isolation)"
+            )
+        return mode
+
+    def __call__(self, prompts: list[Any], completions: list[Any], **kwargs: Any) -> list[float | None]:
+        tests = _gold(kwargs, len(completions), "code_tests")
+        questions = kwargs.get("question") or [None] * len(completions)
+        mode = self.check_isolation()
+        programs = [
+            build_program(q, extract_program(completion_text(c)), t)
+            for q, c, t in zip(questions, completions, tests, strict=True)
+        ]
+        with ThreadPoolExecutor(max_workers=self.cfg.workers, thread_name_prefix="code-sandbox") as pool:
+            results = list(pool.map(lambda p: sandbox.run_python(p, self.limits, mode), programs))
+        batch = Counter(r.status for r in results)
+        self.reasons.update(batch)
+        log.info("code_tests: %d programs (%s isolation): %s", len(results), mode, dict(sorted(batch.items())))
+        return [None if r.status == "sandbox_error" else float(r.passed) for r in results]
+
+
+def code_tests(prompts: list[Any], completions: list[Any], **kwargs: Any) -> list[float | None]:
+    """:class:`CodeTests` with the default grpo.code_reward settings."""
+    return CodeTests()(prompts, completions, **kwargs)
+
+
 BUILTIN_REWARDS: dict[str, RewardFunc] = {
+    "code_tests": code_tests,
     "correctness": correctness,
     "int": int_answer,
     "strict_format": strict_format,
@@ -220,14 +305,19 @@ def check_signature(spec: str, fn: Callable) -> None:
             raise ValueError(f"reward {spec!r}: parameter {p.name!r} of {sig} is positional-only; {call}")
 
 
-def resolve_reward_funcs(names: list[str]) -> list[tuple[str, RewardFunc]]:
+def resolve_reward_funcs(names: list[str], code: CodeRewardConfig | None = None) -> list[tuple[str, RewardFunc]]:
     """Built-in names or 'package.module:function' import paths -> [(name, function)], in order.
 
     The name of an imported function is its ``__name__``; it becomes the metric name (rewards/<name>/mean).
+    ``code_tests`` is built with ``code`` (grpo.code_reward) and checks its sandbox can isolate here.
     """
     resolved: list[tuple[str, RewardFunc]] = []
     for name in names:
-        if name in BUILTIN_REWARDS:
+        if name == "code_tests":
+            reward = CodeTests(code)
+            reward.check_isolation()
+            resolved.append((name, reward))
+        elif name in BUILTIN_REWARDS:
             resolved.append((name, BUILTIN_REWARDS[name]))
         elif ":" in name:
             resolved.append(_import_reward(name))

@@ -31,7 +31,7 @@ from grpoflow.tasks.config.pipeline import (
     resolve_eval_size,
 )
 from grpoflow.tasks.config.storage import StorageConfig
-from grpoflow.tasks.config.training import Batching, GRPOConfig, ScaleRewards, SFTConfig
+from grpoflow.tasks.config.training import Batching, CodeRewardConfig, GRPOConfig, ScaleRewards, SFTConfig
 
 __all__ = [
     "DEFAULT_CONFIG",
@@ -44,6 +44,7 @@ __all__ = [
     "DistributedConfig",
     "EvalConfig",
     "ExportConfig",
+    "CodeRewardConfig",
     "GRPOConfig",
     "GenerationConfig",
     "LoraConfig",

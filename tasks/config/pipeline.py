@@ -80,13 +80,15 @@ GSM8K_SYSTEM_PROMPT = "Respond in the following format:\n<reasoning>\n...\n</rea
 class DataConfig(_Section):
     source: str = Field(
         "arithmetic",
-        description="'arithmetic' (built-in task), a local or s3://bucket/key .jsonl/.json/.parquet/.csv file, "
+        description="'arithmetic' (built-in task), 'humaneval' (HumanEval's 164 problems, extra 'code'), a local "
+        "or s3://bucket/key .jsonl/.json/.parquet/.csv file, "
         "or a Hugging Face dataset id.",
     )
-    format: Literal["auto", "gsm8k", "qa", "arithmetic"] = Field(
+    format: Literal["auto", "gsm8k", "qa", "arithmetic", "code"] = Field(
         "auto",
-        description="Row mapping: gsm8k = gold answer after '####'; qa = answer field used as is; "
-        "auto = gsm8k when answers contain '####', else qa.",
+        description="Row mapping: gsm8k = gold answer after '####'; qa = answer field used as is; code = answer "
+        "field holds Python tests for the code_tests reward; auto = gsm8k when answers contain '####', else qa "
+        "(code for data.source humaneval).",
     )
     question_field: str = "question"
     answer_field: str = "answer"
@@ -342,6 +344,11 @@ class PipelineConfig(_Section):
             raise ValueError(
                 "grpo.sync_ref_model needs full fine-tuning (model.lora.enabled: false): with LoRA the reference is "
                 "the base model with the adapter off, which is never trained (TRL 1.16 refuses it with PEFT too)"
+            )
+        if (self.data.format == "code" or self.data.source == "humaneval") and self.sft.enabled:
+            raise ValueError(
+                "sft.enabled: code rows (data.format code, data.source humaneval) have no SFT target, their answer "
+                "is the tests; set sft.enabled: false"
             )
         if self.model.dtype == "float16":
             raise ValueError(

@@ -40,6 +40,25 @@ class SFTConfig(OptimizerFields):
 ScaleRewards = Literal["group", "batch", "none"]
 
 
+class CodeRewardConfig(_Section):
+    """Limits of the ``code_tests`` reward's sandbox (README "Code reward"), per program run."""
+
+    timeout_s: float = Field(5.0, gt=0, le=600, description="Wall-clock limit; the process group is killed.")
+    cpu_s: int = Field(5, ge=1, le=600, description="RLIMIT_CPU seconds (SIGXCPU, then SIGKILL 1 s later).")
+    memory_mb: int = Field(512, ge=64, description="RLIMIT_AS (address space) in MiB.")
+    max_processes: int = Field(16, ge=1, le=4096, description="RLIMIT_NPROC: processes and threads of one run.")
+    max_output_bytes: int = Field(
+        65536, ge=1024, description="stdout/stderr kept, and RLIMIT_FSIZE (this + 4 KiB) on any file written."
+    )
+    tmpfs_mb: int = Field(64, ge=1, description="Size of the sandbox's private working folder and /tmp (bwrap).")
+    workers: int = Field(4, ge=1, le=256, description="Programs run at once.")
+    allow_unsafe: bool = Field(
+        False,
+        description="Run programs with rlimits only where bwrap cannot create namespaces (no network or PID "
+        "isolation); off: the reward refuses to run there.",
+    )
+
+
 class GRPOConfig(OptimizerFields):
     """GRPO settings, with TRL GRPOConfig names and defaults (see docs/grpo.md)."""
 
@@ -115,6 +134,9 @@ class GRPOConfig(OptimizerFields):
         description="Built-in names or 'module:function' import paths.",
     )
     reward_weights: list[float] | None = None
+    code_reward: CodeRewardConfig = Field(
+        default_factory=CodeRewardConfig, description="Sandbox limits of the code_tests reward."
+    )
     reward_timeout_s: float | None = Field(
         None, gt=0, description="Bound on one call of one reward function; over it the GRPO stage fails naming it."
     )

@@ -124,6 +124,12 @@ def parse_row(question: Any, answer: Any, fmt: str, reasoning_style: str = "dire
             raise InvalidRowError("answer has nothing after '####'")
         return question, gold, _ANNOTATION.sub("", reasoning).strip()
     gold = str(answer).strip()
+    if fmt == "code":  # the answer is the tests: Python that raises when the program is wrong
+        try:
+            compile(gold, "tests", "exec")
+        except SyntaxError as e:
+            raise InvalidRowError(f"answer (the tests) is not valid Python: {e.msg} at line {e.lineno}") from None
+        return question, gold, ""
     if fmt == "qa":
         return question, gold, ""
     if fmt == "arithmetic":

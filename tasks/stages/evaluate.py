@@ -4,7 +4,8 @@
 result (base + adapter, or the fully fine-tuned model). For each, on the same rows:
 
 - greedy decoding, one completion per row: ``accuracy`` (the ``correctness`` reward > 0: the <answer>
-  equals the gold answer), ``format_compliance`` (the ``strict_format`` check accepts it),
+  equals the gold answer; for a run trained with ``code_tests``, that reward > 0: the program passes the
+  tests), ``format_compliance`` (the ``strict_format`` check accepts it),
   ``mean_completion_length`` (tokens, EOS included) and ``rewards/<f>/mean`` and ``/std`` of every reward
   function the run trained with (plus correctness and strict_format when it did not);
 - sampling, ``eval.num_samples`` (n) completions per row with GRPO's sampling settings (temperature,
@@ -82,6 +83,11 @@ def eval_reward_funcs(reward_funcs: list) -> list:
     return funcs
 
 
+def accuracy_reward(funcs: list) -> str:
+    """The reward accuracy and pass@k count: ``code_tests`` when the run trained with it, else ``correctness``."""
+    return "code_tests" if any(name == "code_tests" for name, _ in funcs) else "correctness"
+
+
 def score(
     funcs: list, rows: list[dict], texts: list[str], n: int = 1, timeout: float | None = None
 ) -> dict[str, list[float]]:
@@ -97,7 +103,7 @@ def greedy_metrics(funcs: list, rows: list[dict], texts: list[str], lengths: lis
     scores = score(funcs, rows, texts)
     metrics = {
         "rows": len(rows),
-        "accuracy": sum(v > 0 for v in scores["correctness"]) / len(rows),
+        "accuracy": sum(v > 0 for v in scores[accuracy_reward(funcs)]) / len(rows),
         "format_compliance": sum(v > 0 for v in scores["strict_format"]) / len(rows),
         "mean_completion_length": sum(lengths) / len(lengths),
     }
@@ -112,8 +118,9 @@ def sampled_metrics(
 ) -> tuple[dict, list[int]]:
     """pass@k (the mean over rows of :func:`pass_at_k`) and format compliance of n samples per row (row-major);
     also returns the number of correct samples per row."""
-    scores = score([f for f in funcs if f[0] in ("correctness", "strict_format")], rows, texts, n)
-    correct = [sum(v > 0 for v in scores["correctness"][i * n : (i + 1) * n]) for i in range(len(rows))]
+    acc = accuracy_reward(funcs)
+    scores = score([f for f in funcs if f[0] in (acc, "strict_format")], rows, texts, n)
+    correct = [sum(v > 0 for v in scores[acc][i * n : (i + 1) * n]) for i in range(len(rows))]
     metrics = {f"pass_at_{k}": sum(pass_at_k(n, c, k) for c in correct) / len(rows) for k in pass_k}
     metrics["sampled/format_compliance"] = sum(v > 0 for v in scores["strict_format"]) / len(texts)
     metrics["sampled/mean_completion_length"] = sum(lengths) / len(lengths)
@@ -165,7 +172,7 @@ def evaluate_model(
         "question": [r.get("question", "") for r in rows],
         "answer": [r.get("answer", "") for r in rows],
         "completion": texts,
-        "correct": [v > 0 for v in scores["correctness"]],
+        "correct": [v > 0 for v in scores[accuracy_reward(funcs)]],
         **{f"rewards/{name}": vals for name, vals in scores.items()},
     }
     if n:
@@ -208,7 +215,7 @@ def run_eval(
         rows = rows[: e.max_samples]
     if not rows:
         raise ValueError("eval: the eval split is empty (data.eval_size)")
-    reward_funcs = resolve_reward_funcs(cfg.grpo.reward_funcs)
+    reward_funcs = resolve_reward_funcs(cfg.grpo.reward_funcs, cfg.grpo.code_reward)
     params = SamplingParams.from_grpo(cfg.grpo)
     if e.max_new_tokens:
         params = dataclasses.replace(params, max_new_tokens=e.max_new_tokens)

@@ -91,7 +91,8 @@ def train_grpo(
     comm = comm or Comm()
     g = cfg.grpo
     torch.manual_seed(cfg.run.seed)
-    reward_funcs = resolve_reward_funcs(g.reward_funcs)  # fail on a bad import path before loading anything
+    # fail on a bad import path (or a code_tests sandbox that cannot isolate) before loading anything
+    reward_funcs = resolve_reward_funcs(g.reward_funcs, g.code_reward)
     start = init_model or base_model_path(cfg, ws)
     tokenizer = load_tokenizer(start, cfg.model)
     use_lora = cfg.model.lora.enabled

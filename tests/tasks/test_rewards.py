@@ -151,7 +151,15 @@ def test_proximity_small_gold_and_non_numeric_gold():
 
 
 def test_builtin_registry_names():
-    assert set(BUILTIN_REWARDS) == {"correctness", "int", "strict_format", "soft_format", "xmlcount", "proximity"}
+    assert set(BUILTIN_REWARDS) == {
+        "correctness",
+        "int",
+        "strict_format",
+        "soft_format",
+        "xmlcount",
+        "proximity",
+        "code_tests",
+    }
 
 
 # ---------------------------------------------------------------------------- resolution
