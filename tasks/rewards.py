@@ -222,6 +222,13 @@ class CodeTests:
         c = self.cfg
         self.limits = sandbox.Limits(c.timeout_s, c.cpu_s, c.memory_mb, c.max_processes, c.max_output_bytes, c.tmpfs_mb)
         self.reasons: Counter[str] = Counter()
+        self._unreported: Counter[str] = Counter()
+
+    def take_counts(self) -> dict[str, float]:
+        """The outcomes counted since the last call (the trainer logs them per step as rewards/<name>/<outcome>)."""
+        counts = {k: float(v) for k, v in sorted(self._unreported.items())}
+        self._unreported.clear()
+        return counts
 
     def check_isolation(self) -> str:
         """The isolation in force; ValueError when it is rlimits only and code_reward.allow_unsafe is off."""
@@ -245,6 +252,7 @@ class CodeTests:
             results = list(pool.map(lambda p: sandbox.run_python(p, self.limits, mode), programs))
         batch = Counter(r.status for r in results)
         self.reasons.update(batch)
+        self._unreported.update(batch)
         log.info("code_tests: %d programs (%s isolation): %s", len(results), mode, dict(sorted(batch.items())))
         return [None if r.status == "sandbox_error" else float(r.passed) for r in results]
 

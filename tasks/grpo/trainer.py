@@ -210,6 +210,9 @@ class GRPOTrainer:
         if g.multi_objective_aggregation == "normalize_then_sum":
             adv, stats["frac_reward_zero_std"] = decoupled_advantages(per_func, self.weights, g.num_generations)
         stats.update(ds_stats)
+        for name, fn in self.reward_funcs:  # a reward's own counts (code_tests: outcomes), e.g. rewards/x/timeout
+            if callable(take := getattr(fn, "take_counts", None)):
+                stats.update({f"rewards/{name}/{k}": v for k, v in take().items()})
         stats["frac_unscored"] = unscored.float().mean().item()  # completions no reward function scored
         for k, name in enumerate(self.reward_names):
             col = per_func[:, k]

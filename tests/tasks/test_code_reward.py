@@ -247,10 +247,16 @@ def test_a_grpo_step_with_hostile_programs_goes_on(tmp_path) -> None:
     cfg = GRPOConfig(
         max_steps=2, per_device_train_batch_size=4, num_generations=4, max_completion_length=4, save_steps=10
     )
+    hostile_code.take_counts = code.take_counts  # the outcomes become the step's metrics
     trainer = make_trainer(cfg, tok, model, tmp_path / "ckpt", funcs=[("length", length), ("code", hostile_code)])
     assert trainer.train()["steps"] == 2
     assert sum(code.reasons.values()) == 8 and code.reasons["passed"] == 4, code.reasons
     assert [h["rewards/code/mean"] for h in trainer.history] == [0.5, 0.5]
+    for h, bad in zip(trainer.history, ["infinite_loop", "memory_bomb"]):  # one round a step: 2 hostile, 2 good
+        counts = {k[len("rewards/code/") :]: v for k, v in h.items() if k.startswith("rewards/code/")}
+        counts = {k: v for k, v in counts.items() if k not in ("mean", "std")}
+        assert counts.pop("passed") == 2 and sum(counts.values()) == 2, h  # per step, not cumulative
+        assert set(counts) <= HOSTILE[bad][1], counts
 
 
 def test_eval_accuracy_and_pass_at_k_count_passing_programs() -> None:

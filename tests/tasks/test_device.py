@@ -67,10 +67,12 @@ def test_full_fine_tuning_in_bfloat16_autocasts_over_float32_weights(saved_tiny,
     seen = []
     model.model.layers[0].mlp.down_proj.register_forward_hook(lambda m, i, o: seen.append(o.dtype))
     tok = load_tokenizer(saved_tiny, mcfg)
-    cfg = GRPOConfig(max_steps=1, per_device_train_batch_size=4, num_generations=4, max_completion_length=4)
+    cfg = GRPOConfig(max_steps=1, per_device_train_batch_size=4, num_generations=4, max_completion_length=8)
     trainer = make_trainer(cfg, tok, model, tmp_path, autocast_dtype=autocast_dtype)
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    torch.manual_seed(0)  # the completions, so the round's rewards differ whatever ran before in this process
     trainer.train()
+    assert trainer.history[-1]["reward_std"] > 0  # a gradient to step on
     assert torch.bfloat16 in seen  # the training forward ran under autocast
     assert any(not torch.equal(before[n], p) for n, p in model.named_parameters())
     assert {p.dtype for p in model.parameters()} == {torch.float32}
