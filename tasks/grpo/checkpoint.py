@@ -37,7 +37,6 @@ def save(t, final: Path) -> None:
     t.model.save_pretrained(tmp)
     trainable = {n: p.detach().cpu().clone() for n, p in t.model.named_parameters() if p.requires_grad}
     round_tensors, round_meta = t.round.to_state() if t.round is not None else (None, None)
-    np_state = np.random.get_state()
     torch.save(  # tensors, dicts, lists and numbers only: loads with weights_only=True
         {
             "trainable": trainable,
@@ -47,11 +46,48 @@ def save(t, final: Path) -> None:
             "cuda_rng": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
             "perm_rng": t.perm_rng.get_state(),
             "round": round_tensors,
-            **({"ref_model": cpu_params(t.ref_model)} if t.cfg.sync_ref_model and t.ref_model else {}),
+            **reference_state(t),
         },
         tmp / "trainer_state.pt",
     )
-    state = {
+    state = shared_state(t, round_meta)
+    (tmp / "trainer_state.json").write_text(json.dumps(state))
+    shutil.rmtree(final, ignore_errors=True)
+    os.replace(tmp, final)
+
+
+def load(t, path: Path) -> None:
+    """Restore ``t``'s (a GRPOTrainer) state from the checkpoint folder ``path``."""
+    state = read_state(t, path)
+    if "python_rng" not in state:
+        raise ValueError(
+            f"checkpoint {path} is in the older pickled format, which this version does not load (it could run "
+            f"code); remove {path.parent} or set grpo.resume=never to start over"
+        )
+    # weights_only: a checkpoint pulled from a shared bucket cannot run code when loaded
+    blob = torch.load(path / "trainer_state.pt", weights_only=True, map_location="cpu")
+    params = dict(t.model.named_parameters())
+    with torch.no_grad():
+        for name, value in blob["trainable"].items():
+            params[name].copy_(value)  # copy_ moves it to the parameter's device
+    restore_reference(t, blob)
+    t.optimizer.load_state_dict(blob["optimizer"])  # casts and moves the state to the parameters' devices
+    t.scheduler.load_state_dict(blob["scheduler"])
+    torch.set_rng_state(blob["torch_rng"])
+    if blob["cuda_rng"] and torch.cuda.is_available() and len(blob["cuda_rng"]) == torch.cuda.device_count():
+        torch.cuda.set_rng_state_all(blob["cuda_rng"])
+    t.perm_rng.set_state(blob["perm_rng"])
+    t.round = None if state["round"] is None else Round.from_state(blob["round"], state["round"], t.device)
+    restore_shared(t, state)
+    log.info("resumed GRPO from %s (step %d)", path, t.step)
+
+
+# what both formats (one process here, several in dist_checkpoint.py) write and read alike
+def shared_state(t, round_meta: dict | None) -> dict:
+    """trainer_state.json: step counters, sampler position, config hash, history, python and numpy RNG states,
+    the round's metadata and the adaptive entropy controller."""
+    np_state = np.random.get_state()
+    return {
         "step": t.step,
         "micro_step": t.micro_step,
         "num_tokens": t.num_tokens,
@@ -63,50 +99,43 @@ def save(t, final: Path) -> None:
         "round": round_meta,
         **({"entropy_control": t.entropy.state()} if t.entropy is not None else {}),
     }
-    (tmp / "trainer_state.json").write_text(json.dumps(state))
-    shutil.rmtree(final, ignore_errors=True)
-    os.replace(tmp, final)
 
 
-def load(t, path: Path) -> None:
-    """Restore ``t``'s (a GRPOTrainer) state from the checkpoint folder ``path``."""
+def read_state(t, path: Path) -> dict:
+    """trainer_state.json of checkpoint ``path``, refused when written with other grpo settings."""
     state = json.loads((path / "trainer_state.json").read_text())
     if state["config_hash"] != t.config_hash:
         raise ValueError(
             f"checkpoint {path} was written with other grpo settings; remove {path.parent} or set "
             "grpo.resume=never to start over"
         )
-    if "python_rng" not in state:
-        raise ValueError(
-            f"checkpoint {path} is in the older pickled format, which this version does not load (it could run "
-            f"code); remove {path.parent} or set grpo.resume=never to start over"
-        )
-    # weights_only: a checkpoint pulled from a shared bucket cannot run code when loaded
-    blob = torch.load(path / "trainer_state.pt", weights_only=True, map_location="cpu")
-    params = dict(t.model.named_parameters())
-    ref = dict(t.ref_model.named_parameters()) if "ref_model" in blob else {}
-    with torch.no_grad():
-        for name, value in blob["trainable"].items():
-            params[name].copy_(value)  # copy_ moves it to the parameter's device
-        for name, value in blob.get("ref_model", {}).items():  # sync_ref_model: the reference moved too
-            ref[name].copy_(value)
-    t.optimizer.load_state_dict(blob["optimizer"])  # casts and moves the state to the parameters' devices
-    t.scheduler.load_state_dict(blob["scheduler"])
-    torch.set_rng_state(blob["torch_rng"])
-    if blob["cuda_rng"] and torch.cuda.is_available() and len(blob["cuda_rng"]) == torch.cuda.device_count():
-        torch.cuda.set_rng_state_all(blob["cuda_rng"])
-    t.perm_rng.set_state(blob["perm_rng"])
+    return state
+
+
+def restore_shared(t, state: dict) -> None:
+    """Put back what :func:`shared_state` wrote (all but the round, which each format restores itself)."""
     version, internal, gauss = state["python_rng"]
     random.setstate((version, tuple(internal), gauss))
     name, keys, *rest = state["numpy_rng"]
     np.random.set_state((name, np.asarray(keys, dtype=np.uint32), *rest))
-    t.round = None if state["round"] is None else Round.from_state(blob["round"], state["round"], t.device)
     t.step, t.micro_step, t.num_tokens = state["step"], state["micro_step"], state["num_tokens"]
     t.sampler.load(state["sampler"])
     t.history = state["history"]
     if t.entropy is not None:
         t.entropy.load(state["entropy_control"])
-    log.info("resumed GRPO from %s (step %d)", path, t.step)
+
+
+def reference_state(t) -> dict:
+    """sync_ref_model: the reference model moves with the policy, so it is saved too (tensors)."""
+    return {"ref_model": cpu_params(t.ref_model)} if t.cfg.sync_ref_model and t.ref_model is not None else {}
+
+
+def restore_reference(t, blob: dict) -> None:
+    if "ref_model" in blob:
+        ref = dict(t.ref_model.named_parameters())
+        with torch.no_grad():
+            for name, value in blob["ref_model"].items():
+                ref[name].copy_(value)
 
 
 def cpu_params(model) -> dict[str, torch.Tensor]:

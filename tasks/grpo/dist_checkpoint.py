@@ -19,13 +19,12 @@ from __future__ import annotations
 import json
 import logging
 import os
-import random
 import shutil
 from pathlib import Path
 
-import numpy as np
 import torch
 
+from grpoflow.tasks.grpo import checkpoint
 from grpoflow.tasks.grpo.rounds import Round
 
 log = logging.getLogger(__name__)
@@ -59,24 +58,13 @@ def save(trainer, final: Path) -> None:
             "cuda_rng": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
             "perm_rng": trainer.perm_rng.get_state(),
             "round": round_tensors,
+            **checkpoint.reference_state(trainer),
         },
         tmp / f"rank{comm.rank}.pt",
     )
     comm.barrier()  # every rank's files are written
     if comm.is_main:
-        np_state = np.random.get_state()
-        state = {
-            "step": trainer.step,
-            "micro_step": trainer.micro_step,
-            "num_tokens": trainer.num_tokens,
-            "sampler": trainer.sampler.state(),
-            "config_hash": trainer.config_hash,
-            "world_size": comm.world,
-            "history": trainer.history,
-            "python_rng": random.getstate(),
-            "numpy_rng": [np_state[0], np_state[1].tolist(), *np_state[2:]],
-            "round": round_meta,
-        }
+        state = {**checkpoint.shared_state(trainer, round_meta), "world_size": comm.world}
         (tmp / "trainer_state.json").write_text(json.dumps(state))
         shutil.rmtree(final, ignore_errors=True)
         os.replace(tmp, final)
@@ -87,12 +75,7 @@ def load(trainer, path: Path) -> None:
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
 
-    state = json.loads((path / "trainer_state.json").read_text())
-    if state["config_hash"] != trainer.config_hash:
-        raise ValueError(
-            f"checkpoint {path} was written with other grpo settings; remove {path.parent} or set "
-            "grpo.resume=never to start over"
-        )
+    state = checkpoint.read_state(trainer, path)
     dicts = _state_dicts(trainer)
     dcp.load(dicts, checkpoint_id=str(path / "dcp"))
     options = StateDictOptions(ignore_frozen_params=True, strict=False)  # the frozen base is not in a checkpoint
@@ -107,10 +90,7 @@ def load(trainer, path: Path) -> None:
     mine = path / f"rank{trainer.comm.rank}.pt"
     blob = torch.load(mine if same_world else path / "rank0.pt", weights_only=True, map_location="cpu")
     trainer.scheduler.load_state_dict(blob["scheduler"])
-    version, internal, gauss = state["python_rng"]
-    random.setstate((version, tuple(internal), gauss))
-    name, keys, *rest = state["numpy_rng"]
-    np.random.set_state((name, np.asarray(keys, dtype=np.uint32), *rest))
+    checkpoint.restore_reference(trainer, blob)
     if same_world:
         torch.set_rng_state(blob["torch_rng"])
         if blob["cuda_rng"] and torch.cuda.is_available() and len(blob["cuda_rng"]) == torch.cuda.device_count():
@@ -128,7 +108,5 @@ def load(trainer, path: Path) -> None:
                 state["world_size"],
                 trainer.comm.world,
             )
-    trainer.step, trainer.micro_step, trainer.num_tokens = state["step"], state["micro_step"], state["num_tokens"]
-    trainer.sampler.load(state["sampler"])
-    trainer.history = state["history"]
+    checkpoint.restore_shared(trainer, state)
     log.info("resumed GRPO from %s (step %d, written by %d processes)", path, trainer.step, state["world_size"])
