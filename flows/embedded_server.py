@@ -17,7 +17,6 @@ With PREFECT_API_URL set, the user's server is used and nothing is started.
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import os
 import signal
 import socket
@@ -26,7 +25,7 @@ import sys
 import time
 from collections.abc import Iterator
 
-PR_SET_PDEATHSIG = 1
+from grpoflow.tasks.runtime.launch import die_with_parent
 
 
 class Terminated(KeyboardInterrupt):
@@ -42,10 +41,9 @@ def handle_sigterm() -> None:
     signal.signal(signal.SIGTERM, _raise_terminated)
 
 
-def _die_with_parent() -> None:  # runs in the child between fork and exec
+def _own_session_dying_with_parent() -> None:  # runs in the child between fork and exec
     os.setsid()
-    with contextlib.suppress(OSError, AttributeError):
-        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+    die_with_parent()
 
 
 def _free_port() -> int:
@@ -99,7 +97,7 @@ def embedded_server(timeout: float | None = None) -> Iterator[str | None]:
     cmd = [sys.executable, "-m", "uvicorn", "--app-dir", str(prefect.__module_path__.parent), "--factory"]
     cmd += ["prefect.server.api.server:create_app", "--host", "127.0.0.1", "--port", str(port)]
     cmd += ["--log-level", "error", "--lifespan", "on"]
-    proc = subprocess.Popen(cmd, env=env, preexec_fn=_die_with_parent)  # noqa: PLW1509 - setsid + pdeathsig
+    proc = subprocess.Popen(cmd, env=env, preexec_fn=_own_session_dying_with_parent)  # noqa: PLW1509 - setsid + pdeathsig
     url = f"http://127.0.0.1:{port}/api"
     try:
         deadline = time.monotonic() + timeout

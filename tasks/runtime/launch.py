@@ -138,6 +138,20 @@ def terminate_group(proc: subprocess.Popen, grace_s: float = 10.0) -> None:
         pass
 
 
+PR_SET_PDEATHSIG = 1
+
+
+def die_with_parent() -> None:
+    """For ``preexec_fn`` (between fork and exec): the child gets SIGTERM when the process that started it dies,
+    even by kill -9 (Linux prctl PR_SET_PDEATHSIG; elsewhere nothing), so no process of ours outlives its parent."""
+    import ctypes
+
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+    except (OSError, AttributeError):
+        pass
+
+
 def run_torchrun(cmd: list[str], errors_dir: Path, world: int, env: dict[str, str] | None = None) -> None:
     """Run ``cmd`` (a torchrun command) in its own process group, its output streamed into this log; raise the
     first failing rank's error on a non-zero exit; terminate the group if this thread is interrupted."""
@@ -150,6 +164,7 @@ def run_torchrun(cmd: list[str], errors_dir: Path, world: int, env: dict[str, st
         text=True,
         bufsize=1,
         start_new_session=True,  # its own process group: cancelling kills torchrun and every worker together
+        preexec_fn=die_with_parent,  # and a kill -9 of this process stops torchrun, which stops its workers
         env={**os.environ, **(env or {})},
     )
     try:

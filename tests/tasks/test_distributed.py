@@ -213,3 +213,43 @@ def test_a_failed_launch_raises_the_first_failing_ranks_error(tmp_path):
     )
     assert "Root Cause" in str(exc.__cause__)  # torchrun's lines, for the error log
     assert json.loads((tmp_path / "rank0.error.json").read_text())["user_error"] is False
+
+
+def test_a_launched_child_dies_with_its_parent(tmp_path):
+    """die_with_parent (the torchrun launch's and the Prefect server's preexec): a kill -9 of the parent takes
+    the child, even one in a session of its own, down with it."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    pid_file = tmp_path / "child.pid"
+    parent = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            "import subprocess, sys, time; from grpoflow.tasks.runtime.launch import die_with_parent\n"
+            "c = subprocess.Popen(['sleep', '120'], start_new_session=True, preexec_fn=die_with_parent)\n"
+            f"open({str(pid_file)!r}, 'w').write(str(c.pid)); time.sleep(120)",
+        ]
+    )
+    deadline = time.time() + 60
+    while not (pid_file.is_file() and pid_file.read_text()) and time.time() < deadline:
+        time.sleep(0.05)
+    child = int(pid_file.read_text())
+    os.kill(child, 0)  # alive
+    parent.kill()
+    parent.wait()
+    deadline = time.time() + 10
+    while time.time() < deadline:
+        try:
+            with open(f"/proc/{child}/status") as f:
+                if "zombie" in f.read():
+                    break
+        except FileNotFoundError:
+            break
+        time.sleep(0.05)
+    else:
+        os.kill(child, signal.SIGKILL)
+        raise AssertionError("the child outlived its parent")
