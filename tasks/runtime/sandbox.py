@@ -9,14 +9,16 @@ Isolation, strongest available (:func:`isolation` probes once and logs which is 
   the launcher drops to a uid/gid of the run's own (:func:`run_uid`, no capabilities) before the program runs,
   so RLIMIT_NPROC counts this run only and the trainer's files and processes are out of reach.
 - ``rlimits`` (bwrap missing or unable to create namespaces): the same launcher and limits, an empty
-  environment, a private working folder, the run's own uid when root; no network or PID isolation, and a program
-  that calls setsid() can outlive its process group. Only with ``allow_unsafe``.
+  environment, a private working folder, the run's own uid when root; no network or PID isolation, and, unless
+  root (then every process of the run's uid is killed), a program that calls setsid() can outlive its process
+  group. Only with ``allow_unsafe``.
 
 In both, the launcher sets RLIMIT_CPU, RLIMIT_AS, RLIMIT_NPROC and RLIMIT_FSIZE (hard = soft) before the
 program runs; stdout/stderr go to files capped by RLIMIT_FSIZE and read back up to ``max_output_bytes``; the
-wall-clock timeout kills the whole process group; the host folder holding the program and its output is
-removed afterwards. A run passes only when the launcher prints its nonce after the program returned; it is a
-sandbox error (not scored) only when the launcher never reported, on a pipe it closes first, that it started.
+wall-clock timeout kills the whole process group and, as root, every process of the run's uid (waiting until
+none is alive); the host folder holding the program and its output is removed afterwards. A run passes only
+when the launcher prints its nonce after the program returned; it is a sandbox error (not scored) only when the
+launcher never reported, on a pipe it closes first, that it started.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import time
 from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
@@ -199,6 +202,47 @@ def _kill_group(proc: subprocess.Popen) -> None:
     proc.wait()
 
 
+def _live_pids_of(uid: int) -> list[int]:
+    """Processes owned by ``uid`` that are not zombies (a zombie is dead, only waiting to be reaped)."""
+    pids = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            if os.stat(f"/proc/{entry}").st_uid != uid:
+                continue
+            with open(f"/proc/{entry}/stat") as f:
+                state = f.read().rsplit(")", 1)[1].split()[0]
+        except (OSError, IndexError):
+            continue  # gone meanwhile
+        if state != "Z":
+            pids.append(int(entry))
+    return pids
+
+
+def _reap_run_uid(uid: int, wait_s: float = 10.0) -> list[int]:
+    """Kill every process left with a run's own uid and wait until none is alive; returns those still alive
+    after ``wait_s`` (none expected).
+
+    The pid namespace's processes die when its init (bwrap's child) dies, but the kernel does that after the
+    outer bwrap has been reaped: on a loaded machine a fork bomb's children outlived ``run_python`` by a moment.
+    Only for a uid from RUN_UIDS, which nothing but this run has (never 65534, shared with the host's nobody)."""
+    base, span = RUN_UIDS
+    if not base <= uid < base + span:
+        return []
+    deadline = time.monotonic() + wait_s
+    while pids := _live_pids_of(uid):
+        if time.monotonic() > deadline:
+            return pids
+        for pid in pids:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
+        time.sleep(0.01)
+    return []
+
+
 def run_python(source: str, limits: Limits, mode: str | None = None) -> RunResult:
     """Run ``source`` under ``limits`` in a sandbox (``mode``: 'bwrap' or 'rlimits'; default :func:`isolation`).
 
@@ -248,6 +292,8 @@ def run_python(source: str, limits: Limits, mode: str | None = None) -> RunResul
                 timed_out = True
             finally:
                 _kill_group(proc)  # also what a fork bomb left behind in the group
+                if os.geteuid() == 0 and (left := _reap_run_uid(uid)):
+                    log.warning("code sandbox: processes %s of run uid %d survived SIGKILL for 10 s", left, uid)
             with os.fdopen(started_r, "rb") as f:
                 started = f.read(64) == b"started\n"
         stdout, out_over = _read(top / "stdout", limits.max_output_bytes)

@@ -134,6 +134,16 @@ def test_a_fork_bomb_leaves_no_process(mode: str) -> None:
         assert r.uid != 0 and _processes_of(r.uid) == []
 
 
+def test_a_child_that_leaves_the_session_is_killed_too_as_root() -> None:
+    """rlimits mode has no pid namespace: a setsid() child escapes the process group, but not the run's uid."""
+    if os.geteuid() != 0:
+        pytest.skip("not root: runs keep the caller's uid")
+    escape = "import os, time\nif os.fork() == 0:\n    os.setsid()\n    time.sleep(60)\n"
+    r = sandbox.run_python(escape, SHORT_LIMITS, mode="rlimits")
+    assert r.status == "passed"  # the parent returned at once; its child was still sleeping
+    assert r.uid != 0 and _processes_of(r.uid) == []
+
+
 def test_rlimits_mode_contains_the_bombs() -> None:
     for program in (HOSTILE["memory_bomb"][0], HOSTILE["huge_output"][0], HOSTILE["infinite_loop"][0]):
         r = sandbox.run_python(program, SHORT_LIMITS, mode="rlimits")
