@@ -13,6 +13,7 @@ through /proc/self/clear_refs) above its resident memory before the call.
 from __future__ import annotations
 
 import argparse
+import ctypes
 import statistics
 import tempfile
 import time
@@ -36,7 +37,9 @@ def _status_kib(field: str) -> int:
 
 
 def peak_above_start(fn) -> float:
-    """MiB the resident set rose above its start at its highest while ``fn()`` ran."""
+    """MiB the resident set rose above its start at its highest while ``fn()`` ran (freed heap memory is handed
+    back to the system first, so what an earlier call left in malloc's free lists does not hide this one's)."""
+    ctypes.CDLL("libc.so.6").malloc_trim(0)
     with open("/proc/self/clear_refs", "w") as f:
         f.write("5")  # resets VmHWM to the current VmRSS
     start = _status_kib("VmRSS")

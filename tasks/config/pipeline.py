@@ -329,6 +329,11 @@ class PipelineConfig(_Section):
             raise ValueError(
                 "distributed.strategy=fsdp2 cannot shard model.load_in_4bit (bitsandbytes) weights; use ddp"
             )
+        if d.strategy == "fsdp2" and self.grpo.logprob_chunk_rows:
+            raise ValueError(
+                "grpo.logprob_chunk_rows with distributed.strategy=fsdp2: several forward passes of the sharded "
+                "layers per step are not tested yet; use ddp or logprob_chunk_rows: 0"
+            )
         if d.strategy == "fsdp2" and self.grpo.beta > 0 and not self.model.lora.enabled:
             raise ValueError(
                 "distributed.strategy=fsdp2 with grpo.beta > 0 and full fine-tuning needs a sharded reference model, "
