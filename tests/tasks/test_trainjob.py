@@ -266,3 +266,25 @@ def test_failure_names_the_rank_then_the_condition_and_pod_logs():
     lost = trainjob_error("grpoflow", "tj", state, [rank_error(1, False, lost_peer=True)], logs, 4)
     assert isinstance(lost, ChildProcessError) and "ranks reported: rank 1: KeyError" in str(lost)
     assert "FailedJobs" in str(lost) and "tj-node-0-1-fghij" in str(lost)
+
+
+def test_failed_pods_reads_what_the_kubernetes_client_serializes():
+    """KubeTrainJobs hands failed_pods the client's own serialization of a V1PodList (camelCase keys, as the API)."""
+    from kubernetes import client
+
+    def pod(name, phase, exit_code=None):
+        state = client.V1ContainerState(
+            terminated=client.V1ContainerStateTerminated(exit_code=exit_code) if exit_code is not None else None,
+            running=None if exit_code is not None else client.V1ContainerStateRunning(),
+        )
+        status = client.V1ContainerStatus(
+            name="node", image="grpoflow:0.1.0-gpu", image_id="", ready=False, restart_count=0, state=state
+        )
+        return client.V1Pod(
+            metadata=client.V1ObjectMeta(name=name), status=client.V1PodStatus(phase=phase, container_statuses=[status])
+        )
+
+    pods = client.V1PodList(items=[pod("a", "Running"), pod("b", "Failed", 1), pod("c", "Running", 137)])
+    items = client.ApiClient().sanitize_for_serialization(pods)["items"]
+    assert items[1]["status"]["containerStatuses"][0]["state"]["terminated"]["exitCode"] == 1
+    assert failed_pods(items) == ["b", "c"]
