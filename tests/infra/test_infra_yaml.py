@@ -427,3 +427,39 @@ def test_kubernetes_pool_gpu_count_reaches_the_container(templates, n):
     assert container["resources"]["requests"]["nvidia.com/gpu"] == n
     readme = (REPO / "README.md").read_text() + (INFRA / "README.md").read_text()
     assert "gpu_count" in readme and "distributed.nproc_per_node" in readme
+
+
+def test_trainjob_rbac_grants_every_call_the_launcher_makes():
+    """infra/kubeflow/rbac.yaml: the Role bound to the launcher's ServiceAccount allows each Kubernetes API call of
+    KubeTrainJobs (read from its source, so a new call fails here until the Role grants it)."""
+    from grpoflow.tasks.runtime import trainjob
+
+    needs = {
+        "create_namespaced_custom_object": ("trainer.kubeflow.org", "trainjobs", "create"),
+        "get_namespaced_custom_object": ("trainer.kubeflow.org", "trainjobs", "get"),
+        "delete_namespaced_custom_object": ("trainer.kubeflow.org", "trainjobs", "delete"),
+        "list_namespaced_pod": ("", "pods", "list"),
+        "read_namespaced_pod_log": ("", "pods/log", "get"),
+    }
+    calls = set(re.findall(r"self\.(?:custom|core)\.(\w+)\(", Path(trainjob.__file__).read_text()))
+    assert calls and calls <= set(needs), f"KubeTrainJobs calls {calls - set(needs)}: add them here and to rbac.yaml"
+    docs = {d["kind"]: d for d in yaml.safe_load_all((INFRA / "kubeflow" / "rbac.yaml").read_text())}
+    granted = {
+        (group, res, verb)
+        for rule in docs["Role"]["rules"]
+        for group in rule["apiGroups"]
+        for res in rule["resources"]
+        for verb in rule["verbs"]
+    }
+    missing = {needs[c] for c in calls} - granted
+    assert not missing, f"rbac.yaml grants no {missing}"
+    assert trainjob.GROUP == "trainer.kubeflow.org" and trainjob.PLURAL == "trainjobs"
+    binding, account = docs["RoleBinding"], docs["ServiceAccount"]
+    assert binding["roleRef"]["name"] == docs["Role"]["metadata"]["name"]
+    assert binding["subjects"] == [
+        {"kind": "ServiceAccount", "name": account["metadata"]["name"], "namespace": account["metadata"]["namespace"]}
+    ]
+    from grpoflow.tasks.config.distributed import TrainJobConfig
+
+    for doc in docs.values():
+        assert doc["metadata"]["namespace"] == TrainJobConfig().namespace
