@@ -117,7 +117,7 @@ class DistributedConfig(_Section):
             raise ValueError(
                 "rdzv_endpoint, master_addr and node_rank are for nnodes > 1 (one node runs torchrun --standalone)"
             )
-        if self.launcher == "torchrun" and "trainjob" in self.model_fields_set:
+        if self.launcher == "torchrun" and self.trainjob != TrainJobConfig():  # defaults: a config round trip
             raise ValueError("distributed.trainjob is set but distributed.launcher is torchrun: set launcher: trainjob")
         if self.launcher == "trainjob":
             set_by_hand = [k for k in ("node_rank", "rdzv_endpoint", "master_addr", "master_port") if getattr(self, k)]

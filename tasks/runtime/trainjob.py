@@ -145,11 +145,23 @@ def wait(
     poll_s: float,
     clock: Callable[[], float] = time.monotonic,
     sleep: Callable[[float], None] = time.sleep,
+    max_read_errors: int = 5,
 ) -> JobState:
-    """Read the TrainJob every ``poll_s`` until it completes or fails; TimeoutError past ``timeout_s``."""
-    start, last = clock(), None
+    """Read the TrainJob every ``poll_s`` until it completes or fails; TimeoutError past ``timeout_s``. A read that
+    fails (the API server restarting, a network blip) is retried at the next poll; ``max_read_errors`` failures
+    in a row raise the last one."""
+    start, last, errors = clock(), None, 0
     while True:
-        state = job_state(read())
+        try:
+            obj = read()
+            errors = 0
+        except Exception as e:
+            errors += 1
+            if errors >= max_read_errors:
+                raise
+            log.warning("TrainJob: reading its status failed (%d in a row): %s", errors, e)
+            obj = None
+        state = job_state(obj) if obj is not None else (last or JobState("running"))
         if state != last:
             log.info("TrainJob: %s %s %s", state.phase, state.reason, state.message)
             last = state

@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import logging
 import time
+from pathlib import Path
 
 from grpoflow.tasks.config import PipelineConfig
 from grpoflow.tasks.runtime import s3
@@ -67,6 +68,12 @@ def prepare_trainjob(cfg: PipelineConfig, ws: Workspace, tracker: RunLogger, ini
             f"distributed.launcher=trainjob: the TrainJob's pods log to MLflow through a server; the tracking URI "
             f"is {spec['tracking_uri']!r} (set tracking.uri or MLFLOW_TRACKING_URI to http://...)"
         )
+    start = Path(spec["init_model"])
+    if start.exists() and not start.resolve().is_relative_to(ws.root):
+        raise ValueError(
+            f"distributed.launcher=trainjob: the starting model {str(start)!r} is outside the workspace, where the "
+            f"TrainJob's nodes cannot read it (a registry champion is not supported with this launcher yet)"
+        )
     if (ws.root / "base_model").is_dir():
         ws.push("base_model")  # the tiny model the launcher may just have built, for the nodes to fetch
     ws.push("grpo", "launch")  # empties the last attempt's spec, errors and summary on S3
@@ -95,7 +102,10 @@ def launch_trainjob(cfg: PipelineConfig, ws: Workspace, tracker: RunLogger, init
     try:
         state = wait(lambda: kube.read(name), t.timeout_s, t.poll_s)
     except BaseException:  # a timeout, a cancelled stage, Ctrl-C: no pods left behind
-        kube.delete(name)
+        try:
+            kube.delete(name)
+        except Exception as e:  # the API unreachable: say so, and raise what stopped the wait
+            log.error("TrainJob %s/%s could not be deleted (delete it by hand): %s", t.namespace, name, e)
         raise
     if state.phase == "failed":
         ws.pull("grpo", "launch")

@@ -39,7 +39,9 @@ def fail_on_rank_1(prompts, completions, **columns):
 """
 
 
-def launcher(tmp_path: Path, monkeypatch, seaweedfs, name: str, *overrides: str) -> tuple[Workspace, dict]:
+def launcher(
+    tmp_path: Path, monkeypatch, seaweedfs, name: str, *overrides: str, init_model: str | None = None
+) -> tuple[Workspace, dict]:
     """The launcher's side up to the Kubernetes API: data stage, spec on S3, the TrainJob to create."""
     for k, v in {**seaweedfs.env(), "OMP_NUM_THREADS": "1", "HOME": str(tmp_path / "launcher")}.items():
         monkeypatch.setenv(k, v)
@@ -61,7 +63,7 @@ def launcher(tmp_path: Path, monkeypatch, seaweedfs, name: str, *overrides: str)
     )
     ws = Workspace(f"{output}/{name}", cfg.storage)
     prepare_data(cfg, ws)
-    return ws, prepare_trainjob(cfg, ws, RunLogger.disabled(), None)
+    return ws, prepare_trainjob(cfg, ws, RunLogger.disabled(), init_model)
 
 
 def run_nodes(job: dict, tmp_path: Path, timeout_s: float = 300) -> list[int]:
@@ -133,3 +135,11 @@ def test_a_failing_rank_on_node_1_is_the_stage_error(tmp_path, monkeypatch, seaw
     exc = trainjob_error("grpoflow", job["metadata"]["name"], state, errors, {}, 2)
     assert isinstance(exc, ValueError) and str(exc).startswith("rank 1 of 2: ")
     assert "no reward on rank 1" in str(exc) and "FailedJobs" in str(exc)
+
+
+def test_a_starting_model_outside_the_workspace_is_refused(tmp_path, monkeypatch, seaweedfs):
+    """The continuous flow's registry champion lives outside the workspace: the nodes could not read it."""
+    champion = tmp_path / "registry" / "champion"
+    champion.mkdir(parents=True)
+    with pytest.raises(ValueError, match="the starting model .*champion' is outside the workspace"):
+        launcher(tmp_path, monkeypatch, seaweedfs, "champ", init_model=str(champion))

@@ -39,9 +39,13 @@ def trainjob_cfg(**distributed):
 
 
 def test_default_launcher_is_torchrun_and_leaves_the_section_unset():
-    d = config_from_dict({}).distributed
+    cfg = config_from_dict({})
+    d = cfg.distributed
     assert d.launcher == "torchrun" and "trainjob" not in d.model_fields_set
     assert d.gpus_per_node == 1  # one GPU per process when a TrainJob is asked for
+    assert config_from_dict(cfg.to_dict()).distributed == d  # the stages' round trip writes the defaults out
+    tj = trainjob_cfg(nnodes=2, trainjob={"image": "x:1"})
+    assert config_from_dict(tj.to_dict()).distributed.trainjob.image == "x:1"
 
 
 @pytest.mark.parametrize(
@@ -288,3 +292,22 @@ def test_failed_pods_reads_what_the_kubernetes_client_serializes():
     items = client.ApiClient().sanitize_for_serialization(pods)["items"]
     assert items[1]["status"]["containerStatuses"][0]["state"]["terminated"]["exitCode"] == 1
     assert failed_pods(items) == ["b", "c"]
+
+
+def test_wait_retries_a_failing_read_then_gives_up():
+    now, calls = [0.0], []
+
+    def flaky():
+        calls.append(1)
+        if len(calls) in (2, 3):
+            raise ConnectionResetError("API server restarting")
+        return COMPLETE if len(calls) == 4 else CREATED
+
+    state = wait(flaky, 100, 1, clock=lambda: now[0], sleep=lambda s: now.__setitem__(0, now[0] + s))
+    assert state.phase == "complete" and len(calls) == 4
+
+    def down():
+        raise ConnectionRefusedError("no API server")
+
+    with pytest.raises(ConnectionRefusedError):
+        wait(down, 100, 1, clock=lambda: now[0], sleep=lambda s: None, max_read_errors=3)
