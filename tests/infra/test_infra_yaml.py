@@ -375,6 +375,9 @@ def test_trainjob_template_is_consistent_with_infra_and_the_config(k8s_docs, tem
     job = load_template(path)  # a TrainJob of trainer.kubeflow.org/v1alpha1 with a trainer, no PET_* env
     defaults = TrainJobConfig()
     assert defaults.template == str(path.relative_to(REPO)), "distributed.trainjob.template default moved"
+    # the flow-run pod reads it relative to /app, the checkout in the image: the build context must let it through
+    allowed = [r.strip() for r in (REPO / ".dockerignore").read_text().splitlines() if r.startswith("!")]
+    assert f"!{defaults.template}" in allowed, ".dockerignore keeps the TrainJob template out of the image"
     trainer = job["spec"]["trainer"]
     # the config's defaults are what the file says (the stage writes them over the file's values)
     assert (job["metadata"]["namespace"], trainer["image"], job["spec"]["runtimeRef"]["name"]) == (
