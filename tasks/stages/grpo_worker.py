@@ -47,7 +47,10 @@ def report(where: str, folder: Path, rank: int, exc: BaseException) -> None:
     """Record this rank's error beside the spec: in its folder, and on S3 too for a TrainJob's spec."""
     path = write_rank_error(folder, rank, exc, USER_ERRORS)
     if s3.is_s3_uri(where):
-        s3.S3Store().put_bytes(path.read_bytes(), where.rsplit("/", 1)[0] + "/" + path.name)
+        try:
+            s3.S3Store().put_bytes(path.read_bytes(), where.rsplit("/", 1)[0] + "/" + path.name)
+        except Exception as e:  # S3 itself may be what failed: the pod's log still has the error
+            logging.getLogger(__name__).error("rank %d: its error record could not reach S3: %s", rank, e)
 
 
 def main(argv: list[str]) -> int:
