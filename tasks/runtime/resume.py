@@ -17,9 +17,10 @@ A stage's key is a sha256 over everything its result depends on (config sections
 Left out, since they do not change a result: run.name, run.output_dir, run.torch_threads, tracking.*,
 storage.*, sft.logging_steps, grpo.{save_steps, logging_steps, log_completions, resume},
 generation.{torch_threads, batch_size}, distributed.{backend, timeout_s, node_rank, rdzv_endpoint, master_addr,
-master_port}. A section in SPARSE contributes only its keys that differ from their defaults, so a run on one
-process keeps the key it had before the section existed. A key hashes the config only: not the content of a local or S3
-data.source file, nor the code version. A changed key changes every downstream key.
+master_port, launcher, trainjob} (where the processes run, not what they compute). A section in SPARSE
+contributes only its keys that differ from their defaults, so a run on one process keeps the key it had before
+the section existed. A key hashes the config only: not the content of a local or S3 data.source file, nor the
+code version. A changed key changes every downstream key.
 """
 
 from __future__ import annotations
@@ -62,6 +63,8 @@ IGNORED = frozenset(
         "distributed.rdzv_endpoint",
         "distributed.master_addr",
         "distributed.master_port",
+        "distributed.launcher",
+        "distributed.trainjob",
     }
 )
 SPARSE = {"distributed": DistributedConfig}

@@ -99,6 +99,10 @@ def test_one_process_keeps_the_keys_it_had_before_the_distributed_section():
     cfg = _cfg()
     without = {k: v for k, v in cfg.items() if k != "distributed"}
     assert stage_keys(without) == stage_keys(cfg)
+    elsewhere = _cfg()  # where the processes run is not what they compute (the dict: trainjob needs an S3 run)
+    elsewhere["distributed"]["launcher"] = "trainjob"
+    elsewhere["distributed"]["trainjob"]["namespace"] = "other"
+    assert stage_keys(elsewhere) == stage_keys(cfg)
     two = _cfg("distributed.nproc_per_node=2")
     assert stage_keys(_cfg("distributed.nproc_per_node=2", "distributed.strategy=fsdp2")) != stage_keys(two)
 
