@@ -6,7 +6,8 @@ parallel state is process-wide, so the test process starts no engine): the 2-ran
     python -m torch.distributed.run --standalone --nproc_per_node=2 -m tests.tasks.distributed_vllm_cases OUT.pt
     python -m tests.tasks.distributed_vllm_cases OUT.pt
 
-One engine per process serves every case (starting one costs ~10 s): each case trains a fresh tiny model (head_dim
+Two engines per process serve every case (one streams merged weights, one applies the adapter; starting one
+costs ~10 s): each case trains a fresh tiny model (head_dim
 32, the smallest vLLM's CPU attention takes), which the engine takes over at the case's first weight sync. A case
 runs two SGD steps, one per generation round of 12 completions in groups of 4 (the second group straddles the
 ranks: rank 0 owns rows 0-5), so the second round is sampled after an optimizer step and a weight sync on every
@@ -36,11 +37,13 @@ ROWS_PER_ROUND = 12
 TINY = TinyModelConfig(
     hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1
 )
-CASES = [  # (name, lora, strategy)
-    ("ddp-lora", True, "ddp"),
-    ("ddp-full", False, "ddp"),
-    ("fsdp2-full", False, "fsdp2"),
-    ("fsdp2-lora", True, "fsdp2"),
+CASES = [  # (name, lora, strategy, generation.vllm_lora_sync)
+    ("ddp-lora", True, "ddp", "merge"),
+    ("ddp-full", False, "ddp", "merge"),
+    ("fsdp2-full", False, "fsdp2", "merge"),
+    ("fsdp2-lora", True, "fsdp2", "merge"),
+    ("ddp-lora-adapter", True, "ddp", "adapter"),
+    ("fsdp2-lora-adapter", True, "fsdp2", "adapter"),
 ]
 
 
@@ -51,20 +54,25 @@ def tiny(tok, lora: bool):
     return model
 
 
-def start_engine(comm: Comm, folder: Path):
-    """The process's engine, started from a tiny model saved by rank 0 (every rank starts its engine together)."""
+def start_engines(comm: Comm, folder: Path) -> tuple:
+    """The tokenizer and the process's engines by ``vllm_lora_sync`` (merge: weights streamed merged; adapter: the
+    engine applies the adapter), started from a tiny model saved by rank 0 (every rank starts them together)."""
     tok = train_tiny_tokenizer(TEXTS, 280)
     path = folder / "engine-model"
     if comm.is_main:
         tiny(tok, lora=False).save_pretrained(path)
         tok.save_pretrained(path)
     comm.barrier()
-    cfg = GenerationConfig(backend="vllm", vllm_max_num_seqs=16, vllm_kv_cache_gib=0.05)
-    return tok, VLLMGenerator(tiny(tok, lora=False), tok, str(path), cfg, max_model_len=128, seed=0)
+    engines = {}
+    for sync in ("merge", "adapter"):
+        cfg = GenerationConfig(backend="vllm", vllm_max_num_seqs=16, vllm_kv_cache_gib=0.05, vllm_lora_sync=sync)
+        engines[sync] = VLLMGenerator(tiny(tok, lora=sync == "adapter"), tok, str(path), cfg, max_model_len=128)
+    return tok, engines
 
 
-def run_case(comm: Comm, tok, generator: VLLMGenerator, name: str, lora: bool, strategy: str) -> dict:
+def run_case(comm: Comm, tok, engines: dict, name: str, lora: bool, strategy: str, lora_sync: str) -> dict:
     torch.manual_seed(0)
+    generator = engines[lora_sync]
     model = tiny(tok, lora)
     eos_prone(model, tok, addition_rows(tok, 1)[1][0])
     settings = dict(
@@ -124,12 +132,13 @@ def main(argv: list[str]) -> int:
     torch.set_num_threads(1)
     out = Path(argv[0])
     with process_group("gloo", timeout_s=120) as comm:
-        tok, generator = start_engine(comm, out.parent)
-        results = {case[0]: run_case(comm, tok, generator, *case) for case in CASES}
+        tok, engines = start_engines(comm, out.parent)
+        results = {case[0]: run_case(comm, tok, engines, *case) for case in CASES}
         if comm.is_main:
             torch.save(results, out)
         comm.barrier()
-        generator.close()  # after the last collective: vLLM's shutdown destroys the default process group
+        for engine in engines.values():  # after the last collective: vLLM's shutdown destroys the process group
+            engine.close()
     return 0
 
 
