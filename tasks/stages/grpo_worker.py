@@ -40,6 +40,7 @@ def main(argv: list[str]) -> int:
     )
     if rank != 0:
         os.environ["GRPOFLOW_PROGRESS"] = "0"
+        os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")  # its engine's start-up chatter is rank 0's to log
     try:
         cfg = config_from_dict(spec["config"])
         if launched_world_size() != cfg.distributed.world_size:

@@ -49,6 +49,14 @@ def test_one_engine_per_rank_joins_torchruns_group():
     assert two["distributed_executor_backend"] == "external_launcher" and "tensor_parallel_size" not in two
 
 
+def test_vllm_is_accepted_on_several_processes_and_with_row_seeds():
+    from grpoflow.tasks.config import load_config
+
+    for overrides in (["distributed.nproc_per_node=2"], ["distributed.seed_by_row=true"]):
+        cfg = load_config(None, [*overrides, "generation.backend=vllm"])
+        assert cfg.generation.backend == "vllm" and cfg.distributed.row_seeded
+
+
 def test_row_requests_are_prompt_major_with_one_seed_each():
     assert row_requests([[1], [2]], 2, [10, 11, 12, 13]) == [([1], 10), ([1], 11), ([2], 12), ([2], 13)]
     with pytest.raises(ValueError, match="row_seeds: 3 seeds for 4 completions"):
