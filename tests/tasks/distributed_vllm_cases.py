@@ -70,13 +70,27 @@ def start_engines(comm: Comm, folder: Path) -> tuple:
     return tok, engines
 
 
-def run_case(comm: Comm, tok, engines: dict, name: str, lora: bool, strategy: str, lora_sync: str) -> dict:
+def run_case(
+    comm: Comm,
+    tok,
+    engines: dict,
+    name: str,
+    lora: bool,
+    strategy: str,
+    lora_sync: str,
+    *,
+    max_steps: int = 2,
+    checkpoints: Path | None = None,
+    resume_from: Path | None = None,
+) -> dict:
+    """Train case ``name``; with ``checkpoints`` saving after every step there, with ``resume_from`` continuing that
+    checkpoint (the engine then serves the loaded weights only if it syncs after the load)."""
     torch.manual_seed(0)
     generator = engines[lora_sync]
     model = tiny(tok, lora)
     eos_prone(model, tok, addition_rows(tok, 1)[1][0])
     settings = dict(
-        max_steps=2,
+        max_steps=max_steps,
         per_device_train_batch_size=ROWS_PER_ROUND // 2 // comm.world,
         steps_per_generation=2,
         gradient_accumulation_steps=2,  # one optimizer step per round: the second round follows a step
@@ -84,7 +98,7 @@ def run_case(comm: Comm, tok, engines: dict, name: str, lora: bool, strategy: st
         max_completion_length=8,
         learning_rate=0.5,
         max_grad_norm=None,
-        save_steps=100,
+        save_steps=1 if checkpoints else 100,
     )
     cfg = GRPOConfig.model_validate(settings, context={"num_processes": comm.world})
     root = wrap_root(PolicyLogProbs(model), comm, strategy)
@@ -92,7 +106,7 @@ def run_case(comm: Comm, tok, engines: dict, name: str, lora: bool, strategy: st
         cfg,
         tok,
         model,
-        Path("/nonexistent-checkpoints"),
+        checkpoints or Path("/nonexistent-checkpoints"),  # save_steps 100: nothing is written
         n_rows=8,
         generator=generator,
         is_correction=True,  # as the stage runs a separate engine: the sampler's log-probs enter the loss
@@ -119,13 +133,35 @@ def run_case(comm: Comm, tok, engines: dict, name: str, lora: bool, strategy: st
         return r
 
     trainer.new_round = recording_new_round
+    if resume_from is not None:
+        trainer.load_checkpoint(resume_from)
     trainer.train()
     return {
         "samples": rounds,
         "weights": snapshots,
         "history": trainer.history,
         "syncs": comm.all_gather_object(generator.syncs - syncs),  # each rank's, during training
+        "final": {n: full(p).detach().clone() for n, p in model.named_parameters() if p.requires_grad},
     }
+
+
+RESUMED = ("fsdp2-lora", True, "fsdp2", "merge")
+
+
+def run_resumed(comm: Comm, tok, engines: dict, folder: Path) -> dict:
+    """RESUMED for 3 steps uninterrupted (a sharded checkpoint after each), and continued from its checkpoint-2 by a
+    fresh trainer whose engine was last synced with the fresh model: the third round is sampled after the load."""
+    whole = run_case(comm, tok, engines, *RESUMED, max_steps=3, checkpoints=folder / "whole")
+    resumed = run_case(
+        comm,
+        tok,
+        engines,
+        *RESUMED,
+        max_steps=3,
+        checkpoints=folder / "resumed",
+        resume_from=folder / "whole" / "checkpoint-2",
+    )
+    return {"whole": whole, "resumed": resumed}
 
 
 def main(argv: list[str]) -> int:
@@ -134,6 +170,7 @@ def main(argv: list[str]) -> int:
     with process_group("gloo", timeout_s=120) as comm:
         tok, engines = start_engines(comm, out.parent)
         results = {case[0]: run_case(comm, tok, engines, *case) for case in CASES}
+        results["resumed"] = run_resumed(comm, tok, engines, out.parent / "checkpoints")
         if comm.is_main:
             torch.save(results, out)
         comm.barrier()

@@ -104,3 +104,18 @@ def test_every_engine_follows_the_trained_weights(runs, name):
         assert run[name]["syncs"] == [1] * len(run[name]["syncs"])
         gaps = [h["sampling/sampling_logp_difference/max"] for h in run[name]["history"]]
         assert len(gaps) == 2 and max(gaps) < 1e-4, gaps
+
+
+@needs_vllm
+@pytest.mark.slow
+def test_a_resumed_run_resyncs_every_engine_after_the_load(runs):
+    """Resumed from the sharded checkpoint of step 2 (FSDP2, LoRA), a fresh trainer whose engines hold the fresh
+    model's weights samples round 3 from the loaded ones: the same completions and final weights as the run that
+    was not interrupted, on 1 process and on 2 ranks."""
+    for run in runs:
+        whole, resumed = run["resumed"]["whole"], run["resumed"]["resumed"]
+        assert [h["step"] for h in resumed["history"]] == [1, 2, 3] and len(resumed["samples"]) == 1
+        assert [s["completion"] for s in resumed["samples"][0]] == [s["completion"] for s in whole["samples"][2]]
+        assert resumed["syncs"] == [1] * len(resumed["syncs"])  # after the load, before round 3
+        for n, w in whole["final"].items():
+            assert torch.equal(resumed["final"][n], w), n
