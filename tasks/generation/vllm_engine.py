@@ -4,7 +4,8 @@ Same interface as the transformers backend (tasks/generation/transformers_loop.p
 Generation; sync_weights(model). What this module adds, and why:
 
 - One process. ``VLLM_ENABLE_V1_MULTIPROCESSING=0`` and the ``uni`` executor keep the engine in
-  the trainer's process, so weights move as tensors, never through files or sockets. Memory is
+  the trainer's process, so weights move as tensors, never through files or sockets (under torchrun, one engine
+  per rank with the ``external_launcher`` executor: tasks/generation/vllm_ranks.py). Memory is
   bounded by config: an explicit KV cache size (the only bound on CPU), or a fraction of the GPU.
 - Weight sync. Before a generate whose weights are stale (any trainable parameter changed since
   the last sync; torch bumps a tensor's version on every in-place update, optimizer steps and
@@ -28,7 +29,7 @@ Generation; sync_weights(model). What this module adds, and why:
   ``torch.set_num_threads`` with a no-op; both are restored. Each generate draws one seed from
   the trainer's torch RNG and gives every prompt its own seed (vLLM adds the sample index), so
   completions follow the trainer's RNG state, which GRPO checkpoints: a resumed run samples the
-  same completions.
+  same completions. With ``row_seeds`` (distributed GRPO) each completion is a request seeded by its row.
 - Sleep mode (GPU): between generations the engine's KV cache is freed and its weights put away, then
   woken before the next sync (:func:`sleep_level`): level 2 (weights discarded) when every sync streams
   the whole model anyway, level 1 (weights offloaded to host memory) when only the adapter is synced and
@@ -483,13 +484,9 @@ class VLLMGenerator:
             requests = [(p, VLLMSamplingParams(n=n, seed=base_seed + i * n, **kw)) for i, p in enumerate(prompts)]
         else:
             requests = [(p, VLLMSamplingParams(n=1, seed=s, **kw)) for p, s in row_requests(prompts, n, row_seeds)]
+        inputs, per_request = [{"prompt_token_ids": p} for p, _ in requests], [sp for _, sp in requests]
         with torch.random.fork_rng(devices=[]):  # nothing in the engine may move the trainer's CPU RNG
-            outs = self.llm.generate(
-                [{"prompt_token_ids": p} for p, _ in requests],
-                [sp for _, sp in requests],
-                use_tqdm=False,
-                lora_request=self.lora_request,
-            )
+            outs = self.llm.generate(inputs, per_request, use_tqdm=False, lora_request=self.lora_request)
         self.release()
         gen = Generation()
         for out in outs:  # in prompt order; samples of a prompt in index order: prompt-major

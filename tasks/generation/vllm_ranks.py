@@ -4,8 +4,8 @@ Each rank runs its own co-located engine (tensor parallel 1) and samples only th
 (tasks/grpo/distributed.py ``local_rows``). What changes from one process, and why:
 
 - Executor: ``distributed_executor_backend="external_launcher"`` (what TRL's colocate mode passes). vLLM then
-  joins the torch.distributed world torchrun set up (RANK, LOCAL_RANK, MASTER_ADDR/PORT; its
-  ``init_distributed_environment`` keeps an initialized default group) instead of creating its own, and builds
+  joins the default group the trainer initialized from torchrun's environment (its ``init_distributed_environment``
+  keeps an initialized group; the worker's rank and device come from RANK and LOCAL_RANK), and builds
   its model-parallel groups over it: with tensor parallel 1 every rank is a group of its own, so the engines
   never wait for each other while generating. Starting the engines is collective (``new_group``): every rank
   starts its engine at the same point. ``uni`` is for one process: it gives its worker rank 0 and the device
