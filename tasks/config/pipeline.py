@@ -313,6 +313,11 @@ class PipelineConfig(_Section):
                 "grpo.dynamic_sampling with distributed (nproc_per_node * nnodes > 1, or seed_by_row): refilling a "
                 "round with fresh prompts is not implemented over several processes yet; turn one of them off"
             )
+        if d.launcher == "trainjob" and not self.run.output_dir.startswith("s3://"):
+            raise ValueError(
+                f"distributed.launcher=trainjob needs run.output_dir on S3 (s3://bucket/prefix, got "
+                f"{self.run.output_dir!r}): the TrainJob's pods run on other nodes and share the workspace through it"
+            )
         if d.world_size == 1:
             return self
         try:  # config_from_dict checks it in the grpo section already; this covers PipelineConfig.model_validate
@@ -322,6 +327,11 @@ class PipelineConfig(_Section):
         if d.strategy == "fsdp2" and self.model.load_in_4bit:
             raise ValueError(
                 "distributed.strategy=fsdp2 cannot shard model.load_in_4bit (bitsandbytes) weights; use ddp"
+            )
+        if d.strategy == "fsdp2" and self.grpo.logprob_chunk_rows:
+            raise ValueError(
+                "grpo.logprob_chunk_rows with distributed.strategy=fsdp2: several forward passes of the sharded "
+                "layers per step are not tested yet; use ddp or logprob_chunk_rows: 0"
             )
         if d.strategy == "fsdp2" and self.grpo.beta > 0 and not self.model.lora.enabled:
             raise ValueError(

@@ -141,6 +141,13 @@ class GRPOConfig(OptimizerFields):
         None, gt=0, description="Bound on one call of one reward function; over it the GRPO stage fails naming it."
     )
     mask_truncated_completions: bool = False
+    logprob_chunk_rows: int = Field(
+        0,
+        ge=0,
+        description="Log-prob passes (loss, old and reference log-probs) in chunks of this many rows, sorted by "
+        "completion length, each cut to its own longest prompt and completion instead of the round's widths: less "
+        "padding computed when lengths vary. 0 = one pass per micro-batch at the round's widths.",
+    )
     use_bias_correction_kl: bool = True
     vllm_importance_sampling_correction: bool = True
     vllm_importance_sampling_mode: Literal["token_truncate", "token_mask", "sequence_truncate", "sequence_mask"] = (

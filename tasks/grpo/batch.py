@@ -81,6 +81,37 @@ class PolicyLogProbs(torch.nn.Module):
         compute_entropy: bool = False,
         impl: str = "auto",
         entropy_grad: bool = False,
+        lengths: torch.Tensor | None = None,
+        chunk_rows: int = 0,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        args = (temperature, compute_entropy, impl, entropy_grad)
+        if not chunk_rows or lengths is None:
+            return self._logprobs(prompt_ids, prompt_mask, completion_ids, *args)
+        # length-sorted chunks, each cut to its own longest prompt and completion, padded back to [B, C]
+        P, C = prompt_ids.shape[1], completion_ids.shape[1]
+        order = torch.argsort(lengths, stable=True)
+        logps, entropies = [], []
+        for rows in order.split(chunk_rows):
+            p = max(1, int(prompt_mask[rows].sum(1).max()))  # left-padded: the real tokens are the last p columns
+            c = max(1, int(lengths[rows].max()))
+            lp, ent = self._logprobs(
+                prompt_ids[rows, P - p :], prompt_mask[rows, P - p :], completion_ids[rows, :c], *args
+            )
+            logps.append(torch.nn.functional.pad(lp, (0, C - c)))
+            entropies.append(None if ent is None else torch.nn.functional.pad(ent, (0, C - c)))
+        back = torch.argsort(order)
+        entropy = None if entropies[0] is None else torch.cat(entropies)[back]
+        return torch.cat(logps)[back], entropy
+
+    def _logprobs(
+        self,
+        prompt_ids: torch.Tensor,
+        prompt_mask: torch.Tensor,
+        completion_ids: torch.Tensor,
+        temperature: float,
+        compute_entropy: bool,
+        impl: str,
+        entropy_grad: bool,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         backbone, head = backbone_and_head(self.model)
         input_ids = torch.cat([prompt_ids, completion_ids], dim=1)
@@ -99,6 +130,13 @@ class PolicyLogProbs(torch.nn.Module):
         )
 
 
+def completion_lengths(batch: RoundTensors) -> torch.Tensor:
+    """[B] tokens of each completion: its mask's count, or the round's width C for a row whose mask was zeroed
+    because it was truncated (mask_truncated_completions: it ran to max_completion_length, the widest)."""
+    n = batch.completion_mask.sum(1)
+    return torch.where((n == 0) & batch.truncated, batch.completion_ids.shape[1], n)
+
+
 def root_logprobs(
     root: torch.nn.Module,
     batch: RoundTensors,
@@ -106,11 +144,26 @@ def root_logprobs(
     compute_entropy: bool = False,
     impl: str = "auto",
     entropy_grad: bool = False,
+    chunk_rows: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Per-token log-probs [B, C] (and entropy) of ``batch``'s completions through ``root``: a
-    :class:`PolicyLogProbs` or the distributed wrapper around one."""
+    :class:`PolicyLogProbs` or the distributed wrapper around one.
+
+    ``chunk_rows`` > 0 (grpo.logprob_chunk_rows): the rows sorted by completion length, ``chunk_rows`` at a time,
+    each chunk cut to its longest prompt and completion instead of the round's widths; the positions past a row's
+    length hold 0 (masked out by every caller). Same values up to float rounding: RoPE positions shift with the
+    cut left padding, by the same amount for every token of a row, which attention does not see."""
+    lengths = completion_lengths(batch) if chunk_rows else None
     return root(
-        batch.prompt_ids, batch.prompt_mask, batch.completion_ids, temperature, compute_entropy, impl, entropy_grad
+        batch.prompt_ids,
+        batch.prompt_mask,
+        batch.completion_ids,
+        temperature,
+        compute_entropy,
+        impl,
+        entropy_grad,
+        lengths,
+        chunk_rows,
     )
 
 
@@ -121,10 +174,12 @@ def policy_logprobs(
     compute_entropy: bool = False,
     impl: str = "auto",
     entropy_grad: bool = False,
+    chunk_rows: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Per-token log-probs [B, C] (and entropy, without gradient) of the completion tokens under ``model``.
 
     ``impl`` picks the kernels.token_logprobs implementation (tests and benchmarks compare them).
     ``entropy_grad`` (the entropy bonus): both from the full float32 logits, the entropy with its gradient
-    (memory: B * C * vocab floats; the fused kernels compute entropy without one)."""
-    return root_logprobs(PolicyLogProbs(model), batch, temperature, compute_entropy, impl, entropy_grad)
+    (memory: B * C * vocab floats; the fused kernels compute entropy without one). ``chunk_rows``: as in
+    :func:`root_logprobs`."""
+    return root_logprobs(PolicyLogProbs(model), batch, temperature, compute_entropy, impl, entropy_grad, chunk_rows)

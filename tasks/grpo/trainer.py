@@ -276,10 +276,11 @@ class GRPOTrainer:
         with torch.no_grad(), self._autocast():
             for s in range(0, batch.completion_ids.shape[0], mb):
                 sub = batch.select(torch.arange(s, min(s + mb, batch.completion_ids.shape[0])))
+                chunk = self.cfg.logprob_chunk_rows
                 if model is None:  # the policy: through the root module (the distributed engine's)
-                    out.append(root_logprobs(self.root, sub, self.cfg.temperature)[0])
+                    out.append(root_logprobs(self.root, sub, self.cfg.temperature, chunk_rows=chunk)[0])
                 else:
-                    out.append(policy_logprobs(model, sub, self.cfg.temperature)[0])
+                    out.append(policy_logprobs(model, sub, self.cfg.temperature, chunk_rows=chunk)[0])
         return torch.cat(out)  # every slice keeps the round's width
 
     def reference_logprobs(self, batch: RoundTensors) -> torch.Tensor:
@@ -392,7 +393,12 @@ class GRPOTrainer:
         mb = r.batch.select(idx)
         with self._autocast():
             logp, entropy = root_logprobs(
-                self.root, mb, self.cfg.temperature, compute_entropy=True, entropy_grad=self.entropy is not None
+                self.root,
+                mb,
+                self.cfg.temperature,
+                compute_entropy=True,
+                entropy_grad=self.entropy is not None,
+                chunk_rows=self.cfg.logprob_chunk_rows,
             )
         old = r.old_logp[idx] if r.old_logp is not None else None
         ref = r.ref_logp[idx] if r.ref_logp is not None else None

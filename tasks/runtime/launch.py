@@ -51,9 +51,10 @@ class RankTraceback(Exception):
     """The traceback a failed rank recorded, chained to the error the launch raises."""
 
 
-def torchrun_command(d: DistributedConfig, module: str, args: list[str]) -> list[str]:
-    """The torchrun command line that runs ``python -m module *args`` on every process of ``d``."""
-    cmd = [sys.executable, "-m", "torch.distributed.run"]
+def torchrun_command(d: DistributedConfig, module: str, args: list[str], python: str = sys.executable) -> list[str]:
+    """The torchrun command line that runs ``python -m module *args`` on every process of ``d`` (``python``: this
+    interpreter; a TrainJob's pods run it with the image's)."""
+    cmd = [python, "-m", "torch.distributed.run"]
     if d.nnodes == 1:
         cmd.append("--standalone")
     else:

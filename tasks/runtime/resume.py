@@ -7,15 +7,20 @@ A stage's key is a sha256 over everything its result depends on (config sections
 
     data        run.seed, data, model.name              (not the tokenizer: the data stage does not tokenize)
     sft         data key;  run.seed, model, sft
-    grpo        sft key (the data key when sft is disabled);  run.seed, model, grpo, generation
+    grpo        sft key (the data key when sft is disabled);  run.seed, model, grpo, generation, and
+                the distributed keys that change the result (nproc_per_node, nnodes: the world size sets TRL's
+                generation batch; strategy; seed_by_row), each only where it differs from its default
     eval        grpo key;  eval
     export      grpo key;  export, eval.max_new_tokens  (the length of the verification decode)
     base_model  data key;  run.seed, model.name, model.revision, model.tiny  (the tiny model built from the data)
 
 Left out, since they do not change a result: run.name, run.output_dir, run.torch_threads, tracking.*,
 storage.*, sft.logging_steps, grpo.{save_steps, logging_steps, log_completions, resume},
-generation.{torch_threads, batch_size}. A key hashes the config only: not the content of a local or S3
-data.source file, nor the code version. A changed key changes every downstream key.
+generation.{torch_threads, batch_size}, distributed.{backend, timeout_s, node_rank, rdzv_endpoint, master_addr,
+master_port, launcher, trainjob} (where the processes run, not what they compute). A section in SPARSE
+contributes only its keys that differ from their defaults, so a run on one process keeps the key it had before
+the section existed. A key hashes the config only: not the content of a local or S3 data.source file, nor the
+code version. A changed key changes every downstream key.
 """
 
 from __future__ import annotations
@@ -28,6 +33,7 @@ from typing import Any
 import yaml
 
 from grpoflow.tasks.config import PipelineConfig
+from grpoflow.tasks.config.distributed import DistributedConfig
 from grpoflow.tasks.runtime.tracking import RunLogger, flatten, start_pipeline_run, tracking_uri
 from grpoflow.tasks.runtime.workspace import STAGES, Workspace
 
@@ -36,7 +42,7 @@ log = logging.getLogger(__name__)
 DEPENDS: dict[str, tuple[str, ...]] = {
     "data": ("run.seed", "data", "model.name"),
     "sft": ("run.seed", "model", "sft"),
-    "grpo": ("run.seed", "model", "grpo", "generation"),
+    "grpo": ("run.seed", "model", "grpo", "generation", "distributed"),
     "eval": ("eval",),
     "export": ("export", "eval.max_new_tokens"),
     "base_model": ("run.seed", "model.name", "model.revision", "model.tiny"),
@@ -51,8 +57,17 @@ IGNORED = frozenset(
         "generation.torch_threads",
         "generation.batch_size",
         "model.cache_dir",
+        "distributed.backend",
+        "distributed.timeout_s",
+        "distributed.node_rank",
+        "distributed.rdzv_endpoint",
+        "distributed.master_addr",
+        "distributed.master_port",
+        "distributed.launcher",
+        "distributed.trainjob",
     }
 )
+SPARSE = {"distributed": DistributedConfig}
 RUN_FILE = "run.json"
 
 
@@ -67,7 +82,8 @@ def upstream(stage: str, cfg: dict[str, Any]) -> str | None:
 
 
 def config_part(stage: str, cfg: dict[str, Any]) -> dict[str, Any]:
-    """The config values ``stage`` depends on, by dotted path (IGNORED keys removed)."""
+    """The config values ``stage`` depends on, by dotted path (IGNORED keys removed; a SPARSE section's keys only
+    where they differ from the default, and the section left out when none does)."""
     part = {}
     for path in DEPENDS[stage]:
         value: Any = cfg
@@ -75,6 +91,11 @@ def config_part(stage: str, cfg: dict[str, Any]) -> dict[str, Any]:
             value = value.get(name) if isinstance(value, dict) else None
         if isinstance(value, dict):
             value = {k: v for k, v in value.items() if f"{path}.{k}" not in IGNORED}
+        if path in SPARSE:
+            default = SPARSE[path]().model_dump(mode="json")
+            value = {k: v for k, v in (value or {}).items() if v != default.get(k)}
+            if not value:
+                continue
         part[path] = value
     return part
 

@@ -66,13 +66,14 @@ def join_location(location: str | Path, name: str) -> str:
     return s3.join_uri(str(location), name) if s3.is_s3_uri(str(location)) else str(Path(location).resolve() / name)
 
 
-def _reroot(value: Any, old: str, new: str) -> Any:
+def reroot(value: Any, old: str, new: str) -> Any:
+    """``value`` with every string path under ``old`` moved under ``new`` (dicts and lists walked)."""
     if isinstance(value, str) and (value == old or value.startswith(old + "/")):
         return new + value[len(old) :]
     if isinstance(value, dict):
-        return {k: _reroot(v, old, new) for k, v in value.items()}
+        return {k: reroot(v, old, new) for k, v in value.items()}
     if isinstance(value, list):
-        return [_reroot(v, old, new) for v in value]
+        return [reroot(v, old, new) for v in value]
     return value
 
 
@@ -142,6 +143,15 @@ class Workspace:
             self.root / stage / sub, self._remote(stage, sub), delete=True, markers=MARKERS, exclude=(MANIFEST,)
         )
 
+    def pull(self, stage: str, sub: str = "") -> None:
+        """Download <stage>/<sub> from S3 now, making the local copy match (a no-op for a local workspace): the
+        files another machine pushed (a TrainJob's node 0)."""
+        if self.uri is None:
+            return
+        self.s3.download_dir(
+            self._remote(stage, sub), self.root / stage / sub, delete=True, markers=MARKERS, exclude=(MANIFEST,)
+        )
+
     def read_manifest(self, stage: str) -> dict[str, Any] | None:
         if self.uri is not None:
             return self.s3.get_json(self._remote(stage, MANIFEST), None)
@@ -157,7 +167,7 @@ class Workspace:
         if manifest is None or manifest.get("key") != key or "summary" not in manifest:
             return None
         old = manifest.get("root")
-        return _reroot(manifest["summary"], old, str(self.root)) if old else manifest["summary"]
+        return reroot(manifest["summary"], old, str(self.root)) if old else manifest["summary"]
 
     def seal_manifest(self, stage: str, key: str, summary: dict[str, Any]) -> Path:
         """Add the key and the returned summary to the manifest the stage wrote (atomically)."""

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import json
 import logging
-import shutil
 import time
 
 import torch
@@ -39,19 +38,22 @@ from grpoflow.tasks.runtime.dist import Comm
 from grpoflow.tasks.runtime.launch import run_torchrun, torchrun_command
 from grpoflow.tasks.runtime.plots import plot_learning_curves
 from grpoflow.tasks.runtime.stage import run_stage
-from grpoflow.tasks.runtime.tracking import RunLogger, tracking_uri
+from grpoflow.tasks.runtime.tracking import RunLogger
 from grpoflow.tasks.runtime.workspace import Workspace
 from grpoflow.tasks.stages.common import base_model_path
+from grpoflow.tasks.stages.grpo_launch import WORKER, launch_spec
 
 log = logging.getLogger(__name__)
 
 
-WORKER = "grpoflow.tasks.stages.grpo_worker"
-
-
 def run_grpo(cfg: PipelineConfig, ws: Workspace, tracker: RunLogger, init_model: str | None = None) -> dict:
-    """Train, then publish the stage (manifest); on several processes through torchrun."""
-    if cfg.distributed.world_size > 1:
+    """Train, then publish the stage (manifest); on several processes through torchrun, or on the nodes of a
+    Kubeflow TrainJob (distributed.launcher: trainjob)."""
+    if cfg.distributed.launcher == "trainjob":
+        from grpoflow.tasks.stages.grpo_trainjob import launch_trainjob  # the kubernetes client only when used
+
+        summary = launch_trainjob(cfg, ws, tracker, init_model)
+    elif cfg.distributed.world_size > 1:
         summary = launch_grpo(cfg, ws, tracker, init_model)
     else:
         summary = train_grpo(cfg, ws, tracker, init_model)
@@ -63,22 +65,9 @@ def launch_grpo(cfg: PipelineConfig, ws: Workspace, tracker: RunLogger, init_mod
     """Run :func:`train_grpo` on every process of ``cfg.distributed`` with torchrun; rank 0 logs into ``tracker``'s
     run and writes the summary returned here. A failing rank fails the stage with its error."""
     d = cfg.distributed
-    init_model = init_model or base_model_path(cfg, ws)  # built here once (tiny), not by every rank at once
     folder = ws.stage_dir("grpo") / "launch"
-    shutil.rmtree(folder, ignore_errors=True)
-    folder.mkdir(parents=True)
-    spec = {
-        "config": cfg.to_dict(),
-        "workspace": ws.location,
-        "init_model": init_model,
-        "tracking_uri": tracking_uri(cfg) if tracker else None,
-        "run_id": tracker.run_id,
-        "summary": str(folder / "summary.json"),
-    }
+    spec = launch_spec(cfg, ws, tracker, init_model, folder)
     (folder / "spec.json").write_text(json.dumps(spec))
-    tracker.set_tags(
-        {"distributed.world_size": d.world_size, "distributed.strategy": d.strategy, "distributed.nnodes": d.nnodes}
-    )
     run_torchrun(torchrun_command(d, WORKER, [str(folder / "spec.json")]), folder, d.world_size)
     return json.loads((folder / "summary.json").read_text())
 

@@ -1,11 +1,17 @@
 """One process of a distributed GRPO stage: what torchrun starts (tasks/stages/grpo.py ``launch_grpo``).
 
     python -m grpoflow.tasks.stages.grpo_worker <launch>/spec.json
+    python -m grpoflow.tasks.stages.grpo_worker s3://<workspace>/grpo/launch/spec.json     (a TrainJob's pods)
 
 The spec holds the run config, the workspace, the stage's MLflow run and where to write the summary. Every rank
 joins the process group (distributed.backend, distributed.timeout_s) and runs :func:`train_grpo`; rank 0 logs
 to the stage's MLflow run and writes the summary; a rank that fails records its error beside the spec
 (tasks/runtime/launch.py reads it) and exits non-zero, and torchrun then stops the others.
+
+A spec on S3 is a Kubeflow TrainJob's (tasks/stages/grpo_trainjob.py): each node pulls the workspace's upstream
+stages and the GRPO folder into its own mirror first (its local rank 0, the others wait), paths in the spec are
+re-rooted from the launcher's mirror to this node's, error records go to S3 beside the spec, and rank 0 pushes the
+GRPO folder with the summary (paths re-rooted back to the launcher's mirror) when done.
 """
 
 from __future__ import annotations
@@ -14,23 +20,43 @@ import json
 import logging
 import os
 import sys
+import tempfile
 from pathlib import Path
 
 import torch
 
 from grpoflow.tasks.config import config_from_dict
 from grpoflow.tasks.model.device import resolve_device
+from grpoflow.tasks.runtime import s3
 from grpoflow.tasks.runtime.dist import launched_world_size, process_group
 from grpoflow.tasks.runtime.launch import write_rank_error
 from grpoflow.tasks.runtime.stage import USER_ERRORS
 from grpoflow.tasks.runtime.tracking import RunLogger
-from grpoflow.tasks.runtime.workspace import Workspace
+from grpoflow.tasks.runtime.workspace import Workspace, reroot
 from grpoflow.tasks.stages.grpo import train_grpo
 
 
+def read_spec(where: str) -> dict:
+    """The launch spec, from a file or (a TrainJob's) from S3, reached through the environment's endpoint."""
+    if s3.is_s3_uri(where):
+        return json.loads(s3.S3Store().get_bytes(where))
+    return json.loads(Path(where).read_text())
+
+
+def report(where: str, folder: Path, rank: int, exc: BaseException) -> None:
+    """Record this rank's error beside the spec: in its folder, and on S3 too for a TrainJob's spec."""
+    path = write_rank_error(folder, rank, exc, USER_ERRORS)
+    if s3.is_s3_uri(where):
+        try:
+            s3.S3Store().put_bytes(path.read_bytes(), where.rsplit("/", 1)[0] + "/" + path.name)
+        except Exception as e:  # S3 itself may be what failed: the pod's log still has the error
+            logging.getLogger(__name__).error("rank %d: its error record could not reach S3: %s", rank, e)
+
+
 def main(argv: list[str]) -> int:
-    spec_path = Path(argv[0])
-    spec = json.loads(spec_path.read_text())
+    where = argv[0]
+    remote = s3.is_s3_uri(where)
+    folder = Path(tempfile.mkdtemp(prefix="grpo-launch-")) if remote else Path(where).parent
     rank = int(os.environ.get("RANK", "0"))
     logging.basicConfig(
         level=logging.INFO if rank == 0 else logging.WARNING,  # rank 0 reports; the others only their problems
@@ -42,6 +68,7 @@ def main(argv: list[str]) -> int:
         os.environ["GRPOFLOW_PROGRESS"] = "0"
         os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")  # its engine's start-up chatter is rank 0's to log
     try:
+        spec = read_spec(where)
         cfg = config_from_dict(spec["config"])
         if launched_world_size() != cfg.distributed.world_size:
             raise ValueError(
@@ -53,6 +80,13 @@ def main(argv: list[str]) -> int:
         d = cfg.distributed
         with process_group(d.backend, d.timeout_s, resolve_device(cfg.run.device).type) as comm:
             ws = Workspace(spec["workspace"], cfg.storage)
+            if remote:  # a node of a TrainJob: its own mirror of the workspace
+                if comm.local_rank == 0:
+                    ws.fetch(("data", "sft", "base_model"))
+                    ws.pull("grpo")
+                comm.barrier()
+                launcher_root = spec["root"]
+                spec = reroot(spec, launcher_root, str(ws.root))
             tracker = RunLogger.disabled()
             if comm.is_main and spec["run_id"]:
                 from mlflow.tracking import MlflowClient
@@ -61,14 +95,19 @@ def main(argv: list[str]) -> int:
             summary = train_grpo(cfg, ws, tracker, spec["init_model"], comm)
             if comm.is_main:
                 out = Path(spec["summary"])
+                out.parent.mkdir(parents=True, exist_ok=True)
+                if remote:  # the launcher reads it under its own mirror
+                    summary = reroot(summary, str(ws.root), launcher_root)
                 out.with_suffix(".tmp").write_text(json.dumps(summary))
                 os.replace(out.with_suffix(".tmp"), out)
+                if remote:
+                    ws.push("grpo")  # the final model, history and summary, for the launcher to pull
     except USER_ERRORS as e:  # the user's input: one line (its traceback is in the error record), as on one process
-        write_rank_error(spec_path.parent, rank, e, USER_ERRORS)
+        report(where, folder, rank, e)
         logging.getLogger(__name__).error("rank %d failed: %s", rank, e)
         return 1
     except BaseException as e:  # a bug of ours: the traceback too
-        write_rank_error(spec_path.parent, rank, e, USER_ERRORS)
+        report(where, folder, rank, e)
         raise
     return 0
 

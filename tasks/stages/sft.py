@@ -20,7 +20,14 @@ from prefect import task
 from grpoflow.tasks.config import PipelineConfig
 from grpoflow.tasks.dataio.splits import load_split
 from grpoflow.tasks.model.device import resolve_device
-from grpoflow.tasks.model.loading import count_parameters, load_tokenizer, load_trainable, prompt_ids, train_dtypes
+from grpoflow.tasks.model.loading import (
+    backbone_and_head,
+    count_parameters,
+    load_tokenizer,
+    load_trainable,
+    prompt_ids,
+    train_dtypes,
+)
 from grpoflow.tasks.model.optim import build_optimizer, build_scheduler, clip_and_step
 from grpoflow.tasks.runtime.progress import progress_bar
 from grpoflow.tasks.runtime.stage import run_stage
@@ -52,6 +59,20 @@ def collate(batch: list[tuple[list[int], list[int]]], pad_id: int):
         labels[i, : len(y)] = torch.tensor(y)
         mask[i, : len(x)] = 1
     return ids, labels, mask
+
+
+def labelled_token_loss(model, ids: torch.Tensor, labels: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Summed next-token cross-entropy over the labelled positions: sum_t -log p(labels[t+1] | ids[:t+1]).
+
+    The output projection runs only where the next token carries a label (with completion-only loss, the
+    completion): the prompt's vocabulary-wide logits are never formed. On SmolLM2 (49k vocabulary) a prompt of
+    ~60 tokens before a ~40-token completion made those logits most of the head's work and memory."""
+    backbone, head = backbone_and_head(model)
+    hidden = backbone(input_ids=ids, attention_mask=mask, use_cache=False).last_hidden_state[:, :-1]
+    targets = labels[:, 1:]
+    keep = targets != -100
+    logits = head(hidden[keep]).float()
+    return torch.nn.functional.cross_entropy(logits, targets[keep], reduction="sum")
 
 
 def run_sft(cfg: PipelineConfig, ws: Workspace, tracker: RunLogger) -> dict:
@@ -90,10 +111,7 @@ def run_sft(cfg: PipelineConfig, ws: Workspace, tracker: RunLogger) -> dict:
                 batch = collate(micro[k : k + s.per_device_train_batch_size], tokenizer.pad_token_id)
                 ids, labels, mask = (t.to(device) for t in batch)
                 with torch.autocast(device.type, dtype=autocast_dtype, enabled=autocast_dtype is not None):
-                    logits = model(input_ids=ids, attention_mask=mask).logits[:, :-1].float()
-                loss = torch.nn.functional.cross_entropy(
-                    logits.reshape(-1, logits.shape[-1]), labels[:, 1:].reshape(-1), ignore_index=-100, reduction="sum"
-                ) / max(1, n_label)
+                    loss = labelled_token_loss(model, ids, labels, mask) / max(1, n_label)
                 loss.backward()
                 step_loss += loss.item()
                 tokens += int(mask.sum())

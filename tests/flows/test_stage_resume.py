@@ -61,6 +61,8 @@ def test_keys_are_deterministic_and_distinct():
         ("eval.max_samples=3", {"eval"}),
         ("eval.max_new_tokens=9", {"eval", "export"}),
         ("export.verify_prompts=1", {"export"}),
+        ("distributed.nproc_per_node=2", {"grpo", "eval", "export"}),  # the world size sets the round's rows
+        ("distributed.seed_by_row=true", {"grpo", "eval", "export"}),
     ],
 )
 def test_a_change_propagates_downstream(override, changed):
@@ -85,10 +87,24 @@ def test_a_change_propagates_downstream(override, changed):
         "tracking.uri=sqlite:///x.db",
         "storage.cache_dir=/elsewhere",
         "storage.endpoint_url=http://127.0.0.1:9000",
+        "distributed.timeout_s=30",
+        "distributed.backend=gloo",
     ],
 )
 def test_logging_only_keys_do_not_change_any_key(override):
     assert stage_keys(_cfg(override)) == stage_keys(_cfg())
+
+
+def test_one_process_keeps_the_keys_it_had_before_the_distributed_section():
+    cfg = _cfg()
+    without = {k: v for k, v in cfg.items() if k != "distributed"}
+    assert stage_keys(without) == stage_keys(cfg)
+    elsewhere = _cfg()  # where the processes run is not what they compute (the dict: trainjob needs an S3 run)
+    elsewhere["distributed"]["launcher"] = "trainjob"
+    elsewhere["distributed"]["trainjob"]["namespace"] = "other"
+    assert stage_keys(elsewhere) == stage_keys(cfg)
+    two = _cfg("distributed.nproc_per_node=2")
+    assert stage_keys(_cfg("distributed.nproc_per_node=2", "distributed.strategy=fsdp2")) != stage_keys(two)
 
 
 def test_grpo_hangs_off_data_when_sft_is_disabled():

@@ -362,3 +362,107 @@ def test_prefect_yaml_deployments_use_pools_and_images_that_exist(templates, bui
         image = job_vars.get("image")
         if isinstance(image, str) and "{{" not in image:
             check_image(image, built_images, f"deployment {dep.get('name')}")
+
+
+# ---------------------------------------------------------------- Kubeflow Trainer TrainJob (distributed.launcher)
+
+
+def test_trainjob_template_is_consistent_with_infra_and_the_config(k8s_docs, templates, built_images):
+    from grpoflow.tasks.config.distributed import TrainJobConfig
+    from grpoflow.tasks.runtime.trainjob import GPU, RESERVED_ENV, load_template
+
+    path = INFRA / "kubeflow" / "trainjob.yaml"
+    job = load_template(path)  # a TrainJob of trainer.kubeflow.org/v1alpha1 with a trainer, no PET_* env
+    defaults = TrainJobConfig()
+    assert defaults.template == str(path.relative_to(REPO)), "distributed.trainjob.template default moved"
+    # the flow-run pod reads it relative to /app, the checkout in the image: the build context must let it through
+    allowed = [r.strip() for r in (REPO / ".dockerignore").read_text().splitlines() if r.startswith("!")]
+    assert f"!{defaults.template}" in allowed, ".dockerignore keeps the TrainJob template out of the image"
+    trainer = job["spec"]["trainer"]
+    # the config's defaults are what the file says (the stage writes them over the file's values)
+    assert (job["metadata"]["namespace"], trainer["image"], job["spec"]["runtimeRef"]["name"]) == (
+        defaults.namespace,
+        defaults.image,
+        defaults.runtime,
+    )
+    check_image(trainer["image"], built_images, "trainjob.yaml")
+    assert job["metadata"]["labels"].get("app.kubernetes.io/name") == "grpoflow"
+    namespaces = {d["metadata"]["name"] for _, d in k8s_docs if d["kind"] == "Namespace"}
+    assert job["metadata"]["namespace"] in namespaces, f"trainjob.yaml: namespace not in {namespaces}"
+    limits = trainer["resourcesPerNode"]["limits"]
+    assert GPU in limits and "memory" in limits, f"trainjob.yaml: limits {limits}"
+    assert not set(trainer.get("resourcesPerNode", {}).get("requests", {})) - {"cpu", "memory"}
+    # env: what the code or its libraries read; URLs reach Services of infra/k8s; secrets exist with their keys
+    secrets = {d["metadata"]["name"]: d for _, d in k8s_docs if d["kind"] == "Secret"}
+    services = {d["metadata"]["name"]: d for _, d in k8s_docs if d["kind"] == "Service"}
+    env = {e["name"]: e for e in trainer["env"]}
+    assert not set(env) & set(RESERVED_ENV)
+    assert {"MLFLOW_TRACKING_URI", "AWS_ENDPOINT_URL", "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY"} <= set(env)
+    for var, e in env.items():
+        assert code_reads(var) or library_reads(var), f"trainjob.yaml: nothing reads {var}"
+        ref = (e.get("valueFrom") or {}).get("secretKeyRef")
+        if ref:
+            assert ref["name"] in secrets, f"trainjob.yaml: {var} reads Secret {ref['name']}, not in infra/k8s"
+            assert ref["key"] in secrets[ref["name"]]["stringData"], f"trainjob.yaml: {var}: key {ref['key']}"
+        elif e["value"].startswith("http"):
+            url = urlparse(e["value"])
+            assert url.hostname in services, f"trainjob.yaml: {var}={e['value']}: no Service {url.hostname}"
+            assert url.port in [p["port"] for p in services[url.hostname]["spec"]["ports"]], f"{var} port"
+    # the same endpoints, image and S3 Secret as the flow-run pods of the Kubernetes work pool
+    pool = templates["kubernetes-gpu.json"]["variables"]["properties"]
+    for var, value in pool["env"]["default"].items():
+        assert env[var].get("value") == value, f"trainjob.yaml {var} differs from kubernetes-gpu.json"
+    assert pool["image"]["default"] == trainer["image"]
+    assert {r["secretKeyRef"]["name"] for r in (e.get("valueFrom") for e in env.values()) if r} == {
+        pool["s3_secret_name"]["default"]
+    }
+
+
+@pytest.mark.parametrize("n", [1, 2, 8])
+def test_kubernetes_pool_gpu_count_reaches_the_container(templates, n):
+    """One node, N GPUs: `job_variables: {gpu_count: N}` puts N nvidia.com/gpu in the flow-run container's limits
+    and requests, where `distributed.nproc_per_node=N` then runs one process per GPU (README, Distributed)."""
+    template = templates["kubernetes-gpu.json"]
+    var = template["variables"]["properties"]["gpu_count"]
+    assert var["type"] == "integer" and var["minimum"] == 1
+    container = render(template, gpu_count=n)["job_manifest"]["spec"]["template"]["spec"]["containers"][0]
+    assert container["resources"]["limits"]["nvidia.com/gpu"] == n
+    assert container["resources"]["requests"]["nvidia.com/gpu"] == n
+    readme = (REPO / "README.md").read_text() + (INFRA / "README.md").read_text()
+    assert "gpu_count" in readme and "distributed.nproc_per_node" in readme
+
+
+def test_trainjob_rbac_grants_every_call_the_launcher_makes():
+    """infra/kubeflow/rbac.yaml: the Role bound to the launcher's ServiceAccount allows each Kubernetes API call of
+    KubeTrainJobs (read from its source, so a new call fails here until the Role grants it)."""
+    from grpoflow.tasks.runtime import trainjob
+
+    needs = {
+        "create_namespaced_custom_object": ("trainer.kubeflow.org", "trainjobs", "create"),
+        "get_namespaced_custom_object": ("trainer.kubeflow.org", "trainjobs", "get"),
+        "delete_namespaced_custom_object": ("trainer.kubeflow.org", "trainjobs", "delete"),
+        "list_namespaced_pod": ("", "pods", "list"),
+        "read_namespaced_pod_log": ("", "pods/log", "get"),
+    }
+    calls = set(re.findall(r"self\.(?:custom|core)\.(\w+)\(", Path(trainjob.__file__).read_text()))
+    assert calls and calls <= set(needs), f"KubeTrainJobs calls {calls - set(needs)}: add them here and to rbac.yaml"
+    docs = {d["kind"]: d for d in yaml.safe_load_all((INFRA / "kubeflow" / "rbac.yaml").read_text())}
+    granted = {
+        (group, res, verb)
+        for rule in docs["Role"]["rules"]
+        for group in rule["apiGroups"]
+        for res in rule["resources"]
+        for verb in rule["verbs"]
+    }
+    missing = {needs[c] for c in calls} - granted
+    assert not missing, f"rbac.yaml grants no {missing}"
+    assert trainjob.GROUP == "trainer.kubeflow.org" and trainjob.PLURAL == "trainjobs"
+    binding, account = docs["RoleBinding"], docs["ServiceAccount"]
+    assert binding["roleRef"]["name"] == docs["Role"]["metadata"]["name"]
+    assert binding["subjects"] == [
+        {"kind": "ServiceAccount", "name": account["metadata"]["name"], "namespace": account["metadata"]["namespace"]}
+    ]
+    from grpoflow.tasks.config.distributed import TrainJobConfig
+
+    for doc in docs.values():
+        assert doc["metadata"]["namespace"] == TrainJobConfig().namespace
