@@ -308,12 +308,6 @@ class PipelineConfig(_Section):
     @model_validator(mode="after")
     def _distributed(self) -> PipelineConfig:
         d = self.distributed
-        if d.row_seeded and self.generation.backend == "vllm":
-            raise ValueError(
-                "generation.backend=vllm with distributed (nproc_per_node * nnodes > 1, or seed_by_row): one vLLM "
-                "engine per process and per-row seeds are not implemented yet; use generation.backend=transformers "
-                "(auto picks it)"
-            )
         if d.row_seeded and self.grpo.dynamic_sampling:
             raise ValueError(
                 "grpo.dynamic_sampling with distributed (nproc_per_node * nnodes > 1, or seed_by_row): refilling a "

@@ -4,7 +4,8 @@ Same interface as the transformers backend (tasks/generation/transformers_loop.p
 Generation; sync_weights(model). What this module adds, and why:
 
 - One process. ``VLLM_ENABLE_V1_MULTIPROCESSING=0`` and the ``uni`` executor keep the engine in
-  the trainer's process, so weights move as tensors, never through files or sockets. Memory is
+  the trainer's process, so weights move as tensors, never through files or sockets (under torchrun, one engine
+  per rank with the ``external_launcher`` executor: tasks/generation/vllm_ranks.py). Memory is
   bounded by config: an explicit KV cache size (the only bound on CPU), or a fraction of the GPU.
 - Weight sync. Before a generate whose weights are stale (any trainable parameter changed since
   the last sync; torch bumps a tensor's version on every in-place update, optimizer steps and
@@ -28,7 +29,7 @@ Generation; sync_weights(model). What this module adds, and why:
   ``torch.set_num_threads`` with a no-op; both are restored. Each generate draws one seed from
   the trainer's torch RNG and gives every prompt its own seed (vLLM adds the sample index), so
   completions follow the trainer's RNG state, which GRPO checkpoints: a resumed run samples the
-  same completions.
+  same completions. With ``row_seeds`` (distributed GRPO) each completion is a request seeded by its row.
 - Sleep mode (GPU): between generations the engine's KV cache is freed and its weights put away, then
   woken before the next sync (:func:`sleep_level`): level 2 (weights discarded) when every sync streams
   the whole model anyway, level 1 (weights offloaded to host memory) when only the adapter is synced and
@@ -42,7 +43,7 @@ import logging
 import os
 import random
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -51,6 +52,7 @@ import torch
 
 from grpoflow.tasks.config import GenerationConfig
 from grpoflow.tasks.generation.types import Generation, SamplingParams
+from grpoflow.tasks.generation.vllm_ranks import executor_backend, full, launcher_world, row_requests
 from grpoflow.tasks.model.lora import lora_layers, merged_weight, unwrap
 
 log = logging.getLogger(__name__)
@@ -177,8 +179,10 @@ def engine_kwargs(
     device: str,
     sleep_available: bool,
     lora_rank: int | None = None,
+    world: int = 1,
 ) -> dict:
-    """Arguments of ``vllm.LLM`` for a co-located engine on ``device`` ("cpu" or "cuda").
+    """Arguments of ``vllm.LLM`` for a co-located engine on ``device`` ("cpu" or "cuda"), in a process of a
+    ``world``-process torch.distributed group (tasks/generation/vllm_ranks.py).
 
     KV cache: ``vllm_kv_cache_gib`` when set; else on CPU room for ``vllm_max_num_seqs`` full-length
     sequences (block-rounded, at least 32 MiB); on GPU ``vllm_gpu_memory_utilization`` of the device."""
@@ -187,7 +191,7 @@ def engine_kwargs(
         dtype=dtype,
         max_model_len=max_model_len,
         seed=seed,
-        distributed_executor_backend="uni",
+        distributed_executor_backend=executor_backend(world),
         skip_tokenizer_init=True,  # prompts arrive as ids; completions go back as ids
         generation_config="vllm",  # stop on the tokenizer's EOS only, no sampling defaults from the model
         logprobs_mode="processed_logprobs",
@@ -244,7 +248,8 @@ def sync_state(model, merge: bool = True) -> Iterator[tuple[str, torch.Tensor]]:
 
     A peft model yields merged weights W + scale * B @ A computed on the side (the training model is
     not modified) under the base model's names (``merge=False``: the base weights alone); a tied
-    head is also yielded as ``lm_head.weight``."""
+    head is also yielded as ``lm_head.weight``. FSDP2 shards are gathered one weight at a time, in this order on
+    every rank (vllm_ranks.full)."""
     base = unwrap(model)
     layers = lora_layers(model)
     for name, param in base.named_parameters():
@@ -254,11 +259,11 @@ def sync_state(model, merge: bool = True) -> Iterator[tuple[str, torch.Tensor]]:
         if module_name.endswith(".base_layer"):
             owner = module_name[: -len(".base_layer")]
             tensor = merged_weight(layers[owner]) if merge and leaf == "weight" else param.detach()
-            yield f"{owner}.{leaf}", tensor
+            yield f"{owner}.{leaf}", full(tensor)
         else:
-            yield name, param.detach()
+            yield name, full(param.detach())
     if getattr(base.config, "tie_word_embeddings", False) and base.get_output_embeddings() is not None:
-        yield "lm_head.weight", base.get_output_embeddings().weight.detach()
+        yield "lm_head.weight", full(base.get_output_embeddings().weight.detach())
 
 
 def _install_adapter(worker, lora_id: int, tensors: dict, peft_config: dict) -> None:
@@ -361,6 +366,7 @@ class VLLMGenerator:
         base = unwrap(model)
         self.lora_sync = cfg.vllm_lora_sync if hasattr(model, "peft_config") else None
         lora_rank = model.peft_config[model.active_adapter].r if self.lora_sync == "adapter" else None
+        self.world = launcher_world()  # > 1: this rank's engine inside torchrun's group (vllm_ranks.py)
         kwargs = engine_kwargs(
             cfg,
             model_path=str(Path(model_path)),
@@ -371,6 +377,7 @@ class VLLMGenerator:
             device=self.device,
             sleep_available=current_platform.is_sleep_mode_available(),
             lora_rank=lora_rank,
+            world=self.world,
         )
         t0 = time.perf_counter()
         with _keep_process_state():
@@ -386,6 +393,9 @@ class VLLMGenerator:
             "on" if self.sleep_enabled else "off (not supported on CPU)" if self.device == "cpu" else "off",
         )
         self._synced_version: int | None = None
+        # what decides a sync when set (distributed GRPO: the optimizer step, the same on every rank); else the
+        # trainable parameters' in-place versions
+        self.weights_key: Callable[[], int] | None = None
         self.lora_request = None  # the adapter served in "adapter" mode
         self._asleep: set[str] = set()  # engine memory offloaded while training (GPU sleep mode)
         self.sync_seconds = 0.0  # total time spent streaming weights (reported by the benchmark)
@@ -398,7 +408,7 @@ class VLLMGenerator:
             if model is not self.model:
                 force, self._synced_version = True, None
             self.model = model
-        version = weights_version(self.model)
+        version = self.weights_key() if self.weights_key is not None else weights_version(self.model)
         if not force and version == self._synced_version:
             return False
         self._wake(["weights"])
@@ -420,7 +430,8 @@ class VLLMGenerator:
         from vllm.lora.request import LoRARequest
 
         name = self.model.active_adapter
-        tensors = {k: v.detach().clone() for k, v in get_peft_model_state_dict(self.model, adapter_name=name).items()}
+        state = get_peft_model_state_dict(self.model, adapter_name=name)
+        tensors = {k: full(v.detach()).clone() for k, v in state.items()}
         peft_config = self.model.peft_config[name].to_dict()
         peft_config["target_modules"] = sorted(peft_config["target_modules"] or [])
         lora_id = self.syncs + 1
@@ -449,7 +460,8 @@ class VLLMGenerator:
 
     def close(self) -> None:
         """Shut the engine down and free its memory (the stage ends with this). vLLM's parallel state is
-        process-wide: engines alive at the same time must be closed together, after their last use."""
+        process-wide: engines alive at the same time must be closed together, after their last use. vLLM's shutdown
+        also destroys the default process group: in a distributed run, close only after the last collective."""
         llm, self.llm = getattr(self, "llm", None), None
         if llm is not None:
             llm.llm_engine.engine_core.shutdown()
@@ -457,18 +469,24 @@ class VLLMGenerator:
             gc.collect()
 
     # ------------------------------------------------------------------ sampling
-    def generate(self, prompts: list[list[int]], n: int, params: SamplingParams) -> Generation:
+    def generate(
+        self, prompts: list[list[int]], n: int, params: SamplingParams, row_seeds: list[int] | None = None
+    ) -> Generation:
+        """``n`` completions of each prompt, prompt-major. ``row_seeds`` (one per completion): each completion is a
+        request of its own with that seed, so it does not depend on the batch that drew it (distributed GRPO)."""
         from vllm import SamplingParams as VLLMSamplingParams
 
         self.sync_weights()
         self.resume()
-        base_seed = int(torch.randint(0, 2**31 - 1, ()).item())  # the trainer's RNG decides the samples
         kw = sampling_kwargs(params, self.eos_id)
-        per_prompt = [VLLMSamplingParams(n=n, seed=base_seed + i * n, **kw) for i in range(len(prompts))]
+        if row_seeds is None:
+            base_seed = int(torch.randint(0, 2**31 - 1, ()).item())  # the trainer's RNG decides the samples
+            requests = [(p, VLLMSamplingParams(n=n, seed=base_seed + i * n, **kw)) for i, p in enumerate(prompts)]
+        else:
+            requests = [(p, VLLMSamplingParams(n=1, seed=s, **kw)) for p, s in row_requests(prompts, n, row_seeds)]
+        inputs, per_request = [{"prompt_token_ids": p} for p, _ in requests], [sp for _, sp in requests]
         with torch.random.fork_rng(devices=[]):  # nothing in the engine may move the trainer's CPU RNG
-            outs = self.llm.generate(
-                [{"prompt_token_ids": p} for p in prompts], per_prompt, use_tqdm=False, lora_request=self.lora_request
-            )
+            outs = self.llm.generate(inputs, per_request, use_tqdm=False, lora_request=self.lora_request)
         self.release()
         gen = Generation()
         for out in outs:  # in prompt order; samples of a prompt in index order: prompt-major

@@ -134,6 +134,8 @@ class GRPOTrainer:
         self.comm = comm or Comm()
         self.root = root if root is not None else PolicyLogProbs(model)
         self.row_seeded = row_seeded
+        if self.comm.world > 1 and hasattr(generator, "weights_key"):  # a separate engine syncs after each step,
+            generator.weights_key = lambda: self.step  # decided alike on every rank (FSDP2: the sync is collective)
         self.batching = cfg.batching(self.comm.world)
         self.settings = loss_settings(cfg, self.batching.steps_per_generation, self.comm.world)
         self.sampler = PromptSampler(len(rows), seed, cfg.shuffle_dataset)
@@ -171,7 +173,8 @@ class GRPOTrainer:
         row_idx = [i for i in idx for _ in range(g.num_generations)][mine]
         if self.row_seeded:  # each row sampled with its own seed: the same completions whatever the world size
             seeds = [row_seed(self.seed, n_round, r) for r in range(mine.start, mine.stop)]
-            with gathered(self.root):  # FSDP2: full weights while this rank decodes alone
+            # FSDP2: full weights while this rank decodes alone (a separate engine gathers them as it syncs)
+            with nullcontext() if getattr(self.generator, "separate_engine", False) else gathered(self.root):
                 gen = self.generator.generate([self.prompt_ids[i] for i in row_idx], 1, self.params, row_seeds=seeds)
         else:
             gen = self.generator.generate([self.prompt_ids[i] for i in idx], g.num_generations, self.params)

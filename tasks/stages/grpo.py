@@ -97,11 +97,8 @@ def train_grpo(
     trainable, total = count_parameters(model)
     rows = list(load_split(ws, "train"))
     prompts = [prompt_ids(tokenizer, r["prompt"], g.max_prompt_length) for r in rows]
-    gen_cfg = cfg.generation
-    if cfg.distributed.row_seeded and gen_cfg.backend == "auto":  # per-row seeds: the transformers loop's
-        gen_cfg = gen_cfg.model_copy(update={"backend": "transformers"})
-    generator = make_generator(
-        gen_cfg,
+    generator = make_generator(  # on several processes: one engine per rank (vLLM's starts are collective)
+        cfg.generation,
         model,
         tokenizer,
         model_path=start,
@@ -154,10 +151,12 @@ def train_grpo(
     try:
         result = trainer.train()  # a vLLM generator syncs the trained weights before each generation round
     finally:
-        if hasattr(generator, "close"):
+        if comm.world == 1 and hasattr(generator, "close"):
             generator.close()  # free the engine before eval and export
     final_dir = out_dir / "final"
     gathered = full_state_dict(root, comm)  # FSDP2: the shards gathered on rank 0 (every rank takes part)
+    if comm.world > 1 and hasattr(generator, "close"):  # after the last collective: vLLM's shutdown destroys
+        generator.close()  # the default process group (a rank that failed leaves its engine to the process's end)
     if comm.is_main:  # DDP: every rank holds the same weights; rank 0 writes them
         model.save_pretrained(final_dir, **({} if gathered is None else {"state_dict": gathered}))
         tokenizer.save_pretrained(final_dir)

@@ -66,6 +66,7 @@ def main(argv: list[str]) -> int:
     )
     if rank != 0:
         os.environ["GRPOFLOW_PROGRESS"] = "0"
+        os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")  # its engine's start-up chatter is rank 0's to log
     try:
         spec = read_spec(where)
         cfg = config_from_dict(spec["config"])

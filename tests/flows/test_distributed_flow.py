@@ -137,3 +137,30 @@ def _cmdline(proc: Path) -> str:
         return (proc / "cmdline").read_bytes().replace(b"\0", b" ").decode()
     except OSError:
         return ""
+
+
+@pytest.mark.slow
+def test_vllm_per_rank_under_fsdp2_follows_the_trained_weights(tmp_path, monkeypatch):
+    """generation.backend=vllm on 2 processes: one engine per rank, synced from the FSDP2 shards after every step
+    (the sampler's log-probs match the trainer's on both ranks' tokens), closed only after the final adapter was
+    gathered (vLLM's shutdown destroys the process group)."""
+    from safetensors.torch import load_file
+
+    (tmp_path / "spread_reward.py").write_text(LENGTH_REWARD)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setenv("PYTHONPATH", f"{tmp_path}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    overrides = ["distributed.nproc_per_node=2", "distributed.strategy=fsdp2", "generation.backend=vllm"]
+    overrides += ["model.tiny.hidden_size=64", "sft.enabled=false", "eval.enabled=false", "export.enabled=false"]
+    overrides += ["grpo.reward_funcs=[spread_reward:length]", "grpo.learning_rate=0.05"]
+    assert main(["run", str(MICRO), f"run.output_dir={tmp_path}", "run.name=v2", *overrides]) == 0
+    summary = json.loads((tmp_path / "v2" / "grpo" / "manifest.json").read_text())["summary"]
+    assert (summary["generation_backend"], summary["world_size"], summary["steps"]) == ("vllm", 2, 3)
+    adapter = load_file(tmp_path / "v2" / "grpo" / "final" / "adapter_model.safetensors")
+    q_b = next(v for k, v in adapter.items() if "layers.0.self_attn.q_proj.lora_B" in k)
+    assert tuple(q_b.shape) == (64, 4) and q_b.abs().max() > 0  # whole and trained
+    client = MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}")
+    runs = client.search_runs([client.get_experiment_by_name("grpoflow").experiment_id])
+    grpo = next(r for r in runs if r.data.tags.get("grpoflow.stage") == "grpo")
+    gaps = client.get_metric_history(grpo.info.run_id, "sampling/sampling_logp_difference/max")
+    assert [m.step for m in gaps] == [1, 2, 3] and max(m.value for m in gaps) < 1e-4, [m.value for m in gaps]

@@ -40,8 +40,6 @@ def test_one_process_by_default():
             ["distributed.nnodes=2", "distributed.rdzv_endpoint=h:1", "distributed.master_addr=h"],
             "rdzv_endpoint and master_addr",
         ),
-        (["distributed.nproc_per_node=2", "generation.backend=vllm"], "generation.backend=vllm with distributed"),
-        (["distributed.seed_by_row=true", "generation.backend=vllm"], "generation.backend=vllm with distributed"),
         (
             ["distributed.nproc_per_node=2", "grpo.per_device_train_batch_size=8", "grpo.generation_batch_size=24"],
             "grpo: generation_batch_size (24) must be divisible by per_device_train_batch_size * num_processes "
