@@ -12,41 +12,27 @@ the tokens each computes, and each one's first-call peak (resident-memory high-w
 
 from __future__ import annotations
 
-import argparse
 import statistics
-import tempfile
 import time
-from pathlib import Path
 
 import torch
 
-from benchmarks.bench_sft_loss import peak_above_start
-from benchmarks.bench_trl_throughput import arithmetic_rows, model_folder
+from benchmarks.bench_sft_loss import lora_model, model_cli, peak_above_start
+from benchmarks.bench_trl_throughput import arithmetic_rows
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--model", default="smollm2-135m-instruct")
-    ap.add_argument("--cache-dir", default=str(Path.home() / ".cache" / "grpoflow" / "models"))
+    ap = model_cli(__doc__)
     ap.add_argument("--rows", type=int, default=64)
     ap.add_argument("--max-completion", type=int, default=48)
     ap.add_argument("--chunks", type=int, nargs="+", default=[0, 16, 8])
-    ap.add_argument("--reps", type=int, default=3)
-    ap.add_argument("--threads", type=int, default=2)
     args = ap.parse_args()
-    torch.set_num_threads(args.threads)
 
-    from grpoflow.tasks.config import ModelConfig
     from grpoflow.tasks.grpo.batch import build_round, completion_lengths, policy_logprobs
-    from grpoflow.tasks.model.loading import load_tokenizer, load_trainable, prompt_ids
+    from grpoflow.tasks.model.loading import prompt_ids
 
     rows = arithmetic_rows(args.rows, seed=2)
-    with tempfile.TemporaryDirectory() as work:
-        folder = model_folder(args.model, args.cache_dir, rows, Path(work))
-        lora = {"enabled": True, "r": 16, "alpha": 32, "target_modules": "all-linear"}
-        mcfg = ModelConfig(name=folder, dtype="float32", lora=lora)
-        tok = load_tokenizer(folder, mcfg)
-        model = load_trainable(folder, mcfg, True, torch.device("cpu"))
+    tok, model = lora_model(args, rows)
     g = torch.Generator().manual_seed(0)
     n_max = args.max_completion
     lengths = [

@@ -47,18 +47,35 @@ def peak_above_start(fn) -> float:
     return (_status_kib("VmHWM") - start) / 1024
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+def model_cli(doc: str) -> argparse.ArgumentParser:
+    """The options the step benchmarks share: the model, its cache, repetitions, threads."""
+    ap = argparse.ArgumentParser(description=doc.split("\n")[0])
     ap.add_argument("--model", default="smollm2-135m-instruct")
     ap.add_argument("--cache-dir", default=str(Path.home() / ".cache" / "grpoflow" / "models"))
-    ap.add_argument("--batch", type=int, default=16)
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--threads", type=int, default=2)
-    args = ap.parse_args()
-    torch.set_num_threads(args.threads)
+    return ap
 
+
+def lora_model(args: argparse.Namespace, rows: list[dict]):
+    """(tokenizer, model): ``args.model`` with LoRA r16 (alpha 32) on all linear layers, float32, on the CPU."""
     from grpoflow.tasks.config import ModelConfig
-    from grpoflow.tasks.model.loading import backbone_and_head, load_tokenizer, load_trainable
+    from grpoflow.tasks.model.loading import load_tokenizer, load_trainable
+
+    torch.set_num_threads(args.threads)
+    with tempfile.TemporaryDirectory() as work:
+        folder = model_folder(args.model, args.cache_dir, rows, Path(work))
+        lora = {"enabled": True, "r": 16, "alpha": 32, "target_modules": "all-linear"}
+        mcfg = ModelConfig(name=folder, dtype="float32", lora=lora)
+        return load_tokenizer(folder, mcfg), load_trainable(folder, mcfg, True, torch.device("cpu"))
+
+
+def main() -> None:
+    ap = model_cli(__doc__)
+    ap.add_argument("--batch", type=int, default=16)
+    args = ap.parse_args()
+
+    from grpoflow.tasks.model.loading import backbone_and_head
     from grpoflow.tasks.stages.sft import collate, labelled_token_loss, tokenize_sft
 
     rows = arithmetic_rows(args.batch, seed=1)
@@ -66,12 +83,7 @@ def main() -> None:
         r["reference"] = (
             f"<reasoning>\nCompute {r['question'][8:-1]}.\n</reasoning>\n<answer>\n{r['answer']}\n</answer>"
         )
-    with tempfile.TemporaryDirectory() as work:
-        folder = model_folder(args.model, args.cache_dir, rows, Path(work))
-        lora = {"enabled": True, "r": 16, "alpha": 32, "target_modules": "all-linear"}
-        mcfg = ModelConfig(name=folder, dtype="float32", lora=lora)
-        tok = load_tokenizer(folder, mcfg)
-        model = load_trainable(folder, mcfg, True, torch.device("cpu"))
+    tok, model = lora_model(args, rows)
     ids, labels, mask = collate(tokenize_sft(rows, tok, 128, True), tok.pad_token_id)
     labelled = int((labels[:, 1:] != -100).sum())
     print(f"model {args.model}: batch {args.batch} x {ids.shape[1]} tokens, {labelled} labelled, vocab {len(tok)}")
