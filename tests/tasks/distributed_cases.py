@@ -47,6 +47,28 @@ def full(p: torch.Tensor) -> torch.Tensor:
     return p.full_tensor() if hasattr(p, "full_tensor") else p
 
 
+def trainable(model) -> dict[str, torch.Tensor]:
+    """A whole copy of the trainable weights (FSDP2 shards gathered)."""
+    return {n: full(p).detach().clone() for n, p in model.named_parameters() if p.requires_grad}
+
+
+def record(trainer, model) -> tuple[list[dict[str, torch.Tensor]], list]:
+    """Lists that fill as ``trainer`` runs: the trainable weights after each optimizer step, and each round's rows
+    (gathered on every rank, in global order)."""
+    snapshots: list[dict[str, torch.Tensor]] = []
+    rounds: list = []
+    trainer.optimizer.register_step_post_hook(lambda *_: snapshots.append(trainable(model)))
+    new_round = trainer.new_round
+
+    def recording_new_round():
+        r = new_round()
+        rounds.append(r.samples)
+        return r
+
+    trainer.new_round = recording_new_round
+    return snapshots, rounds
+
+
 def eos_prone(model, tok, prompt: list[int]) -> None:
     """Give EOS the logit 4 after ``prompt`` (the random model's logits are ~1): about a sixth of the completions
     then end early, so completion lengths differ and the loss types' normalizers differ from each other."""
@@ -94,27 +116,13 @@ def run_case(
     trainer = make_trainer(cfg, tok, model, out, n_rows=8, comm=comm, root=root, row_seeded=True)
     trainer.optimizer = torch.optim.SGD([p for p in root.parameters() if p.requires_grad], lr=cfg.learning_rate)
     trainer.scheduler = build_scheduler(trainer.optimizer, cfg, cfg.max_steps)
-    snapshots: list[dict[str, torch.Tensor]] = []
-
-    def snapshot(*_):
-        snapshots.append({n: full(p).detach().clone() for n, p in model.named_parameters() if p.requires_grad})
-
-    trainer.optimizer.register_step_post_hook(snapshot)
-    rounds = []
-    new_round = trainer.new_round
-
-    def recording_new_round():
-        r = new_round()
-        rounds.append(r.samples)  # the whole round's rows (gathered on every rank), in global order
-        return r
-
-    trainer.new_round = recording_new_round
+    snapshots, rounds = record(trainer, model)
     loaded = None
     if resume_from is not None:
         trainer.load_checkpoint(resume_from)
-        loaded = {n: full(p).detach().clone() for n, p in model.named_parameters() if p.requires_grad}
+        loaded = trainable(model)
     trainer.train()
-    final = {n: full(p).detach().clone() for n, p in model.named_parameters() if p.requires_grad}
+    final = trainable(model)
     return {"samples": rounds, "weights": snapshots, "history": trainer.history, "loaded": loaded, "final": final}
 
 

@@ -30,7 +30,7 @@ from grpoflow.tasks.model.loading import add_lora
 from grpoflow.tasks.model.optim import build_scheduler
 from grpoflow.tasks.model.tiny import build_tiny_model, train_tiny_tokenizer
 from grpoflow.tasks.runtime.dist import Comm, process_group
-from tests.tasks.distributed_cases import eos_prone, full
+from tests.tasks.distributed_cases import eos_prone, record, trainable
 from tests.tasks.test_grpo_trainer import TEXTS, addition_rows, make_trainer
 
 ROWS_PER_ROUND = 12
@@ -118,21 +118,7 @@ def run_case(
     trainer.scheduler = build_scheduler(trainer.optimizer, cfg, cfg.max_steps)
     generator.sync_weights(model, force=True)  # the engine serves this case's model from now on
     syncs = generator.syncs
-    snapshots: list[dict[str, torch.Tensor]] = []
-    trainer.optimizer.register_step_post_hook(
-        lambda *_: snapshots.append(
-            {n: full(p).detach().clone() for n, p in model.named_parameters() if p.requires_grad}
-        )
-    )
-    rounds = []
-    new_round = trainer.new_round
-
-    def recording_new_round():
-        r = new_round()
-        rounds.append(r.samples)  # the whole round's rows (gathered on every rank), in global order
-        return r
-
-    trainer.new_round = recording_new_round
+    snapshots, rounds = record(trainer, model)
     if resume_from is not None:
         trainer.load_checkpoint(resume_from)
     trainer.train()
@@ -141,7 +127,7 @@ def run_case(
         "weights": snapshots,
         "history": trainer.history,
         "syncs": comm.all_gather_object(generator.syncs - syncs),  # each rank's, during training
-        "final": {n: full(p).detach().clone() for n, p in model.named_parameters() if p.requires_grad},
+        "final": trainable(model),
     }
 
 
