@@ -2,7 +2,8 @@
 machine, each with the environment the torch-distributed runtime gives a pod (PET_NNODES, PET_NPROC_PER_NODE,
 PET_NODE_RANK, PET_MASTER_ADDR, PET_MASTER_PORT) and its own HOME, so its own mirror of the S3 workspace (a real
 SeaweedFS server): what the launcher writes (spec, data, base model) reaches the nodes only through S3, and what
-rank 0 writes (final model, summary) or a failing rank reports reaches the launcher only through S3.
+rank 0 writes (final model, summary) or a failing rank reports reaches the launcher only through S3, and what every
+node checkpoints reaches a rerun only through S3.
 
 Not exercised: the Kubernetes API (create, status, pod logs), the runtime's env injection, in-cluster DNS and the
 template's env (the nodes get this test's S3 endpoint instead); README "Distributed" says how to run it for real."""
