@@ -9,9 +9,12 @@
                               complete (list_checkpoints)
 
 Written into checkpoint-N.tmp by every rank and renamed by rank 0 after a barrier, so a killed run never leaves a
-half-written checkpoint; the newest two are kept. Resuming on the same number of processes continues exactly. On
-another number, torch.distributed.checkpoint reshards the model and optimizer and the round in progress is
-dropped (it is regenerated, with a warning), as are the per-rank RNG states.
+half-written checkpoint; the newest two are kept. On nodes with their own disks (a TrainJob's) each node holds its
+own ranks' files and uploads them to the S3 workspace before rank 0 uploads the rest (:func:`publish`).
+
+Resuming on the same number of processes continues exactly. On another number, torch.distributed.checkpoint
+reshards the model and optimizer and the round in progress is dropped (it is regenerated, with a warning), as are
+the per-rank RNG states.
 """
 
 from __future__ import annotations
@@ -19,7 +22,9 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 import shutil
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -68,6 +73,36 @@ def save(trainer, final: Path) -> None:
         (tmp / "trainer_state.json").write_text(json.dumps(state))
         shutil.rmtree(final, ignore_errors=True)
         os.replace(tmp, final)
+
+
+def publish(trainer, final: Path, node_push: Callable[[Path], None] | None) -> None:
+    """After :func:`save` (a collective): rank 0 prunes and calls the trainer's ``on_checkpoint`` (its upload).
+
+    With ``node_push`` every node has its own disk (a TrainJob's nodes, each with its own mirror of the S3
+    workspace), so checkpoint ``final`` is split over the nodes: first each other node's local rank 0 renames its
+    own ``checkpoint-N.tmp``, keeps its newest two and calls ``node_push`` (which adds its ranks' files to the
+    checkpoint on S3), then, after a barrier, rank 0 publishes, its trainer_state.json (the marker) last. So on S3
+    a checkpoint is complete only with every node's shards."""
+    comm = trainer.comm
+    if node_push is not None:
+        if comm.local_rank == 0 and not comm.is_main:
+            tmp = final.with_name(final.name + ".tmp")
+            shutil.rmtree(final, ignore_errors=True)
+            os.replace(tmp, final)
+            for stale in _node_checkpoints(final.parent)[:-2]:
+                shutil.rmtree(stale, ignore_errors=True)
+            node_push(final)
+        comm.barrier()  # every node's shards are on S3 before rank 0 uploads the marker
+    if comm.is_main:
+        trainer._after_save(final)
+    comm.barrier()  # no rank starts the next checkpoint before this one is in place
+
+
+def _node_checkpoints(folder: Path) -> list[Path]:
+    """The checkpoint-N folders a node other than rank 0's renamed (no trainer_state.json: rank 0 writes it),
+    oldest first."""
+    found = [p for p in folder.glob("checkpoint-*") if re.fullmatch(r"checkpoint-\d+", p.name) and p.is_dir()]
+    return sorted(found, key=lambda p: int(p.name.split("-")[1]))
 
 
 def load(trainer, path: Path) -> None:

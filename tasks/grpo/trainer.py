@@ -113,6 +113,7 @@ class GRPOTrainer:
         comm: Comm | None = None,
         root: torch.nn.Module | None = None,
         row_seeded: bool = False,
+        node_push: Callable[[Path], None] | None = None,
     ):
         self.cfg = cfg
         self.model = model
@@ -127,6 +128,7 @@ class GRPOTrainer:
         self.ref_model = ref_model
         self.is_correction = is_correction  # the sampler is a separate engine: correct for its drift
         self.on_checkpoint = on_checkpoint  # called after each save (an S3 workspace uploads the checkpoints)
+        self.node_push = node_push  # nodes with their own disks: each other node uploads its shards (dist_checkpoint)
         self.device = model_device(model)  # rounds, log-probs, loss and optimizer state live beside the model
         self.autocast_dtype = autocast_dtype  # full fine-tuning in bf16: float32 weights, bf16 forward passes
         # distributed (tasks/grpo/distributed.py): this process's rank, the root module the engine wraps (the
@@ -455,9 +457,7 @@ class GRPOTrainer:
         final = self.checkpoint_dir / f"checkpoint-{self.step}"
         if self.comm.world > 1:  # sharded: torch.distributed.checkpoint and one file per rank
             dist_checkpoint.save(self, final)
-            if self.comm.is_main:
-                self._after_save(final)
-            self.comm.barrier()  # no rank starts the next checkpoint before this one is in place
+            dist_checkpoint.publish(self, final, self.node_push)  # rank 0: _after_save; each node: its shards
             return final
         checkpoint.save(self, final)
         self._after_save(final)

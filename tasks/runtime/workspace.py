@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import time
 from pathlib import Path
@@ -142,6 +143,30 @@ class Workspace:
         self.s3.upload_dir(
             self.root / stage / sub, self._remote(stage, sub), delete=True, markers=MARKERS, exclude=(MANIFEST,)
         )
+
+    def push_added(self, stage: str, sub: str = "") -> None:
+        """Upload <stage>/<sub> to S3 without deleting anything there (a no-op for a local workspace): a TrainJob's
+        other nodes add their own checkpoint shards to the folder node 0 publishes."""
+        if self.uri is None:
+            return
+        self.s3.upload_dir(self.root / stage / sub, self._remote(stage, sub), markers=MARKERS, exclude=(MANIFEST,))
+
+    def push_merged(self, stage: str, sub: str = "") -> None:
+        """:meth:`push` for a folder other nodes add to (a TrainJob's node 0): the same, except that the files in a
+        checkpoint folder this mirror holds are kept on S3 though absent here (the other nodes' shards); a
+        checkpoint folder gone here is removed on S3 with every node's files."""
+        if self.uri is None:
+            return
+        prefix = self._remote(stage, sub) + "/"
+        local = self.root / stage / sub
+        others = []
+        for obj in self.s3.list_objects(prefix):
+            name = obj["uri"][len(prefix) :]
+            parts = name.split("/")
+            ckpt = next((i for i, p in enumerate(parts[:-1]) if re.fullmatch(r"checkpoint-\d+", p)), None)
+            if ckpt is not None and (local / "/".join(parts[: ckpt + 1])).is_dir() and not (local / name).exists():
+                others.append(name)
+        self.s3.upload_dir(local, prefix, delete=True, markers=MARKERS, exclude=(MANIFEST, *others))
 
     def pull(self, stage: str, sub: str = "") -> None:
         """Download <stage>/<sub> from S3 now, making the local copy match (a no-op for a local workspace): the

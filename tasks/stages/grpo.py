@@ -73,10 +73,16 @@ def launch_grpo(cfg: PipelineConfig, ws: Workspace, tracker: RunLogger, init_mod
 
 
 def train_grpo(
-    cfg: PipelineConfig, ws: Workspace, tracker: RunLogger, init_model: str | None = None, comm: Comm | None = None
+    cfg: PipelineConfig,
+    ws: Workspace,
+    tracker: RunLogger,
+    init_model: str | None = None,
+    comm: Comm | None = None,
+    node_mirrors: bool = False,
 ) -> dict:
     """The GRPO run of this process (rank ``comm.rank`` of a torchrun launch, or the only one): its summary.
-    Only rank 0 writes files and logs (the other ranks get a disabled ``tracker``)."""
+    Only rank 0 writes files and logs (the other ranks get a disabled ``tracker``). With ``node_mirrors`` each node
+    has its own mirror of the S3 workspace (a TrainJob's): each node uploads its own checkpoint shards."""
     comm = comm or Comm()
     g = cfg.grpo
     torch.manual_seed(cfg.run.seed)
@@ -125,6 +131,7 @@ def train_grpo(
         g.max_steps,
     )
     out_dir = ws.stage_dir("grpo")
+    push = ws.push_merged if node_mirrors else ws.push  # a TrainJob's node 0 keeps the other nodes' shards on S3
     trainer = GRPOTrainer(
         g,
         model,
@@ -138,11 +145,12 @@ def train_grpo(
         seed=cfg.run.seed,
         ref_model=ref_model,
         is_correction=g.vllm_importance_sampling_correction and generator.separate_engine,
-        on_checkpoint=lambda _: ws.push("grpo", "checkpoints"),  # S3: a killed stage resumes from there
+        on_checkpoint=lambda _: push("grpo", "checkpoints"),  # S3: a killed stage resumes from there
         autocast_dtype=autocast_dtype,
         comm=comm,
         root=root,
         row_seeded=cfg.distributed.row_seeded,
+        node_push=(lambda final: ws.push_added("grpo", f"checkpoints/{final.name}")) if node_mirrors else None,
     )
     checkpoints = list_checkpoints(trainer.checkpoint_dir)
     if g.resume == "auto" and checkpoints:

@@ -10,8 +10,9 @@ to the stage's MLflow run and writes the summary; a rank that fails records its 
 
 A spec on S3 is a Kubeflow TrainJob's (tasks/stages/grpo_trainjob.py): each node pulls the workspace's upstream
 stages and the GRPO folder into its own mirror first (its local rank 0, the others wait), paths in the spec are
-re-rooted from the launcher's mirror to this node's, error records go to S3 beside the spec, and rank 0 pushes the
-GRPO folder with the summary (paths re-rooted back to the launcher's mirror) when done.
+re-rooted from the launcher's mirror to this node's, error records go to S3 beside the spec, each node uploads its
+own ranks' checkpoint shards (tasks/grpo/dist_checkpoint.py ``publish``: a rerun resumes from S3), and rank 0 pushes
+the GRPO folder with the summary (paths re-rooted back to the launcher's mirror) when done.
 """
 
 from __future__ import annotations
@@ -92,7 +93,7 @@ def main(argv: list[str]) -> int:
                 from mlflow.tracking import MlflowClient
 
                 tracker = RunLogger(MlflowClient(spec["tracking_uri"]), spec["run_id"])
-            summary = train_grpo(cfg, ws, tracker, spec["init_model"], comm)
+            summary = train_grpo(cfg, ws, tracker, spec["init_model"], comm, node_mirrors=remote)
             if comm.is_main:
                 out = Path(spec["summary"])
                 out.parent.mkdir(parents=True, exist_ok=True)
@@ -101,7 +102,7 @@ def main(argv: list[str]) -> int:
                 out.with_suffix(".tmp").write_text(json.dumps(summary))
                 os.replace(out.with_suffix(".tmp"), out)
                 if remote:
-                    ws.push("grpo")  # the final model, history and summary, for the launcher to pull
+                    ws.push_merged("grpo")  # the final model, history, summary (the other nodes' shards kept)
     except USER_ERRORS as e:  # the user's input: one line (its traceback is in the error record), as on one process
         report(where, folder, rank, e)
         logging.getLogger(__name__).error("rank %d failed: %s", rank, e)

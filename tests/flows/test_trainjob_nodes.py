@@ -2,20 +2,25 @@
 machine, each with the environment the torch-distributed runtime gives a pod (PET_NNODES, PET_NPROC_PER_NODE,
 PET_NODE_RANK, PET_MASTER_ADDR, PET_MASTER_PORT) and its own HOME, so its own mirror of the S3 workspace (a real
 SeaweedFS server): what the launcher writes (spec, data, base model) reaches the nodes only through S3, and what
-rank 0 writes (final model, summary) or a failing rank reports reaches the launcher only through S3.
+rank 0 writes (final model, summary) or a failing rank reports reaches the launcher only through S3, and what every
+node checkpoints reaches a rerun only through S3.
 
 Not exercised: the Kubernetes API (create, status, pod logs), the runtime's env injection, in-cluster DNS and the
 template's env (the nodes get this test's S3 endpoint instead); README "Distributed" says how to run it for real."""
 
 from __future__ import annotations
 
+import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+import torch
+from safetensors.torch import load_file
 
 from grpoflow.tasks.config import load_config
 from grpoflow.tasks.runtime.launch import rank_errors
@@ -35,6 +40,16 @@ import os
 def fail_on_rank_1(prompts, completions, **columns):
     if os.environ["RANK"] == "1":
         raise ValueError("no reward on rank 1")
+    return [float(len(c[0]["content"])) for c in completions]
+
+
+ROUNDS = [0]
+
+
+def fail_once_on_rank_1(prompts, completions, **columns):
+    ROUNDS[0] += 1
+    if os.environ["RANK"] == "1" and os.environ.get("NODE_REWARD_FAIL_AT") == str(ROUNDS[0]):
+        raise ValueError(f"no reward on rank 1 in round {ROUNDS[0]}")
     return [float(len(c[0]["content"])) for c in completions]
 """
 
@@ -135,6 +150,66 @@ def test_a_failing_rank_on_node_1_is_the_stage_error(tmp_path, monkeypatch, seaw
     exc = trainjob_error("grpoflow", job["metadata"]["name"], state, errors, {}, 2)
     assert isinstance(exc, ValueError) and str(exc).startswith("rank 1 of 2: ")
     assert "no reward on rank 1" in str(exc) and "FailedJobs" in str(exc)
+
+
+def s3_checkpoints(ws: Workspace) -> dict[str, set[str]]:
+    """The files of each checkpoint folder of the GRPO stage on S3, by folder name."""
+    prefix = ws.uri + "/grpo/checkpoints/"
+    found: dict[str, set[str]] = {}
+    for obj in ws.s3.list_objects(prefix):
+        folder, name = obj["uri"][len(prefix) :].split("/", 1)
+        found.setdefault(folder, set()).add(name)
+    return found
+
+
+@pytest.mark.slow
+def test_a_failed_two_node_run_resumes_from_every_nodes_shards_on_s3(tmp_path, monkeypatch, seaweedfs):
+    """Node 1 fails in step 3 after checkpoints 1 and 2; a rerun on fresh nodes (empty disks) resumes from S3 and
+    ends with the weights of an uninterrupted run."""
+    (tmp_path / "node_reward.py").write_text(FAILING_REWARD)
+    monkeypatch.setenv("PYTHONPATH", f"{tmp_path}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    overrides = (
+        "grpo.reward_funcs=[node_reward:fail_once_on_rank_1]",
+        "grpo.save_steps=1",
+        "grpo.max_steps=4",
+        "distributed.timeout_s=60",
+    )
+    straight, job = launcher(tmp_path, monkeypatch, seaweedfs, "straight", *overrides)
+    assert run_nodes(job, tmp_path) == [0, 0], (tmp_path / "node1.log").read_text()[-3000:]
+    collect_summary(straight)
+
+    monkeypatch.setenv("NODE_REWARD_FAIL_AT", "3")
+    ws, job = launcher(tmp_path, monkeypatch, seaweedfs, "resume", *overrides)
+    codes = run_nodes(job, tmp_path)
+    assert codes[1] != 0, (tmp_path / "node1.log").read_text()[-3000:]
+    assert "no reward on rank 1 in round 3" in (tmp_path / "node1.log").read_text()
+    every_rank = {"trainer_state.json", "rank0.pt", "rank1.pt", "dcp/.metadata", "dcp/__0_0.distcp", "dcp/__1_0.distcp"}
+    saved = s3_checkpoints(ws)
+    assert set(saved) == {"checkpoint-1", "checkpoint-2"}
+    assert all(files == every_rank for files in saved.values()), saved  # node 1's shards beside node 0's
+
+    monkeypatch.delenv("NODE_REWARD_FAIL_AT")
+    for node in ("node0", "node1"):  # fresh pods: nothing on their disks, S3 alone
+        shutil.rmtree(tmp_path / node)
+    ws, job = launcher(tmp_path, monkeypatch, seaweedfs, "resume", *overrides)
+    codes = run_nodes(job, tmp_path)
+    logs = [(tmp_path / f"node{n}.log").read_text() for n in (0, 1)]
+    assert codes == [0, 0], logs[0][-3000:] + logs[1][-3000:]
+    assert "resumed GRPO from" in logs[0] and "(step 2, written by 2 processes)" in logs[0]
+    summary = collect_summary(ws)
+    assert summary["steps"] == 4 and summary["world_size"] == 2
+    history = (ws.root / "grpo" / "history.jsonl").read_text().splitlines()
+    assert len(history) == 4  # steps 1 and 2 from the checkpoint, 3 and 4 trained now
+    saved = s3_checkpoints(ws)
+    assert set(saved) == {"checkpoint-2", "checkpoint-3"}  # checkpoint-1 pruned with node 1's files
+    assert all(files == every_rank for files in saved.values()), saved
+    resumed = load_file(ws.root / "grpo" / "final" / "adapter_model.safetensors")
+    expected = load_file(straight.root / "grpo" / "final" / "adapter_model.safetensors")
+    assert resumed.keys() == expected.keys()
+    assert all(torch.equal(resumed[k], expected[k]) for k in expected)  # as if never interrupted
+    same = [json.loads(h) for h in (straight.root / "grpo" / "history.jsonl").read_text().splitlines()]
+    assert [(h["loss"], h["reward"]) for h in map(json.loads, history)] == [(h["loss"], h["reward"]) for h in same]
 
 
 def test_a_starting_model_outside_the_workspace_is_refused(tmp_path, monkeypatch, seaweedfs):

@@ -262,6 +262,32 @@ def test_s3_workspace_publishes_files_then_the_manifest(env, tmp_path, monkeypat
     assert store.get_json(f"{uri}/grpo/attempt.json")["key"] == "k2"
 
 
+def test_nodes_add_their_checkpoint_files_and_node_0_keeps_them(env, tmp_path):
+    """A TrainJob's nodes, each with its own mirror: node 1 adds its shards (deleting nothing), node 0's push keeps
+    them in the checkpoints it holds and removes a pruned checkpoint with every node's files."""
+    uri = _uri(env, "ws-nodes", "r1")
+    node0, node1 = (Workspace(uri, StorageConfig(cache_dir=str(tmp_path / f"n{i}"))) for i in (0, 1))
+    for step in (1, 2):
+        for ws, names in ((node1, ("rank1.pt", "dcp/__1_0.distcp")), (node0, ("rank0.pt", "trainer_state.json"))):
+            for name in names:
+                path = ws.stage_dir("grpo") / "checkpoints" / f"checkpoint-{step}" / name
+                path.parent.mkdir(parents=True, exist_ok=True)
+                path.write_text(f"{name} {step}")
+        node1.push_added("grpo", f"checkpoints/checkpoint-{step}")
+        node0.push_merged("grpo", "checkpoints")
+    both = {"rank0.pt", "trainer_state.json", "rank1.pt", "dcp/__1_0.distcp"}
+    assert _keys(f"{uri}/grpo/checkpoints") == {f"checkpoint-{s}/{n}" for s in (1, 2) for n in both}
+    (node0.root / "grpo" / "launch").mkdir()
+    (node0.root / "grpo" / "launch" / "summary.json").write_text("{}")
+    for path in sorted((node0.root / "grpo" / "checkpoints" / "checkpoint-1").iterdir()):
+        path.unlink()  # pruned on node 0
+    (node0.root / "grpo" / "checkpoints" / "checkpoint-1").rmdir()
+    node0.push_merged("grpo")  # the worker's last push: the whole GRPO folder
+    assert _keys(f"{uri}/grpo") == {"launch/summary.json", *(f"checkpoints/checkpoint-2/{n}" for n in both)}
+    node0.push("grpo")  # a plain push mirrors node 0's folder: node 1's files go
+    assert _keys(f"{uri}/grpo/checkpoints") == {"checkpoint-2/rank0.pt", "checkpoint-2/trainer_state.json"}
+
+
 def test_local_workspace_summaries_follow_a_moved_folder(tmp_path):
     ws = Workspace(tmp_path / "a")
     ws.write_manifest("sft", {})
