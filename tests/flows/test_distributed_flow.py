@@ -164,3 +164,48 @@ def test_vllm_per_rank_under_fsdp2_follows_the_trained_weights(tmp_path, monkeyp
     grpo = next(r for r in runs if r.data.tags.get("grpoflow.stage") == "grpo")
     gaps = client.get_metric_history(grpo.info.run_id, "sampling/sampling_logp_difference/max")
     assert [m.step for m in gaps] == [1, 2, 3] and max(m.value for m in gaps) < 1e-4, [m.value for m in gaps]
+
+
+@pytest.mark.slow
+def test_continuous_cycles_on_two_processes_with_an_s3_workspace(tmp_path, seaweedfs, monkeypatch):
+    """The continuous flow on top of the torchrun launch: two cycles whose workspaces (and ledger) live on S3, GRPO
+    on 2 processes each; the first starts from the base model and becomes the champion, the second warm-starts
+    from it (a folder the ranks read from the worker's cache). Both cycles' GRPO runs carry world size 2."""
+    from grpoflow.flows.continuous import grpo_continuous
+    from tests.flows.test_deployments import arithmetic_rows
+
+    for k, v in seaweedfs.env().items():
+        monkeypatch.setenv(k, v)
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    incoming = tmp_path / "incoming"
+    incoming.mkdir()
+    (tmp_path / "heldout.jsonl").write_text(arithmetic_rows(8, seed=1))
+    state_dir = f"s3://{seaweedfs.bucket}/state-{tmp_path.name}"
+    overrides = [
+        f"run.output_dir={tmp_path / 'runs'}",
+        f"storage.cache_dir={tmp_path / 'cache'}",
+        f"data.eval_source={tmp_path / 'heldout.jsonl'}",
+        "distributed.nproc_per_node=2",
+    ]
+    decisions = []
+    for batch, seed in (("batch1.jsonl", 2), ("batch2.jsonl", 3)):
+        (incoming / batch).write_text(arithmetic_rows(40, seed=seed))
+        out = grpo_continuous(config=str(MICRO), overrides=overrides, source=str(incoming), state_dir=state_dir)
+        assert out["consumed"] == [batch]
+        decisions.append(out)
+
+    from grpoflow.tasks.runtime import s3
+
+    written = [o["uri"] for o in s3.S3Store().list_objects(f"{state_dir}/cycles/")]
+    assert len([u for u in written if u.endswith("/grpo/manifest.json")]) == 2, written  # both cycles' GRPO, on S3
+    client = MlflowClient(f"sqlite:///{tmp_path / 'runs' / 'mlflow.db'}")
+    exp = client.get_experiment_by_name("grpoflow")
+    parents = {d["mlflow_run_id"]: client.get_run(d["mlflow_run_id"]) for d in decisions}
+    starts = [parents[d["mlflow_run_id"]].data.tags["continuous.warm_start"] for d in decisions]
+    assert not starts[0].startswith("models:/") and starts[1] == "models:/grpoflow-tiny/1", starts
+    for d in decisions:
+        grpo = client.search_runs(
+            [exp.experiment_id], f"tags.mlflow.parentRunId = '{d['mlflow_run_id']}' and tags.`grpoflow.stage` = 'grpo'"
+        )
+        assert [r.data.tags["distributed.world_size"] for r in grpo] == ["2"], d
+        assert grpo[0].info.status == "FINISHED"
