@@ -241,3 +241,33 @@ def importance_sampling_ratio(
         hi = math.inf if cap is None else cap
         return rho.masked_fill((rho < lo) | (rho > hi), 0.0)
     raise ValueError(f"unknown importance sampling mode {mode!r}")
+
+
+def correction_parts(
+    old_logp: torch.Tensor, sampler_logp: torch.Tensor, mask: torch.Tensor, is_ratio: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """What the sampler-correction metrics are made of, for some rows of a round: the ratios that weigh their
+    tokens (rho[m] for token modes; one per row for sequence modes) and |old_logp - sampler_logp| over m where
+    the sampler scored the token. Rows are independent, so a round's parts are its micro-batches' concatenated."""
+    m = mask.bool()
+    flat = is_ratio.flatten() if is_ratio.shape[1] == 1 else is_ratio[m]
+    diff = (old_logp - sampler_logp).abs()[m]
+    return flat, diff[~torch.isnan(diff)]
+
+
+def correction_stats(parts: list[tuple[torch.Tensor, torch.Tensor]]) -> dict[str, float]:
+    """sampling/importance_sampling_ratio/{min,mean,max} and sampling/sampling_logp_difference/{mean,max} of a
+    round's correction_parts (TRL's names); 0 for an empty round."""
+    flat = torch.cat([p[0].flatten() for p in parts]) if parts else torch.zeros(0)
+    diff = torch.cat([p[1] for p in parts]) if parts else torch.zeros(0)
+
+    def agg(t: torch.Tensor, how: str) -> float:
+        return getattr(t, how)().item() if t.numel() else 0.0
+
+    return {
+        "sampling/importance_sampling_ratio/min": agg(flat, "min"),
+        "sampling/importance_sampling_ratio/mean": agg(flat, "mean"),
+        "sampling/importance_sampling_ratio/max": agg(flat, "max"),
+        "sampling/sampling_logp_difference/mean": agg(diff, "mean"),
+        "sampling/sampling_logp_difference/max": agg(diff, "max"),
+    }

@@ -64,6 +64,9 @@ class Round:
     n_tokens: float  # active completion tokens of the round (dapo normalizer)
     order: torch.Tensor  # the order its rows are trained in (shuffled, as TRL)
     position: int = 0  # micro-batches done, over all num_iterations
+    # sampler-correction metric parts of the micro-batches that took their correction from the loss pass
+    # (trainer.micro_loss); not checkpointed: such rounds end inside one optimizer step
+    correction: list = field(default_factory=list)
 
     _TENSORS = ("advantages", "old_logp", "ref_logp", "is_ratio", "order")
 

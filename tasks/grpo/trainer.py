@@ -44,7 +44,13 @@ from grpoflow.tasks.grpo.distributed import (
     row_seed,
 )
 from grpoflow.tasks.grpo.dynamic import Drawn, fill_round, with_overlong_penalty
-from grpoflow.tasks.grpo.loss import LossSettings, grpo_loss, importance_sampling_ratio
+from grpoflow.tasks.grpo.loss import (
+    LossSettings,
+    correction_parts,
+    correction_stats,
+    grpo_loss,
+    importance_sampling_ratio,
+)
 from grpoflow.tasks.grpo.regularizers import EntropyControl, mix_reference
 from grpoflow.tasks.grpo.rounds import PromptSampler, Round
 from grpoflow.tasks.grpo.schedule import is_optimizer_step, micro_batch_rows
@@ -299,35 +305,20 @@ class GRPOTrainer:
         stats["generation_time"] = time.perf_counter() - t_gen
         batch, adv = self.place(batch, adv)
         # TRL's rule: old log-probs differ from the current ones unless the whole round (all its replays)
-        # falls inside optimizer windows, i.e. unless gradient_accumulation_steps % (spg * mu) == 0
-        need_old = b.gradient_accumulation_steps % b.micro_steps_per_round != 0 or self.is_correction
+        # falls inside optimizer windows, i.e. unless gradient_accumulation_steps % (spg * mu) == 0. TRL also
+        # makes this pass for its vLLM correction; here, when the weights cannot move within the round, the loss
+        # pass's own log-probs are the old ones: micro_loss takes the correction from them (one forward of the
+        # round saved: about a quarter of a step's training compute)
+        need_old = b.gradient_accumulation_steps % b.micro_steps_per_round != 0
         n_round = float(self.comm.all_reduce(batch.completion_mask.sum()))  # the whole round's (dapo)
         if n_round == 0:
             log.warning("every completion of this round is masked (truncated): its loss is 0")
         old_logp = self._logprobs_no_grad(batch) if need_old else None
         is_ratio = None
-        if self.is_correction:
-            is_ratio = importance_sampling_ratio(
-                old_logp,
-                batch.sampler_logp,
-                batch.completion_mask,
-                g.vllm_importance_sampling_mode,
-                g.vllm_importance_sampling_cap,
-                g.vllm_importance_sampling_clip_min,
-            )
-            m = batch.completion_mask.bool()
-            flat = is_ratio.flatten() if is_ratio.shape[1] == 1 else is_ratio[m]
-            diff = (old_logp - batch.sampler_logp).abs()[m]
-            diff = diff[~torch.isnan(diff)]
-            stats.update(
-                {
-                    "sampling/importance_sampling_ratio/min": flat.min().item() if flat.numel() else 0.0,
-                    "sampling/importance_sampling_ratio/mean": flat.mean().item() if flat.numel() else 0.0,
-                    "sampling/importance_sampling_ratio/max": flat.max().item() if flat.numel() else 0.0,
-                    "sampling/sampling_logp_difference/mean": diff.mean().item() if diff.numel() else 0.0,
-                    "sampling/sampling_logp_difference/max": diff.max().item() if diff.numel() else 0.0,
-                }
-            )
+        if self.is_correction and need_old:
+            is_ratio = self.sampler_correction(old_logp, batch)
+            parts = correction_parts(old_logp, batch.sampler_logp, batch.completion_mask, is_ratio)
+            stats.update(correction_stats([parts]))
         return Round(
             batch=batch,
             advantages=adv,
@@ -347,9 +338,8 @@ class GRPOTrainer:
         g, b = self.cfg, self.batching
         window: dict[str, list[float]] = defaultdict(list)
         t_start = step_start = time.perf_counter()
-        bar = progress_bar("grpo", g.max_steps) if self.comm.is_main else nullcontext(lambda *a, **k: None)
+        bar = progress_bar("grpo", g.max_steps, self.step) if self.comm.is_main else nullcontext(lambda *a, **k: None)
         with bar as advance:
-            advance(self.step)
             while self.step < g.max_steps:
                 if self.round is None:
                     self.round = self.new_round()
@@ -359,6 +349,8 @@ class GRPOTrainer:
                 r.position += 1
                 if r.position == b.micro_steps_per_round:
                     self.round = None
+                    if r.correction:  # taken per micro-batch (micro_loss): the round's metrics from its parts
+                        r.stats.update(correction_stats(r.correction))
                 if not is_optimizer_step(self.micro_step, b):
                     continue
                 grad_norm = clip_and_step(self.root, self.optimizer, self.scheduler, g.max_grad_norm)
@@ -389,6 +381,18 @@ class GRPOTrainer:
         last = self.history[-1] if self.history else {}
         return {"steps": self.step, "final": last, "seconds": time.perf_counter() - t_start}
 
+    def sampler_correction(self, old_logp: torch.Tensor, batch: RoundTensors) -> torch.Tensor:
+        """The importance-sampling ratio of ``batch``'s rows against the engine that sampled them (loss.py)."""
+        g = self.cfg
+        return importance_sampling_ratio(
+            old_logp,
+            batch.sampler_logp,
+            batch.completion_mask,
+            g.vllm_importance_sampling_mode,
+            g.vllm_importance_sampling_cap,
+            g.vllm_importance_sampling_clip_min,
+        )
+
     def micro_loss(self, r: Round, idx: torch.Tensor):
         """The loss of the round's rows ``idx`` under the current policy, and what its metrics need:
         (loss, extras, the micro-batch, logp, entropy), all on the model's device."""
@@ -404,6 +408,11 @@ class GRPOTrainer:
             )
         old = r.old_logp[idx] if r.old_logp is not None else None
         ref = r.ref_logp[idx] if r.ref_logp is not None else None
+        is_ratio = r.is_ratio[idx] if r.is_ratio is not None else None
+        if self.is_correction and is_ratio is None:  # the round's weights: this pass's log-probs are the old ones
+            now = logp.detach().float()
+            is_ratio = self.sampler_correction(now, mb)
+            r.correction.append(correction_parts(now, mb.sampler_logp, mb.completion_mask, is_ratio))
         loss, extras = grpo_loss(
             logp.float(),
             old,
@@ -411,7 +420,7 @@ class GRPOTrainer:
             mb.completion_mask,
             self.settings,
             ref_logp=ref,
-            is_ratio=r.is_ratio[idx] if r.is_ratio is not None else None,
+            is_ratio=is_ratio,
             num_items_in_round=r.n_tokens,
             entropy=entropy,
             sampler_logp=mb.sampler_logp if self.is_correction else None,  # a separate engine's, as TRL with vLLM

@@ -16,7 +16,7 @@ from trl.trainer.grpo_trainer import GRPOTrainer as TRLGRPOTrainer
 from grpoflow.tasks.config import GRPOConfig
 from grpoflow.tasks.generation.transformers_loop import TransformersGenerator
 from grpoflow.tasks.grpo.batch import policy_logprobs
-from grpoflow.tasks.grpo.loss import LossSettings, grpo_loss
+from grpoflow.tasks.grpo.loss import LossSettings, grpo_loss, importance_sampling_ratio
 from grpoflow.tasks.grpo.schedule import micro_batch_rows
 from tests.tasks.test_grpo_trainer import make, make_trainer
 from tests.tasks.trl_source import run_trl, trl_block, trl_span
@@ -300,26 +300,34 @@ class DriftingSampler(TransformersGenerator):
 
 
 @pytest.mark.parametrize(
-    "loss_type, mode, beta",
+    "loss_type, mode, beta, mu",
     [
-        ("dapo", "token_truncate", 0.0),
-        ("grpo", "sequence_truncate", 0.04),
-        ("bnpo", "token_mask", 0.0),
-        ("cispo", "token_truncate", 0.04),
-        ("sapo", "sequence_mask", 0.0),
-        ("luspo", "token_truncate", 0.0),
-        ("vespo", "token_mask", 0.04),
+        ("dapo", "token_truncate", 0.0, 1),
+        ("grpo", "sequence_truncate", 0.04, 1),
+        ("bnpo", "token_mask", 0.0, 1),
+        ("cispo", "token_truncate", 0.04, 1),
+        ("sapo", "sequence_mask", 0.0, 1),
+        ("luspo", "token_truncate", 0.0, 1),
+        ("vespo", "token_mask", 0.04, 1),
+        ("dapo", "token_truncate", 0.0, 2),  # replays cross the optimizer window: the round's own old pass
+        ("grpo", "sequence_mask", 0.04, 2),
     ],
 )
-def test_trainer_micro_step_applies_the_sampler_correction_as_trl(tmp_path, loss_type, mode, beta):
+def test_trainer_micro_step_applies_the_sampler_correction_as_trl(tmp_path, loss_type, mode, beta, mu):
     """A round from a sampler that disagrees with the trainer: the loss of the trainer's micro-step equals TRL's
     _compute_loss on the same micro-batch, old/ref log-probs and importance-sampling ratio (and differs from TRL's
-    loss without the correction, so leaving the ratio out of the micro-step fails here)."""
+    loss without the correction, so leaving the ratio out of the micro-step fails here).
+
+    TRL computes the old log-probs in a pass of their own whenever the correction is on. With one iteration
+    (the round inside one optimizer window) ours makes no such pass: the micro-step takes the ratio from its own
+    loss pass, which runs on the same weights. TRL's inputs here still come from a separate pass, so the two
+    ways are compared; with num_iterations 2 the round carries its old log-probs and ratio as TRL's does."""
     tok, model = make()
     cfg = GRPOConfig(
         max_steps=1,
         per_device_train_batch_size=4,
         gradient_accumulation_steps=2,
+        num_iterations=mu,
         num_generations=4,
         max_completion_length=6,
         loss_type=loss_type,
@@ -332,12 +340,24 @@ def test_trainer_micro_step_applies_the_sampler_correction_as_trl(tmp_path, loss
     torch.manual_seed(0)
     trainer = make_trainer(cfg, tok, model, tmp_path, generator=DriftingSampler(model, tok), is_correction=True)
     r = trainer.new_round()
+    if mu == 1:  # no pass of its own: the micro-step's loss pass gives the old log-probs and the ratio
+        assert r.old_logp is None and r.is_ratio is None
+        old = trainer._logprobs_no_grad(r.batch)  # TRL's separate pass, for TRL's inputs
+        rho_round = importance_sampling_ratio(
+            old, r.batch.sampler_logp, r.batch.completion_mask, mode, 3.0, cfg.vllm_importance_sampling_clip_min
+        )
+    else:
+        old, rho_round = r.old_logp, r.is_ratio
     m = r.batch.completion_mask.bool()
-    rho = r.is_ratio.expand_as(m)[m]
+    rho = rho_round.expand_as(m)[m]
     assert (rho - 1).abs().max() > 0.3, rho  # the correction matters in this round
     it, idx = micro_batch_rows(trainer.batching, 0, r.order)
     window = defaultdict(list)
     trainer._micro_step(r, idx, it, window)
+    if mu == 1:  # the ratio the micro-step used is the one of TRL's separate pass
+        mi = r.batch.completion_mask[idx].bool()
+        want = rho_round[idx].flatten() if rho_round.shape[1] == 1 else rho_round[idx][mi]
+        torch.testing.assert_close(r.correction[0][0], want, rtol=1e-5, atol=1e-6)
     ours = window["loss"][0] / cfg.gradient_accumulation_steps
 
     mb = r.batch.select(idx)
@@ -349,10 +369,10 @@ def test_trainer_micro_step_applies_the_sampler_correction_as_trl(tmp_path, loss
         "completion_ids": mb.completion_ids,
         "completion_mask": mb.completion_mask,
         "advantages": r.advantages[idx],
-        "old_per_token_logps": r.old_logp[idx],
+        "old_per_token_logps": old[idx],
         "ref_per_token_logps": r.ref_logp[idx] if beta else None,
         "num_items_in_batch": torch.tensor(r.n_tokens),
-        "importance_sampling_ratio": r.is_ratio[idx],
+        "importance_sampling_ratio": rho_round[idx],
     }
     settings = dict(
         loss_type=loss_type,
