@@ -142,8 +142,12 @@ def cpu_params(model) -> dict[str, torch.Tensor]:
     return {n: p.detach().cpu().clone() for n, p in model.named_parameters()}
 
 
-def list_checkpoints(folder: Path) -> list[Path]:
-    """Complete checkpoints (no .tmp), oldest first."""
-    found = [p for p in folder.glob("checkpoint-*") if re.fullmatch(r"checkpoint-\d+", p.name)]
-    found = [p for p in found if (p / "trainer_state.json").is_file()]
+def checkpoint_folders(folder: Path) -> list[Path]:
+    """The renamed checkpoint-N folders (no checkpoint-N.tmp), oldest first; complete or not."""
+    found = [p for p in folder.glob("checkpoint-*") if re.fullmatch(r"checkpoint-\d+", p.name) and p.is_dir()]
     return sorted(found, key=lambda p: int(p.name.split("-")[1]))
+
+
+def list_checkpoints(folder: Path) -> list[Path]:
+    """Complete checkpoints (renamed, trainer_state.json written last), oldest first."""
+    return [p for p in checkpoint_folders(folder) if (p / "trainer_state.json").is_file()]

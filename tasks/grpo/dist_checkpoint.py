@@ -22,7 +22,6 @@ from __future__ import annotations
 import json
 import logging
 import os
-import re
 import shutil
 from collections.abc import Callable
 from pathlib import Path
@@ -89,20 +88,13 @@ def publish(trainer, final: Path, node_push: Callable[[Path], None] | None) -> N
             tmp = final.with_name(final.name + ".tmp")
             shutil.rmtree(final, ignore_errors=True)
             os.replace(tmp, final)
-            for stale in _node_checkpoints(final.parent)[:-2]:
+            for stale in checkpoint.checkpoint_folders(final.parent)[:-2]:
                 shutil.rmtree(stale, ignore_errors=True)
             node_push(final)
         comm.barrier()  # every node's shards are on S3 before rank 0 uploads the marker
     if comm.is_main:
         trainer._after_save(final)
     comm.barrier()  # no rank starts the next checkpoint before this one is in place
-
-
-def _node_checkpoints(folder: Path) -> list[Path]:
-    """The checkpoint-N folders a node other than rank 0's renamed (no trainer_state.json: rank 0 writes it),
-    oldest first."""
-    found = [p for p in folder.glob("checkpoint-*") if re.fullmatch(r"checkpoint-\d+", p.name) and p.is_dir()]
-    return sorted(found, key=lambda p: int(p.name.split("-")[1]))
 
 
 def load(trainer, path: Path) -> None:
