@@ -34,6 +34,7 @@ class TransformersGenerator:
 
     name = "transformers"
     separate_engine = False  # samples with the training weights themselves: no off-policy drift to correct
+    weights_key = None  # nothing to sync: generation runs on the training model
 
     def __init__(self, model, tokenizer, batch_size: int = 64, *, merge_lora: bool = True, threads: int | None = None):
         self.model = model

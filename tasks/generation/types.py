@@ -3,16 +3,23 @@
 The interface of a backend (:class:`grpoflow.tasks.generation.transformers_loop.TransformersGenerator`,
 :class:`grpoflow.tasks.generation.vllm_engine.VLLMGenerator`):
 
-    generate(prompts: list[list[int]], n, params) -> Generation
+    generate(prompts: list[list[int]], n, params, row_seeds=None) -> Generation
         completions are prompt-major: prompt 0's n samples, then prompt 1's, ...
     sync_weights(model)   push trained weights into the engine (no-op when it is the model)
+    separate_engine       True when another implementation samples (vLLM): the trainer corrects for the
+                          drift (importance sampling) and leaves FSDP2's gathering to the engine's sync
+    weights_key           None, or a callable the trainer sets (distributed GRPO: its optimizer step) that
+                          decides when the engine syncs, alike on every rank
+
+:class:`Generator` states it for type checkers.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import torch
 
@@ -73,3 +80,17 @@ def torch_threads(n: int | None) -> Iterator[None]:
     finally:
         if n:
             torch.set_num_threads(before)
+
+
+class Generator(Protocol):
+    """A generation backend, as the trainer uses it (see the module docstring)."""
+
+    name: str
+    separate_engine: bool
+    weights_key: Callable[[], int] | None
+
+    def generate(
+        self, prompts: list[list[int]], n: int, params: SamplingParams, row_seeds: list[int] | None = None
+    ) -> Generation: ...
+
+    def sync_weights(self, model) -> None: ...

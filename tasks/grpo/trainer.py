@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from grpoflow.tasks.config import GRPOConfig
-from grpoflow.tasks.generation.types import SamplingParams
+from grpoflow.tasks.generation.types import Generator, SamplingParams
 from grpoflow.tasks.grpo import checkpoint, dist_checkpoint
 from grpoflow.tasks.grpo.advantages import combine_rewards, decoupled_advantages, group_advantages, nanstd
 from grpoflow.tasks.grpo.batch import PolicyLogProbs, RoundTensors, build_round, policy_logprobs, root_logprobs
@@ -108,7 +108,7 @@ class GRPOTrainer:
         rows: list[dict],
         prompt_ids: list[list[int]],
         reward_funcs: list,
-        generator,
+        generator: Generator,
         tracker: RunLogger,
         checkpoint_dir: Path,
         seed: int = 42,
@@ -142,8 +142,8 @@ class GRPOTrainer:
         self.comm = comm or Comm()
         self.root = root if root is not None else PolicyLogProbs(model)
         self.row_seeded = row_seeded
-        if self.comm.world > 1 and hasattr(generator, "weights_key"):  # a separate engine syncs after each step,
-            generator.weights_key = lambda: self.step  # decided alike on every rank (FSDP2: the sync is collective)
+        if self.comm.world > 1 and generator.separate_engine:  # it syncs after each optimizer step, decided
+            generator.weights_key = lambda: self.step  # alike on every rank (FSDP2: the sync is collective)
         self.batching = cfg.batching(self.comm.world)
         self.settings = loss_settings(cfg, self.batching.steps_per_generation, self.comm.world)
         self.sampler = PromptSampler(len(rows), seed, cfg.shuffle_dataset)
@@ -182,7 +182,7 @@ class GRPOTrainer:
         if self.row_seeded:  # each row sampled with its own seed: the same completions whatever the world size
             seeds = [row_seed(self.seed, n_round, r) for r in range(mine.start, mine.stop)]
             # FSDP2: full weights while this rank decodes alone (a separate engine gathers them as it syncs)
-            with nullcontext() if getattr(self.generator, "separate_engine", False) else gathered(self.root):
+            with nullcontext() if self.generator.separate_engine else gathered(self.root):
                 gen = self.generator.generate([self.prompt_ids[i] for i in row_idx], 1, self.params, row_seeds=seeds)
         else:
             gen = self.generator.generate([self.prompt_ids[i] for i in idx], g.num_generations, self.params)
