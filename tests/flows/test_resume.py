@@ -107,9 +107,19 @@ def _ours(prefect_home: Path) -> list[int]:
 
 def _interrupt_after(cmd: list[str], env: dict, ckpt: Path, sig: int) -> tuple[subprocess.CompletedProcess, float]:
     """Run ``cmd`` in a session of its own (a terminal's foreground group), send ``sig`` to the whole group once
-    ``ckpt`` exists (as Ctrl-C does); (the result, seconds from the signal to the exit)."""
+    ``ckpt`` exists (as Ctrl-C does); (the result, seconds from the signal to the exit).
+
+    SIGINT is set back to its default in the child, as a terminal's foreground job has it: a test run started in
+    the background by a non-interactive shell (`.ci/run &`) inherits SIGINT ignored, Python then keeps ignoring
+    it, and the CLI (rightly, as any background job) would not see the Ctrl-C at all."""
     proc = subprocess.Popen(
-        cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True
+        cmd,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
     )
     deadline = time.time() + 300
     while not ckpt.is_dir() and proc.poll() is None and time.time() < deadline:
