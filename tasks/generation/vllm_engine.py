@@ -321,9 +321,7 @@ _SYNC_CHATTER = (
     "Reloading and processing weights took",
     "Successfully reset prefix cache",
     "RotaryEmbedding: Failed to load weights",  # any other layer that loads nothing is a real problem: kept
-    # at start-up, with a traceback: vLLM renders a warm-up chat, and this engine has no tokenizer on purpose
-    # (skip_tokenizer_init: prompts arrive as token ids, the chat template is applied before)
-    "Chat template warmup failed",
+    "Chat template warmup failed",  # start-up, with a traceback: this engine has no tokenizer on purpose
 )
 
 
@@ -335,8 +333,8 @@ class _DropSyncChatter(logging.Filter):
 def _quiet_sync_logs() -> None:
     """vLLM logs three lines per weight sync: the reload time, the prefix-cache reset, and a warning that the
     rotary embedding loaded nothing (its cos/sin cache is computed, never in a checkpoint). At one sync per
-    optimizer step that buries the training log; drop exactly those lines at vLLM's handlers (and the
-    tokenizer-less engine's chat warm-up traceback at start-up, which reads like a failure and is not one)."""
+    optimizer step that buries the training log; drop exactly those lines (and the start-up chat warm-up
+    traceback of an engine without a tokenizer, which reads like a failure and is not one) at vLLM's handlers."""
     for handler in logging.getLogger("vllm").handlers:
         if not any(isinstance(f, _DropSyncChatter) for f in handler.filters):
             handler.addFilter(_DropSyncChatter())
