@@ -7,7 +7,7 @@ hidden 128, tied embeddings) with LoRA adapters, as the trainer's default, so th
 the vocabulary size changes. The batch is B rows of P prompt and C completion tokens.
 
     naive  impl="reference": materialized [B*C, V] logits, log_softmax, and their gradient: grows with V
-    fused  impl="torch": kernels/chunked_logprobs.py, one [rows, vocab tile] block at a time: grows only
+    fused  impl="chunked": kernels/chunked_logprobs.py, one [rows, vocab tile] block at a time: grows only
            until V fills its vocabulary tile (8192 columns), then stays flat
 
 Each (impl, V) runs in a fresh process and reports the peak RSS growth of one step over what was resident
@@ -26,7 +26,7 @@ import statistics
 from bench_logprobs import measure, spawn
 
 VOCABS = (512, 2048, 8192, 32768)
-IMPLS = {"naive": "reference", "fused": "torch"}
+IMPLS = {"naive": "reference", "fused": "chunked"}
 
 
 class _Vocab:

@@ -3,7 +3,7 @@
 Cases, all run side by side in one invocation so that their ratios are meaningful on a noisy host:
 
     naive      materialized logits + log_softmax (kernels.logprobs.token_logprobs_reference)
-    fused      kernels.logprobs.token_logprobs, impl="torch" (chunked, online logsumexp, J trick)
+    fused      kernels.logprobs.token_logprobs, impl="chunked" (chunked, online logsumexp, J trick)
     fused+ent  the same with compute_entropy=True (what the GRPO trainer calls)
     bare       the two matmuls the math needs, into preallocated outputs: Z = H W^T, then Z W (the dH GEMM)
     trl        TRL's ChunkedLogProbFunction (trl/kernels/chunked_logprob.py; on CPU its tiles fold in torch),
@@ -68,7 +68,7 @@ def make_step(case: str, n: int, d: int, v: int):
         return lambda: backward(token_logprobs_reference(h, w, y)[0].sum())
     if case in ("fused", "fused+ent"):
         ent = case == "fused+ent"
-        return lambda: backward(token_logprobs(h, w, y, compute_entropy=ent, impl="torch")[0].sum())
+        return lambda: backward(token_logprobs(h, w, y, compute_entropy=ent, impl="chunked")[0].sum())
     if case == "bare":
         z, dh = torch.empty(n, v), torch.empty(n, d)
         return lambda: (torch.mm(h.detach(), w.t(), out=z), torch.mm(z, w, out=dh))

@@ -8,7 +8,7 @@ have none of them), writes --out (JSON) and prints two tables.
    --small on CPU), every case against a float32 reference computed from the same inputs:
        naive        H W^T, log_softmax in float32 (kernels.logprobs.token_logprobs_reference)
        triton       kernels/triton_logprobs.py (what GRPO uses on CUDA: token_logprobs impl="auto")
-       torch        the chunked torch path (what GRPO uses on CPU)
+       chunked      the chunked torch path (what GRPO uses on CPU)
        trl_chunked  TRL 1.16's ChunkedLogProbFunction (trl/kernels/chunked_logprob.py)
        trl_triton   materialized logits + TRL's Triton log-softmax/entropy kernel (trl/kernels/logprob_entropy.py)
        liger        Liger-Kernel's LigerFusedLinearGRPOLoss (beta 0): log-probs fused with the GRPO loss
@@ -64,8 +64,8 @@ def _grpoflow_from_the_tree() -> None:
 
 _grpoflow_from_the_tree()
 
-KERNEL_CASES = ("naive", "triton", "torch", "trl_chunked", "trl_triton", "liger", "bare")
-OURS = ("naive", "triton", "torch")  # an error in one of these fails the check; a peer's is reported
+KERNEL_CASES = ("naive", "triton", "chunked", "trl_chunked", "trl_triton", "liger", "bare")
+OURS = ("naive", "triton", "chunked")  # an error in one of these fails the check; a peer's is reported
 TRL_VOCAB_CHUNK = 32768  # trl.trainer.utils._CHUNKED_LOGPROB_CHUNK_SIZE in TRL 1.16
 
 
@@ -76,7 +76,7 @@ def kernel_logprobs(case: str, h: torch.Tensor, w: torch.Tensor, y: torch.Tensor
 
     if case == "naive":
         return token_logprobs_reference(h, w, y)[0]
-    if case in ("triton", "torch"):
+    if case in ("triton", "chunked"):
         return token_logprobs(h, w, y, compute_entropy=True, impl=case)[0]
     if case == "trl_chunked":
         from trl.kernels.chunked_logprob import ChunkedLogProbFunction
@@ -343,7 +343,7 @@ def main(argv: list[str] | None = None) -> dict:
         err, rel = fmt(r.get("logp_max_err"), "11.2e"), fmt(r.get("dh_rel_err"), "11.2e")
         print(f"  {case:12s} {err:>11s} {rel:>11s} {ms:10.2f} {fmt(r['peak_gb'], '9.3f'):>9s}", flush=True)
     timed = {c: r for c, r in report["kernel"].items() if "seconds" in r}
-    for ours in ("triton", "torch"):
+    for ours in ("triton", "chunked"):
         for other in ("naive", "bare", "trl_chunked", "trl_triton", "liger"):
             if ours in timed and other in timed:
                 t = timed[ours]["seconds"] / timed[other]["seconds"]

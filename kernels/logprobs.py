@@ -8,9 +8,9 @@
 the same math, chosen by ``impl``:
 
 - ``"triton"`` (kernels/triton_logprobs.py): the fused kernel, tiled over rows, vocabulary and D;
-- ``"torch"`` (kernels/chunked_logprobs.py): the same algorithm in chunked torch, for CPUs;
+- ``"chunked"`` (kernels/chunked_logprobs.py): the same algorithm in chunked torch, for CPUs;
 - ``"reference"``: :func:`token_logprobs_reference`, materialized logits + log_softmax (tests, benchmarks);
-- ``"auto"`` (default): triton for CUDA tensors, torch otherwise.
+- ``"auto"`` (default): triton for CUDA tensors, chunked otherwise.
 
 The fused paths stream over the vocabulary in tiles, accumulating the logsumexp tile by tile, and never
 hold more than one [rows, vocab tile] block of logits, in forward or backward. Their forward keeps
@@ -26,7 +26,7 @@ import torch
 
 from grpoflow.kernels.chunked_logprobs import ChunkedTokenLogProbs
 
-IMPLS = ("auto", "triton", "torch", "reference")
+IMPLS = ("auto", "triton", "chunked", "reference")
 
 
 def token_logprobs(
@@ -49,7 +49,7 @@ def token_logprobs(
     if impl not in IMPLS:
         raise ValueError(f"impl={impl!r}: expected one of {IMPLS}")
     if impl == "auto":
-        impl = "triton" if hidden.is_cuda else "torch"
+        impl = "triton" if hidden.is_cuda else "chunked"
     shape = targets.shape
     h = hidden.reshape(-1, hidden.shape[-1])
     y = targets.reshape(-1)
@@ -57,7 +57,7 @@ def token_logprobs(
     if impl == "reference":
         logp, ent = token_logprobs_reference(h, weight, y, temperature, bias)
         ent = ent.detach() if compute_entropy else None
-    elif impl == "torch":
+    elif impl == "chunked":
         args = (temperature, compute_entropy, keep_j, chunk_size, vocab_chunk_size)
         logp, ent = ChunkedTokenLogProbs.apply(h, weight, bias, y, *args)
     else:

@@ -245,7 +245,7 @@ def _fp32_dot(hidden: torch.Tensor, weight: torch.Tensor) -> bool:
 def _check_device(hidden: torch.Tensor) -> None:
     if not hidden.is_cuda and not INTERPRET:
         raise ValueError(
-            f"the Triton log-prob kernel needs CUDA tensors (got {hidden.device}); on CPU use impl='torch', "
+            f"the Triton log-prob kernel needs CUDA tensors (got {hidden.device}); on CPU use impl='chunked', "
             "or set TRITON_INTERPRET=1 before triton is imported (tests)"
         )
 

@@ -61,7 +61,7 @@ def grpo_step(model, batch, old_logp, impl: str):
     return loss, entropy, grads
 
 
-@pytest.mark.parametrize("impl", ["torch", pytest.param("triton", marks=pytest.mark.triton_interpret)])
+@pytest.mark.parametrize("impl", ["chunked", pytest.param("triton", marks=pytest.mark.triton_interpret)])
 @pytest.mark.parametrize("lora", [True, False])
 @pytest.mark.parametrize("tied", [True, False])
 def test_fused_grpo_step_matches_naive(tokenizer, impl, lora, tied):

@@ -48,10 +48,10 @@ def assert_matches_reference(impl, inputs, temperature, atol=2e-5, rtol=1e-4, gr
 
 # Small tiles for the torch path, so that chunks and tiles have ragged ends; the Triton kernel has its one
 # autotune config (BLOCK_N=64, BLOCK_V=128, BLOCK_D=64), which N=70, V=300 and D=80 cross with ragged ends.
-TILES = {"torch": {"chunk_size": 16, "vocab_chunk_size": 64}, "triton": {}}
+TILES = {"chunked": {"chunk_size": 16, "vocab_chunk_size": 64}, "triton": {}}
 
 
-@pytest.fixture(params=["torch", pytest.param("triton", marks=pytest.mark.triton_interpret)])
+@pytest.fixture(params=["chunked", pytest.param("triton", marks=pytest.mark.triton_interpret)])
 def impl(request):
     """The fused implementations; the Triton kernel runs under TRITON_INTERPRET=1 (about 1000x slower: small shapes)."""
     return request.param
@@ -74,14 +74,14 @@ def test_head_only_gradient(impl):
 
 def test_chunked_default_tiles_match_reference():
     inputs = make_inputs(300, 40, 5000, bias=True, head_trainable=True)
-    assert_matches_reference("torch", inputs, 0.9)
+    assert_matches_reference("chunked", inputs, 0.9)
 
 
 @pytest.mark.triton_interpret
 def test_triton_matches_chunked_torch():
     h, w, b, y, up = make_inputs(70, 80, 300, bias=True, head_trainable=True)
     got = run("triton", h, w, b, y, 0.9, up)
-    want = run("torch", h, w, b, y, 0.9, up, **TILES["torch"])
+    want = run("chunked", h, w, b, y, 0.9, up, **TILES["chunked"])
     for a, e in zip(got[:2] + got[2], want[:2] + want[2]):
         torch.testing.assert_close(a, e, atol=2e-5, rtol=1e-4)
 
@@ -99,7 +99,7 @@ def test_overflowing_tiles_are_redone_at_the_row_max():
         w[60:] *= 30.0
     y = y % 60
     kwargs = {"chunk_size": 8, "vocab_chunk_size": 32}
-    assert_matches_reference("torch", (h, w, b, y, up), 0.1, atol=1e-3, grad_atol=1e-4, **kwargs)
+    assert_matches_reference("chunked", (h, w, b, y, up), 0.1, atol=1e-3, grad_atol=1e-4, **kwargs)
 
 
 @pytest.mark.parametrize("entropy", [False, True])
@@ -120,7 +120,7 @@ def test_leading_dims_are_kept_and_auto_is_torch_on_cpu():
     h3, y3 = h.detach().view(2, 3, 8), y.view(2, 3)
     logp, ent = token_logprobs(h3, w, y3)
     assert logp.shape == (2, 3) and ent is None and (logp <= 0).all()
-    torch.testing.assert_close(logp, token_logprobs(h3, w, y3, impl="torch")[0], rtol=0, atol=0)
+    torch.testing.assert_close(logp, token_logprobs(h3, w, y3, impl="chunked")[0], rtol=0, atol=0)
     torch.testing.assert_close(logp, token_logprobs(h3, w, y3, impl="reference")[0])
 
 
