@@ -162,9 +162,10 @@ def merge_partials(
     return z_y.sum(0) - lse, lse, ent
 
 
-def backward_chunk_rows(n: int, v: int, itemsize: int, budget: int = G_BUDGET_BYTES, block_n: int = BLOCK_N) -> int:
-    """Rows per backward chunk: the most whole BLOCK_N blocks whose [rows, v] G fits ``budget`` bytes (>= one)."""
-    rows = max(block_n, budget // (v * itemsize) // block_n * block_n)
+def backward_chunk_rows(n: int, v: int, itemsize: int, budget: int | None = None, block_n: int = BLOCK_N) -> int:
+    """Rows per backward chunk: the most whole BLOCK_N blocks whose [rows, v] G fits ``budget`` bytes
+    (default G_BUDGET_BYTES), at least one block, at most all of n. E.g. V=151936 in bf16: 3520 rows."""
+    rows = max(block_n, (budget or G_BUDGET_BYTES) // (v * itemsize) // block_n * block_n)
     return min(rows, block_n * triton.cdiv(n, block_n))
 
 
