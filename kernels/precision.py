@@ -4,7 +4,8 @@ The rule (TRL 1.16 casts the same way in trl/kernels/chunked_logprob.py):
 
     compute dtype = autocast dtype      if torch autocast is enabled for the tensors' device type (CUDA)
                   = hidden's dtype      otherwise on CUDA (weight and bias are cast to it)
-                  = None (no cast)      on CPU: the chunked CPU path computes in float32 whatever it receives
+                  = None (no cast)      on CPU (and any non-CUDA device): the chunked CPU path computes in
+                                        float32 whatever it receives
 
 Under full fine-tuning in bf16 the head is a float32 master weight and the final RMSNorm returns float32
 hidden states, so without the rule the kernels would run float32 ("ieee") dots where the rest of the
@@ -24,18 +25,23 @@ def kernel_dtype(device_type: str, hidden_dtype: torch.dtype, autocast_dtype: to
     ``autocast_dtype`` is torch.get_autocast_dtype(device_type) when autocast is enabled for ``device_type``,
     else None (see :func:`active_autocast_dtype`)::
 
-        cpu                       -> None            (float32 arithmetic inside the CPU path, as before)
+        cpu (any non-CUDA type)   -> None            (float32 arithmetic inside the CPU path, as before)
         cuda, autocast enabled    -> autocast_dtype  (bf16 operands, float32 accumulation)
         cuda, no autocast         -> hidden_dtype
     """
-    if device_type == "cpu":
+    if device_type != "cuda":
         return None
     return autocast_dtype if autocast_dtype is not None else hidden_dtype
 
 
 def active_autocast_dtype(device_type: str) -> torch.dtype | None:
-    """torch.get_autocast_dtype(device_type) while autocast is enabled for ``device_type``, else None."""
-    return torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else None
+    """torch.get_autocast_dtype(device_type) while autocast is enabled for ``device_type``, else None (also for a
+    device type autocast does not know, e.g. meta)."""
+    try:
+        enabled = torch.is_autocast_enabled(device_type)
+    except RuntimeError:
+        return None
+    return torch.get_autocast_dtype(device_type) if enabled else None
 
 
 def addmm_fp32(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:

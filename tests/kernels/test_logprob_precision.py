@@ -32,6 +32,7 @@ DTYPES = list(TOL)
     [
         ("cpu", torch.float32, None, None),  # the CPU path: float32 inside, inputs untouched
         ("cpu", torch.bfloat16, torch.bfloat16, None),  # CPU autocast changes nothing either
+        ("meta", torch.bfloat16, None, None),  # nor on other devices: the CPU path's code, as before
         ("cuda", torch.float32, torch.bfloat16, torch.bfloat16),  # full fine-tuning: float32 RMSNorm out, bf16 autocast
         ("cuda", torch.float32, None, torch.float32),  # model.dtype float32, no autocast
         ("cuda", torch.bfloat16, None, torch.bfloat16),  # QLoRA: bf16 hidden, the float32 head is cast to bf16
@@ -49,6 +50,7 @@ def test_active_autocast_dtype_reads_the_enabled_state():
         assert active_autocast_dtype("cuda") is None  # enabled for the CPU only
     with torch.autocast("cpu", dtype=torch.bfloat16, enabled=False):
         assert active_autocast_dtype("cpu") is None
+    assert active_autocast_dtype("meta") is None  # torch raises for device types without autocast
 
 
 def test_cpu_autocast_leaves_the_chunked_cpu_path_as_it_was():
