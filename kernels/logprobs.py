@@ -7,24 +7,27 @@
 :func:`token_logprobs` is the entry point the trainer uses. One function, three implementations of
 the same math, chosen by ``impl``:
 
-- ``"triton"`` (kernels/triton_logprobs.py): the fused kernel, tiled over rows, vocabulary and D;
-- ``"chunked"`` (kernels/chunked_logprobs.py): the same algorithm in chunked torch, for CPUs;
+- ``"triton"`` (kernels/triton_logprobs.py): the Triton kernels (split-vocabulary logsumexp forward; backward
+  as a fused G = dlogp/dz kernel and two cuBLAS GEMMs); CUDA tensors (or TRITON_INTERPRET=1 in tests);
+- ``"chunked"``: chunked torch. On CPU kernels/chunked_logprobs.py (float32 arithmetic, tuned for CPUs); on
+  other devices kernels/chunked_dtype.py (GEMMs in the compute dtype, float32 accumulation);
 - ``"reference"``: :func:`token_logprobs_reference`, materialized logits + log_softmax (tests, benchmarks);
 - ``"auto"`` (default): triton for CUDA tensors, chunked otherwise.
 
-The fused paths stream over the vocabulary in tiles, accumulating the logsumexp tile by tile, and never
-hold more than one [rows, vocab tile] block of logits, in forward or backward. Their forward keeps
-J = W_y - softmax(z) W [N, D] when H needs a gradient, so that backward is dH = (g / T) J; dW and db
-are computed (by recomputing tiles) only when the head is trainable. The entropy is returned without
-a gradient (GRPO uses it as a metric and a mask, as TRL does). Arithmetic is float32 whatever the
-input dtype; logp and entropy are float32, gradients take their input's dtype.
+The compute dtype follows kernels/precision.py: under torch autocast on CUDA the autocast dtype (bf16
+operands, float32 accumulation), else hidden's dtype on CUDA; the CPU path computes in float32 as before.
+No path holds more than one chunk of the [N, V] logits. The entropy is returned without a gradient (GRPO
+uses it as a metric and a mask, as TRL does). logp and entropy are float32; gradients take their input's
+dtype. The GRPO config key grpo.logprob_impl (auto | triton | chunked) picks ``impl`` for the trainer.
 """
 
 from __future__ import annotations
 
 import torch
 
+from grpoflow.kernels.chunked_dtype import ChunkedDtypeTokenLogProbs
 from grpoflow.kernels.chunked_logprobs import ChunkedTokenLogProbs
+from grpoflow.kernels.precision import active_autocast_dtype, kernel_dtype
 
 IMPLS = ("auto", "triton", "chunked", "reference")
 
@@ -43,7 +46,7 @@ def token_logprobs(
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """log p(targets) [..] and optionally entropy [..] for hidden [.., D], weight [V, D], targets [..] in [0, V).
 
-    ``chunk_size`` (rows) and ``vocab_chunk_size`` size the tiles of the torch path; the Triton kernel
+    ``chunk_size`` (rows) and ``vocab_chunk_size`` size the tiles of the chunked paths; the Triton kernel
     has its own block sizes.
     """
     if impl not in IMPLS:
@@ -53,19 +56,23 @@ def token_logprobs(
     shape = targets.shape
     h = hidden.reshape(-1, hidden.shape[-1])
     y = targets.reshape(-1)
-    keep_j = torch.is_grad_enabled() and hidden.requires_grad
+    dtype = kernel_dtype(hidden.device.type, hidden.dtype, active_autocast_dtype(hidden.device.type))
     if impl == "reference":
         logp, ent = token_logprobs_reference(h, weight, y, temperature, bias)
         ent = ent.detach() if compute_entropy else None
-    elif impl == "chunked":
+    elif impl == "chunked" and dtype is None:  # CPU: the float32 path, unchanged
+        keep_j = torch.is_grad_enabled() and hidden.requires_grad
         args = (temperature, compute_entropy, keep_j, chunk_size, vocab_chunk_size)
         logp, ent = ChunkedTokenLogProbs.apply(h, weight, bias, y, *args)
+    elif impl == "chunked":
+        args = (temperature, compute_entropy, dtype, chunk_size, vocab_chunk_size)
+        logp, ent = ChunkedDtypeTokenLogProbs.apply(h, weight, bias, y, *args)
     else:
         # Imported on first use: triton reads TRITON_INTERPRET when the kernels are defined.
         from grpoflow.kernels.triton_logprobs import TritonTokenLogProbs
 
         b = None if bias is None else bias.contiguous()
-        args = (temperature, compute_entropy, keep_j)
+        args = (temperature, compute_entropy, dtype or hidden.dtype)
         logp, ent = TritonTokenLogProbs.apply(h.contiguous(), weight.contiguous(), b, y.contiguous(), *args)
     return logp.reshape(shape), None if ent is None else ent.reshape(shape)
 

@@ -1,32 +1,30 @@
-"""Per-token log-probs from hidden states and the lm_head: the fused Triton kernel (the GPU path).
+"""Per-token log-probs from hidden states and the lm_head: the Triton path (the GPU default).
 
-Same algorithm and notation as kernels/chunked_logprobs.py (read its docstring for the derivation):
+Notation as in kernels/chunked_logprobs.py: H [N, D], W [V, D], b [V], y [N], T,
 
     z = (H W^T + b) / T,  lse = logsumexp(z),  logp = z_y - lse,  entropy = lse - sum_v p_v z_v
-    forward:  over vocabulary tiles, m' = max(m, max_v z_v), r = exp(m - m'), e_v = exp(z_v - m'),
-              s = r s + sum_v e_v,  a = r a + sum_v e_v W_v;  lse = m + log s,  J = W_y - a / s
-    backward: dH = (g / T) J;  dW = sum_n (g_n / T) (onehot(y_n) - p_n)^T H_n,  db likewise (trainable head only)
+    dlogp_n / dz_nv = onehot(y_n)_v - p_nv,   G = (g / T)(onehot(y) - p)   [N, V]
+    dH = G W,   dW = G^T H,   db = sum_n G_n
 
-Here the logsumexp keeps flash attention's running max m: in registers it costs nothing, unlike the
-torch path's extra passes (which shift by the target logit instead).
+Design (docs/kernel-roofline.md has the FLOP and byte counts behind it):
 
-Layout (Liger-Kernel's one-file shape): two kernels, their launchers, one torch.autograd.Function.
+- forward, ``_forward_kernel``: the logsumexp only. Grid (row block, vocabulary split): each program
+  streams its split of the vocabulary in BLOCK_V tiles (each tile's logits reduced over D in BLOCK_D steps
+  by tl.dot, float32 accumulation) and keeps flash attention's running max m, sum s, target logit z_y and
+  sum e*z in registers; it writes these four partials per row, and :func:`merge_partials` combines the
+  splits (a log-sum-exp merge over a few [N] vectors). Splits are picked from N so that small N still
+  gives >= 2 programs per SM. Nothing of size [N, D] or [N, V] is written.
+- backward, per chunk of rows (so that the chunk's G fits ``G_BUDGET_BYTES``): ``_grad_logits_kernel``
+  recomputes the logits tile by tile and writes G in the compute dtype; then dH[chunk] = G W and
+  dW += G^T H[chunk] are two cuBLAS GEMMs (their accumulators live in registers over the vocabulary and
+  over the chunk's rows), db the column sums of G. Recomputing the logits costs 2NVD FLOPs more than
+  keeping J = dlogp/dH from the forward, but keeping J needs an [N, D] accumulator that no register file
+  holds at D = 4096: that design paid a float32 [BLOCK_N, D] round trip per vocabulary tile instead.
 
-- ``_token_logprobs_forward_kernel``: one program per BLOCK_N rows, looping over the vocabulary in
-  BLOCK_V tiles. Each logits tile [BLOCK_N, BLOCK_V] is reduced over D in BLOCK_D steps (D = 4096 does
-  not fit one tile). The running max, sum, target logit and entropy sum stay in registers; the
-  accumulator a [BLOCK_N, D] does not fit them at large D, so it lives in the float32 J output (global
-  memory that only this program touches) and is rescaled and updated BLOCK_D columns at a time, with a
-  block barrier between tiles; the epilogue turns it into J = W_y - a / s in place.
-- ``_token_logprobs_backward_kernel`` (only when the head is trainable): one program per BLOCK_V
-  vocabulary rows, looping over all rows in BLOCK_N blocks; it recomputes the logits tile and adds
-  G^T H into its own rows of dW (float32, no atomics; a barrier between row blocks) and sum_n G into db.
-- dH = (g / T) J is one elementwise torch op.
-
-Dots take bf16/fp16 tiles on the GPU and accumulate in float32; the softmax tile is rounded to the
-weight dtype before the P W and G^T H dots (as flash attention does). Float32 inputs use exact
-("ieee") float32 dots, as torch matmuls do by default. Under TRITON_INTERPRET=1 every dot operand is
-cast to float32 first: the interpreter multiplies bf16 tiles as raw bits otherwise.
+Dot operands take the compute dtype (kernels/precision.py: the autocast dtype on CUDA) with float32
+accumulation; float32 operands use exact ("ieee") dots, as torch matmuls do by default. Under
+TRITON_INTERPRET=1 every dot operand is cast to float32: the interpreter multiplies bf16 as raw bits.
+Every launch enters its tensors' device context (kernels/launch.py).
 """
 
 from __future__ import annotations
@@ -37,105 +35,64 @@ import torch
 import triton
 import triton.language as tl
 
+from grpoflow.kernels.launch import launch
+from grpoflow.kernels.precision import addmm_fp32, mm_into
+
 # Read once: the kernels below are decorated (interpreted or compiled) when this module is imported.
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
-# One config (sized for D = 4096 bf16 on Hopper-class GPUs); autotune with one config never benchmarks.
-_CONFIGS = [triton.Config({"BLOCK_N": 64, "BLOCK_V": 128, "BLOCK_D": 64}, num_warps=8, num_stages=2)]
-
-
-@triton.jit
-def _dot(a, b, FP32_DOT: tl.constexpr):
-    """a @ b accumulated in float32; a is rounded to b's dtype unless FP32_DOT casts both to float32."""
-    if FP32_DOT:
-        return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
-    return tl.dot(a.to(b.dtype), b)
+BLOCK_N, BLOCK_V, BLOCK_D = 64, 128, 64
+NUM_WARPS, NUM_STAGES = 8, 2
+PROGRAMS_PER_SM = 2
+G_BUDGET_BYTES = 1 << 30  # the backward's [rows, V] tile of G: 1 GiB (the bf16 head itself is 1.2 GB at D=4096)
+_TL_DTYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
 
 
 @triton.jit
 def _logits_tile(
-    H,
-    W,
-    B,
-    rows,
-    row_ok,
-    cols,
-    col_ok,
-    D,
-    stride_h,
-    stride_w,
-    inv_t,
-    HAS_BIAS: tl.constexpr,
-    FP32_DOT: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    BLOCK_V: tl.constexpr,
-    BLOCK_D: tl.constexpr,
-):
-    """z = (H[rows] W[cols]^T + b[cols]) / T as a float32 [BLOCK_N, BLOCK_V] tile, D reduced in BLOCK_D steps."""
+    H, W, B, rows, row_ok, cols, col_ok, D, stride_h, stride_w, inv_t,
+    HAS_BIAS: tl.constexpr, DOT_DTYPE: tl.constexpr, IEEE: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_D: tl.constexpr,
+):  # fmt: skip
+    """z = (H[rows] W[cols]^T + b[cols]) / T as a float32 [BLOCK_N, BLOCK_V] tile; operands in DOT_DTYPE."""
     z = tl.zeros([BLOCK_N, BLOCK_V], dtype=tl.float32)
     for d0 in range(0, D, BLOCK_D):
         ks = d0 + tl.arange(0, BLOCK_D)
         k_ok = ks < D
         h = tl.load(H + rows[:, None] * stride_h + ks[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
         w = tl.load(W + cols[:, None] * stride_w + ks[None, :], mask=col_ok[:, None] & k_ok[None, :], other=0.0)
-        z += _dot(h, tl.trans(w), FP32_DOT)
+        if IEEE:
+            z += tl.dot(h.to(DOT_DTYPE), tl.trans(w.to(DOT_DTYPE)), input_precision="ieee")
+        else:
+            z += tl.dot(h.to(DOT_DTYPE), tl.trans(w.to(DOT_DTYPE)))
     if HAS_BIAS:
         z += tl.load(B + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
     return z * inv_t
 
 
-@triton.autotune(configs=_CONFIGS, key=[])
 @triton.jit
-def _token_logprobs_forward_kernel(
-    H,
-    W,
-    B,
-    Y,
-    LOGP,
-    LSE,
-    ENT,
-    J,
-    N,
-    V,
-    D,
-    stride_h,
-    stride_w,
-    inv_t,
-    HAS_BIAS: tl.constexpr,
-    ENTROPY: tl.constexpr,
-    KEEP_J: tl.constexpr,
-    FP32_DOT: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    BLOCK_V: tl.constexpr,
-    BLOCK_D: tl.constexpr,
-):
+def _forward_kernel(
+    H, W, B, Y, M_OUT, S_OUT, ZY_OUT, EZ_OUT, N, V, D, V_SPLIT, stride_h, stride_w, inv_t,
+    HAS_BIAS: tl.constexpr, ENTROPY: tl.constexpr, DOT_DTYPE: tl.constexpr, IEEE: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_D: tl.constexpr,
+):  # fmt: skip
+    """Program (row block, split): partials m, s, z_y, sum e*z of its rows over its vocabulary split."""
     rows = tl.program_id(0).to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
+    split = tl.program_id(1)
     row_ok = rows < N
     y = tl.load(Y + rows, mask=row_ok, other=0)
     m = tl.full([BLOCK_N], float("-inf"), dtype=tl.float32)
     s = tl.zeros([BLOCK_N], dtype=tl.float32)
     z_y = tl.zeros([BLOCK_N], dtype=tl.float32)
     ez = tl.zeros([BLOCK_N], dtype=tl.float32)  # sum_v e_v z_v at scale m
-    for v0 in range(0, V, BLOCK_V):
+    v_start = split * V_SPLIT
+    v_end = tl.minimum(v_start + V_SPLIT, V)
+    for v0 in range(v_start, v_end, BLOCK_V):
         cols = v0 + tl.arange(0, BLOCK_V)
-        col_ok = cols < V
+        col_ok = cols < v_end
         z = _logits_tile(
-            H,
-            W,
-            B,
-            rows,
-            row_ok,
-            cols,
-            col_ok,
-            D,
-            stride_h,
-            stride_w,
-            inv_t,
-            HAS_BIAS,
-            FP32_DOT,
-            BLOCK_N,
-            BLOCK_V,
-            BLOCK_D,
-        )
+            H, W, B, rows, row_ok, cols, col_ok, D, stride_h, stride_w, inv_t,
+            HAS_BIAS, DOT_DTYPE, IEEE, BLOCK_N, BLOCK_V, BLOCK_D,
+        )  # fmt: skip
         z = tl.where(col_ok[None, :], z, 0.0)
         z_y += tl.sum(tl.where(cols[None, :] == y[:, None], z, 0.0), axis=1)
         m_new = tl.maximum(m, tl.max(tl.where(col_ok[None, :], z, float("-inf")), axis=1))
@@ -144,109 +101,89 @@ def _token_logprobs_forward_kernel(
         s = s * r + tl.sum(e, axis=1)
         if ENTROPY:
             ez = ez * r + tl.sum(e * z, axis=1)
-        if KEEP_J:  # a = r a + e W[cols], BLOCK_D columns at a time, in J's float32 storage
-            for d0 in range(0, D, BLOCK_D):
-                ks = d0 + tl.arange(0, BLOCK_D)
-                k_ok = ks < D
-                a_ptrs = J + rows[:, None] * D + ks[None, :]
-                a_mask = row_ok[:, None] & k_ok[None, :]
-                w = tl.load(W + cols[:, None] * stride_w + ks[None, :], mask=col_ok[:, None] & k_ok[None, :], other=0.0)
-                a = tl.load(a_ptrs, mask=a_mask, other=0.0) * r[:, None] + _dot(e, w, FP32_DOT)
-                tl.store(a_ptrs, a, mask=a_mask)
-            tl.debug_barrier()  # the next tile reads what this one stored, maybe from other threads
         m = m_new
-    lse = m + tl.log(s)
-    tl.store(LOGP + rows, z_y - lse, mask=row_ok)
-    tl.store(LSE + rows, lse, mask=row_ok)
+    out = split * N + rows
+    tl.store(M_OUT + out, m, mask=row_ok)
+    tl.store(S_OUT + out, s, mask=row_ok)
+    tl.store(ZY_OUT + out, z_y, mask=row_ok)
     if ENTROPY:
-        tl.store(ENT + rows, lse - ez / s, mask=row_ok)
-    if KEEP_J:  # J = W_y - a / s
-        for d0 in range(0, D, BLOCK_D):
-            ks = d0 + tl.arange(0, BLOCK_D)
-            mask = row_ok[:, None] & (ks < D)[None, :]
-            a_ptrs = J + rows[:, None] * D + ks[None, :]
-            w_y = tl.load(W + y[:, None] * stride_w + ks[None, :], mask=mask, other=0.0).to(tl.float32)
-            tl.store(a_ptrs, w_y - tl.load(a_ptrs, mask=mask, other=0.0) / s[:, None], mask=mask)
+        tl.store(EZ_OUT + out, ez, mask=row_ok)
 
 
-@triton.autotune(configs=_CONFIGS, key=[])
 @triton.jit
-def _token_logprobs_backward_kernel(
-    H,
-    W,
-    B,
-    Y,
-    LSE,
-    G,
-    DW,
-    DB,
-    N,
-    V,
-    D,
-    stride_h,
-    stride_w,
-    inv_t,
-    HAS_BIAS: tl.constexpr,
-    BIAS_GRAD: tl.constexpr,
-    FP32_DOT: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    BLOCK_V: tl.constexpr,
-    BLOCK_D: tl.constexpr,
-):
-    cols = tl.program_id(0).to(tl.int64) * BLOCK_V + tl.arange(0, BLOCK_V)
+def _grad_logits_kernel(
+    H, W, B, Y, LSE, G_T, G_OUT, N, V, D, stride_h, stride_w, inv_t,
+    HAS_BIAS: tl.constexpr, DOT_DTYPE: tl.constexpr, IEEE: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_D: tl.constexpr,
+):  # fmt: skip
+    """Program (row block, vocabulary tile): G = (g/T)(onehot(y) - exp(z - lse)), stored in G_OUT's dtype."""
+    rows = tl.program_id(0).to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
+    cols = tl.program_id(1).to(tl.int64) * BLOCK_V + tl.arange(0, BLOCK_V)
+    row_ok = rows < N
     col_ok = cols < V
-    db = tl.zeros([BLOCK_V], dtype=tl.float32)
-    for n0 in range(0, N, BLOCK_N):
-        rows = (n0 + tl.arange(0, BLOCK_N)).to(tl.int64)
-        row_ok = rows < N
-        z = _logits_tile(
-            H,
-            W,
-            B,
-            rows,
-            row_ok,
-            cols,
-            col_ok,
-            D,
-            stride_h,
-            stride_w,
-            inv_t,
-            HAS_BIAS,
-            FP32_DOT,
-            BLOCK_N,
-            BLOCK_V,
-            BLOCK_D,
-        )
-        lse = tl.load(LSE + rows, mask=row_ok, other=0.0)
-        g_t = tl.load(G + rows, mask=row_ok, other=0.0)  # g / T; 0 on padding rows
-        y = tl.load(Y + rows, mask=row_ok, other=-1)
-        onehot = (cols[None, :] == y[:, None]).to(tl.float32)
-        grad = g_t[:, None] * (onehot - tl.exp(z - lse[:, None]))  # (g/T)(onehot - p) [BLOCK_N, BLOCK_V]
-        grad = tl.where(col_ok[None, :], grad, 0.0)
-        if BIAS_GRAD:
-            db += tl.sum(grad, axis=0)
-        for d0 in range(0, D, BLOCK_D):  # dW[cols] += grad^T H[rows], BLOCK_D columns at a time
-            ks = d0 + tl.arange(0, BLOCK_D)
-            k_ok = ks < D
-            h = tl.load(H + rows[:, None] * stride_h + ks[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
-            dw_ptrs = DW + cols[:, None] * D + ks[None, :]
-            dw_mask = col_ok[:, None] & k_ok[None, :]
-            dw = tl.load(dw_ptrs, mask=dw_mask, other=0.0) + _dot(tl.trans(grad), h, FP32_DOT)
-            tl.store(dw_ptrs, dw, mask=dw_mask)
-        tl.debug_barrier()  # the next row block reads what this one stored, maybe from other threads
-    if BIAS_GRAD:
-        tl.store(DB + cols, db, mask=col_ok)
+    z = _logits_tile(
+        H, W, B, rows, row_ok, cols, col_ok, D, stride_h, stride_w, inv_t,
+        HAS_BIAS, DOT_DTYPE, IEEE, BLOCK_N, BLOCK_V, BLOCK_D,
+    )  # fmt: skip
+    lse = tl.load(LSE + rows, mask=row_ok, other=0.0)
+    g_t = tl.load(G_T + rows, mask=row_ok, other=0.0)  # g / T
+    y = tl.load(Y + rows, mask=row_ok, other=-1)
+    onehot = (cols[None, :] == y[:, None]).to(tl.float32)
+    grad = g_t[:, None] * (onehot - tl.exp(z - lse[:, None]))
+    mask = row_ok[:, None] & col_ok[None, :]
+    tl.store(G_OUT + rows[:, None] * V + cols[None, :], grad.to(G_OUT.dtype.element_ty), mask=mask)
 
 
-def _fp32_dot(hidden: torch.Tensor, weight: torch.Tensor) -> bool:
-    return INTERPRET or torch.float32 in (hidden.dtype, weight.dtype)
+def vocab_splits(n: int, v: int, sms: int, block_n: int = BLOCK_N, block_v: int = BLOCK_V) -> tuple[int, int]:
+    """(splits, columns per split) of the forward grid: cdiv(n, block_n) row blocks x splits programs.
+
+    splits = min(cdiv(PROGRAMS_PER_SM * sms, row blocks), cdiv(v, block_v)), then each split takes
+    V_SPLIT = block_v * cdiv(cdiv(v, splits), block_v) columns (a whole number of tiles) and the count is
+    recomputed as cdiv(v, V_SPLIT), so that no split is empty. E.g. on an H200 (132 SMs) at N=2048:
+    32 row blocks x 9 splits = 288 programs; at N=16384: 256 x 2."""
+    row_blocks = triton.cdiv(n, block_n)
+    splits = max(1, min(triton.cdiv(PROGRAMS_PER_SM * sms, row_blocks), triton.cdiv(v, block_v)))
+    v_split = block_v * triton.cdiv(triton.cdiv(v, splits), block_v)
+    return triton.cdiv(v, v_split), v_split
+
+
+def merge_partials(
+    m: torch.Tensor, s: torch.Tensor, z_y: torch.Tensor, ez: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """(logp, lse, entropy or None) [N] from per-split partials [splits, N] (each split non-empty):
+
+    M = max_k m_k,  c_k = exp(m_k - M),  S = sum_k c_k s_k,  lse = M + log S,
+    logp = sum_k z_y,k - lse (exactly one split holds the target),  entropy = lse - (sum_k c_k ez_k) / S."""
+    top = m.amax(0)
+    c = torch.exp(m - top)
+    total = (c * s).sum(0)
+    lse = top + torch.log(total)
+    ent = None if ez is None else lse - (c * ez).sum(0) / total
+    return z_y.sum(0) - lse, lse, ent
+
+
+def backward_chunk_rows(n: int, v: int, itemsize: int, budget: int | None = None, block_n: int = BLOCK_N) -> int:
+    """Rows per backward chunk: the most whole BLOCK_N blocks whose [rows, v] G fits ``budget`` bytes
+    (default G_BUDGET_BYTES), at least one block, at most all of n. E.g. V=151936 in bf16: 3520 rows."""
+    rows = max(block_n, (budget or G_BUDGET_BYTES) // (v * itemsize) // block_n * block_n)
+    return min(rows, block_n * triton.cdiv(n, block_n))
+
+
+def _sm_count(device: torch.device) -> int:
+    """The device's SM count; 2 under the interpreter (so that the tests' small N still splits the vocabulary)."""
+    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 2
+
+
+def _dot_args(dtype: torch.dtype) -> dict:
+    dot = torch.float32 if INTERPRET else dtype
+    return {"DOT_DTYPE": _TL_DTYPES[dot], "IEEE": dot == torch.float32}
 
 
 def _check_device(hidden: torch.Tensor) -> None:
     if not hidden.is_cuda and not INTERPRET:
         raise ValueError(
-            f"the Triton log-prob kernel needs CUDA tensors (got {hidden.device}); on CPU use impl='chunked', "
-            "or set TRITON_INTERPRET=1 before triton is imported (tests)"
+            f"the Triton log-prob kernel needs CUDA tensors (got {hidden.device}); on CPU use impl='chunked' "
+            "(grpo.logprob_impl: chunked or auto), or set TRITON_INTERPRET=1 before triton is imported (tests)"
         )
 
 
@@ -257,39 +194,25 @@ def token_logprobs_forward(
     targets: torch.Tensor,
     inv_t: float,
     entropy: bool,
-    keep_j: bool,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
-    """Launch the forward kernel: logp, lse, entropy (or None), J in hidden's dtype (or None)."""
+    dtype: torch.dtype,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """Launch the forward kernel and merge its splits: logp, lse, entropy (or None), float32 [N]."""
     _check_device(hidden)
     n, d = hidden.shape
-    logp = torch.empty(n, device=hidden.device, dtype=torch.float32)
-    lse = torch.empty_like(logp)
-    ent = torch.empty_like(logp) if entropy else None
-    j = torch.zeros(n, d, device=hidden.device, dtype=torch.float32) if keep_j else None
-    _token_logprobs_forward_kernel[lambda meta: (triton.cdiv(n, meta["BLOCK_N"]),)](
-        hidden,
-        weight,
-        weight if bias is None else bias,  # never read without a bias
-        targets,
-        logp,
-        lse,
-        lse if ent is None else ent,
-        lse if j is None else j,
-        n,
-        weight.shape[0],
-        d,
-        hidden.stride(0),
-        weight.stride(0),
-        inv_t,
-        HAS_BIAS=bias is not None,
-        ENTROPY=entropy,
-        KEEP_J=keep_j,
-        FP32_DOT=_fp32_dot(hidden, weight),
-    )
-    return logp, lse, ent, None if j is None else j.to(hidden.dtype)
+    v = weight.shape[0]
+    splits, v_split = vocab_splits(n, v, _sm_count(hidden.device))
+    parts = torch.empty(4 if entropy else 3, splits, n, device=hidden.device, dtype=torch.float32)
+    launch(
+        _forward_kernel, (triton.cdiv(n, BLOCK_N), splits), hidden.device,
+        hidden, weight, weight if bias is None else bias, targets, parts[0], parts[1], parts[2], parts[-1],
+        n, v, d, v_split, hidden.stride(0), weight.stride(0), inv_t,
+        HAS_BIAS=bias is not None, ENTROPY=entropy, **_dot_args(dtype),
+        BLOCK_N=BLOCK_N, BLOCK_V=BLOCK_V, BLOCK_D=BLOCK_D, num_warps=NUM_WARPS, num_stages=NUM_STAGES,
+    )  # fmt: skip
+    return merge_partials(parts[0], parts[1], parts[2], parts[3] if entropy else None)
 
 
-def token_logprobs_grad_weight(
+def token_logprobs_backward(
     hidden: torch.Tensor,
     weight: torch.Tensor,
     bias: torch.Tensor | None,
@@ -297,69 +220,63 @@ def token_logprobs_grad_weight(
     lse: torch.Tensor,
     g_t: torch.Tensor,
     inv_t: float,
-    bias_grad: bool,
-) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Launch the backward kernel: dW [V, D] and db [V] (float32, or None) for upstream g_t = g / T."""
-    v, d = weight.shape
-    dw = torch.zeros(v, d, device=weight.device, dtype=torch.float32)
-    db = torch.empty(v, device=weight.device, dtype=torch.float32) if bias_grad else None
-    _token_logprobs_backward_kernel[lambda meta: (triton.cdiv(v, meta["BLOCK_V"]),)](
-        hidden,
-        weight,
-        weight if bias is None else bias,
-        targets,
-        lse,
-        g_t,
-        dw,
-        dw if db is None else db,
-        hidden.shape[0],
-        v,
-        d,
-        hidden.stride(0),
-        weight.stride(0),
-        inv_t,
-        HAS_BIAS=bias is not None,
-        BIAS_GRAD=bias_grad,
-        FP32_DOT=_fp32_dot(hidden, weight),
-    )
-    return dw, db
+    dtype: torch.dtype,
+    need: tuple[bool, bool, bool],
+) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
+    """dH (hidden's dtype), dW and db (float32) for upstream g_t = g / T; ``need`` = (dH, dW, db) wanted."""
+    n, d = hidden.shape
+    v = weight.shape[0]
+    w_c = weight.to(dtype)  # the GEMM operand: no copy when the head is already in the compute dtype
+    dh = torch.empty_like(hidden) if need[0] else None
+    dw = torch.zeros(v, d, device=weight.device, dtype=torch.float32) if need[1] else None
+    db = torch.zeros(v, device=weight.device, dtype=torch.float32) if need[2] else None
+    rows = backward_chunk_rows(n, v, torch.empty((), dtype=dtype).element_size())
+    g_buf = torch.empty(min(rows, n) * v, device=hidden.device, dtype=dtype)
+    for r0 in range(0, n, rows):
+        r1 = min(r0 + rows, n)
+        g = g_buf[: (r1 - r0) * v].view(r1 - r0, v)
+        h = hidden[r0:r1]
+        launch(
+            _grad_logits_kernel, (triton.cdiv(r1 - r0, BLOCK_N), triton.cdiv(v, BLOCK_V)), hidden.device,
+            h, weight, weight if bias is None else bias, targets[r0:r1], lse[r0:r1], g_t[r0:r1], g,
+            r1 - r0, v, d, hidden.stride(0), weight.stride(0), inv_t,
+            HAS_BIAS=bias is not None, **_dot_args(dtype),
+            BLOCK_N=BLOCK_N, BLOCK_V=BLOCK_V, BLOCK_D=BLOCK_D, num_warps=NUM_WARPS, num_stages=NUM_STAGES,
+        )  # fmt: skip
+        if dh is not None:
+            mm_into(dh[r0:r1], g, w_c)
+        if dw is not None:
+            addmm_fp32(dw, g.t(), h.to(dtype))
+        if db is not None:
+            db += g.sum(0, dtype=torch.float32)
+    return dh, dw, db
 
 
 class TritonTokenLogProbs(torch.autograd.Function):
     """(logp [N], entropy [N] or None) of hidden [N, D], weight [V, D], bias [V] or None, targets [N].
 
-    Inputs must be contiguous. Gradients flow to logp only; entropy is marked non-differentiable.
-    """
+    Inputs contiguous; ``dtype`` is the compute dtype (kernels/precision.py): tiles are cast to it on load,
+    so a float32 head is never copied in the forward. Gradients flow to logp only; entropy is marked
+    non-differentiable. Gradients take their input's dtype (dW of a float32 master weight stays float32)."""
 
     @staticmethod
-    def forward(
-        ctx,
-        hidden: torch.Tensor,
-        weight: torch.Tensor,
-        bias: torch.Tensor | None,
-        targets: torch.Tensor,
-        temperature: float,
-        compute_entropy: bool,
-        keep_j: bool,
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def forward(ctx, hidden, weight, bias, targets, temperature: float, compute_entropy: bool, dtype: torch.dtype):
         inv_t = 1.0 / temperature
-        logp, lse, ent, j = token_logprobs_forward(hidden, weight, bias, targets, inv_t, compute_entropy, keep_j)
-        ctx.save_for_backward(hidden, weight, bias, targets, lse, j)
-        ctx.inv_t = inv_t
+        logp, lse, ent = token_logprobs_forward(hidden, weight, bias, targets, inv_t, compute_entropy, dtype)
+        ctx.save_for_backward(hidden, weight, bias, targets, lse)
+        ctx.inv_t, ctx.dtype = inv_t, dtype
         if ent is not None:
             ctx.mark_non_differentiable(ent)
         return logp, ent
 
     @staticmethod
     def backward(ctx, grad_logp: torch.Tensor, grad_entropy: torch.Tensor | None):
-        hidden, weight, bias, targets, lse, j = ctx.saved_tensors
+        hidden, weight, bias, targets, lse = ctx.saved_tensors
+        need = (ctx.needs_input_grad[0], ctx.needs_input_grad[1], bias is not None and ctx.needs_input_grad[2])
+        if not any(need):
+            return None, None, None, None, None, None, None
         g_t = grad_logp.float().contiguous() * ctx.inv_t
-        dh = dw = db = None
-        if ctx.needs_input_grad[0]:
-            dh = (j * g_t[:, None]).to(hidden.dtype)
-        bias_grad = bias is not None and ctx.needs_input_grad[2]
-        if ctx.needs_input_grad[1] or bias_grad:
-            dw, db = token_logprobs_grad_weight(hidden, weight, bias, targets, lse, g_t, ctx.inv_t, bias_grad)
-            dw = dw.to(weight.dtype) if ctx.needs_input_grad[1] else None
-            db = None if db is None else db.to(bias.dtype)
+        dh, dw, db = token_logprobs_backward(hidden, weight, bias, targets, lse, g_t, ctx.inv_t, ctx.dtype, need)
+        dw = None if dw is None else dw.to(weight.dtype)
+        db = None if db is None else db.to(bias.dtype)
         return dh, dw, db, None, None, None, None

@@ -148,6 +148,14 @@ class GRPOConfig(OptimizerFields):
         "completion length, each cut to its own longest prompt and completion instead of the round's widths: less "
         "padding computed when lengths vary. 0 = one pass per micro-batch at the round's widths.",
     )
+    logprob_impl: Literal["auto", "triton", "chunked"] = Field(
+        "auto",
+        description="Implementation of the per-token log-probs (loss, old and reference passes; "
+        "kernels.token_logprobs): triton (the Triton kernels, CUDA only), chunked (chunked torch: cuBLAS GEMMs in "
+        "the compute dtype on CUDA, the float32 CPU path on CPU), auto (triton on CUDA, chunked otherwise). "
+        "Under autocast on CUDA both run with the autocast dtype's operands and float32 accumulation. triton on a "
+        "CPU device is refused when the GRPO trainer starts.",
+    )
     use_bias_correction_kl: bool = True
     vllm_importance_sampling_correction: bool = True
     vllm_importance_sampling_mode: Literal["token_truncate", "token_mask", "sequence_truncate", "sequence_mask"] = (

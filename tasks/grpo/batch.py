@@ -12,6 +12,7 @@ positions go through kernels.token_logprobs (fused, tiled over the vocabulary) w
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import torch
@@ -127,6 +128,16 @@ class PolicyLogProbs(torch.nn.Module):
             return logp.view(completion_ids.shape), ent.view(completion_ids.shape)
         return token_logprobs(
             h, head.weight, completion_ids, temperature, bias, compute_entropy=compute_entropy, impl=impl
+        )
+
+
+def check_logprob_impl(impl: str, device: torch.device) -> None:
+    """Refuse grpo.logprob_impl=triton on a device the Triton kernels cannot run on (anything but CUDA, unless
+    TRITON_INTERPRET=1 runs them on CPU, as the kernel tests do)."""
+    if impl == "triton" and device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+        raise ValueError(
+            f"grpo.logprob_impl=triton needs a CUDA device, but GRPO runs on {device} (run.device); "
+            "use grpo.logprob_impl: auto or chunked"
         )
 
 

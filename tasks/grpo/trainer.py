@@ -32,7 +32,7 @@ from grpoflow.tasks.config import GRPOConfig
 from grpoflow.tasks.generation.types import Generator, SamplingParams
 from grpoflow.tasks.grpo import checkpoint, dist_checkpoint
 from grpoflow.tasks.grpo.advantages import combine_rewards, decoupled_advantages, group_advantages, nanstd
-from grpoflow.tasks.grpo.batch import PolicyLogProbs, RoundTensors, build_round, policy_logprobs, root_logprobs
+from grpoflow.tasks.grpo.batch import PolicyLogProbs, RoundTensors, build_round, check_logprob_impl, root_logprobs
 from grpoflow.tasks.grpo.checkpoint import list_checkpoints
 from grpoflow.tasks.grpo.distributed import (
     entropy_counts,
@@ -136,6 +136,7 @@ class GRPOTrainer:
         self.on_checkpoint = on_checkpoint  # called after each save (an S3 workspace uploads the checkpoints)
         self.node_push = node_push  # nodes with their own disks: each other node uploads its shards (dist_checkpoint)
         self.device = model_device(model)  # rounds, log-probs, loss and optimizer state live beside the model
+        check_logprob_impl(cfg.logprob_impl, self.device)
         self.autocast_dtype = autocast_dtype  # full fine-tuning in bf16: float32 weights, bf16 forward passes
         # distributed (tasks/grpo/distributed.py): this process's rank, the root module the engine wraps (the
         # log-prob path, PolicyLogProbs(model) at world size 1) and whether completions are seeded per row
@@ -284,11 +285,10 @@ class GRPOTrainer:
         with torch.no_grad(), self._autocast():
             for s in range(0, batch.completion_ids.shape[0], mb):
                 sub = batch.select(torch.arange(s, min(s + mb, batch.completion_ids.shape[0])))
-                chunk = self.cfg.logprob_chunk_rows
-                if model is None:  # the policy: through the root module (the distributed engine's)
-                    out.append(root_logprobs(self.root, sub, self.cfg.temperature, chunk_rows=chunk)[0])
-                else:
-                    out.append(policy_logprobs(model, sub, self.cfg.temperature, chunk_rows=chunk)[0])
+                kw = {"impl": self.cfg.logprob_impl, "chunk_rows": self.cfg.logprob_chunk_rows}
+                # the policy through the root module (the distributed engine's); the reference model as it is
+                root = self.root if model is None else PolicyLogProbs(model)
+                out.append(root_logprobs(root, sub, self.cfg.temperature, **kw)[0])
         return torch.cat(out)  # every slice keeps the round's width
 
     def reference_logprobs(self, batch: RoundTensors) -> torch.Tensor:
@@ -403,6 +403,7 @@ class GRPOTrainer:
                 mb,
                 self.cfg.temperature,
                 compute_entropy=True,
+                impl=self.cfg.logprob_impl,
                 entropy_grad=self.entropy is not None,
                 chunk_rows=self.cfg.logprob_chunk_rows,
             )
