@@ -127,3 +127,38 @@ def test_full_fine_tuning_in_bfloat16_autocasts_over_float32_weights(saved_tiny,
     assert any(not torch.equal(before[n], p) for n, p in model.named_parameters())
     assert {p.dtype for p in model.parameters()} == {torch.float32}
     assert trainer.history[-1]["loss"] == trainer.history[-1]["loss"]  # not NaN
+
+
+MICRO = Path(__file__).parents[1] / "fixtures" / "micro.yaml"
+FULL_BF16_KL = ["model.lora.enabled=false", "export.adapter=false", "model.dtype=bfloat16", "grpo.beta=0.04"]
+
+
+def test_grpo_stage_keeps_the_reference_model_in_the_training_dtype(tmp_path):
+    """Full fine-tuning in bf16 with beta > 0: the policy trains float32 master weights under bf16 autocast, and its
+    frozen reference is loaded in bf16, the dtype its forward runs in (half the memory of a float32 copy)."""
+    from grpoflow.tasks.config import load_config
+    from grpoflow.tasks.runtime.tracking import RunLogger
+    from grpoflow.tasks.runtime.workspace import Workspace
+    from grpoflow.tasks.stages.data import prepare_data
+    from grpoflow.tasks.stages.grpo import run_grpo
+
+    cfg = load_config(MICRO, [*FULL_BF16_KL, "grpo.max_steps=1", "generation.backend=transformers"])
+    ws = Workspace(tmp_path / "ws")
+    prepare_data(cfg, ws)
+    summary = run_grpo(cfg, ws, RunLogger.disabled())
+    assert summary["steps"] == 1 and summary["reference_dtype"] == "bfloat16"
+    import json
+
+    history = [json.loads(line) for line in (ws.stage_dir("grpo") / "history.jsonl").read_text().splitlines()]
+    # the reference's log-probs entered the loss: at step 1 it holds the policy's weights, so its KL is bf16 rounding
+    assert 0 < history[0]["kl"] < 1e-3
+
+
+def test_reference_dtype():
+    from grpoflow.tasks.config import load_config
+    from grpoflow.tasks.stages.grpo import reference_dtype
+
+    assert reference_dtype(load_config(MICRO, FULL_BF16_KL)) == torch.bfloat16
+    # TR-DPO moves the reference by alpha * (policy - ref) each sync: bf16 would round small moves away
+    assert reference_dtype(load_config(MICRO, [*FULL_BF16_KL, "grpo.sync_ref_model=true"])) == torch.float32
+    assert reference_dtype(load_config(MICRO, ["model.lora.enabled=false", "export.adapter=false"])) is None
