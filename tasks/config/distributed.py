@@ -67,7 +67,10 @@ class DistributedConfig(_Section):
     strategy: Literal["ddp", "fsdp2"] = Field(
         "ddp",
         description="ddp: every process holds the whole model, gradients are averaged (DistributedDataParallel); "
-        "fsdp2: parameters, gradients and optimizer state sharded per decoder layer (torch fully_shard).",
+        "fsdp2: parameters, gradients and optimizer state sharded per decoder layer (torch fully_shard); with "
+        "model.dtype bfloat16 and full fine-tuning, bf16 compute over float32 shards with float32 gradient reduction "
+        "(MixedPrecisionPolicy). Not with model.load_in_4bit or a bitsandbytes grpo.optim (adamw_8bit, "
+        "paged_adamw_8bit).",
     )
     backend: Literal["auto", "gloo", "nccl"] = Field(
         "auto", description="Collective backend: auto = nccl when the processes run on CUDA, else gloo."

@@ -9,6 +9,7 @@ is loaded, with a :class:`ConfigError` whose message names the dotted key (``grp
 from __future__ import annotations
 
 import math
+import re
 from typing import Any, Literal
 
 from pydantic import Field, field_validator, model_validator
@@ -22,6 +23,7 @@ from grpoflow.tasks.config.training import GRPOConfig, SFTConfig
 # run / data
 # --------------------------------------------------------------------------------------------
 DEVICE_PATTERN = r"auto|cpu|cuda(:\d+)?"
+BNB_OPTIMIZERS = ("adamw_8bit", "paged_adamw_8bit")  # the optim values bitsandbytes implements
 
 
 class RunConfig(_Section):
@@ -324,6 +326,18 @@ class PipelineConfig(_Section):
             self.grpo.batching(d.world_size)
         except ValueError as e:  # the round does not split over the processes: TRL's formula, with the key
             raise ValueError(f"grpo on {d.world_size} processes (distributed.nproc_per_node * nnodes): {e}") from None
+        if re.fullmatch(r"cuda:\d+", self.run.device):
+            raise ValueError(
+                f"run.device={self.run.device} with distributed (nproc_per_node * nnodes = {d.world_size}): each GRPO "
+                "process takes the GPU of its LOCAL_RANK; use run.device=cuda (or auto) and choose the GPUs with "
+                "CUDA_VISIBLE_DEVICES"
+            )
+        if d.strategy == "fsdp2" and self.grpo.optim in BNB_OPTIMIZERS:
+            raise ValueError(
+                f"grpo.optim={self.grpo.optim} with distributed.strategy=fsdp2: bitsandbytes' 8-bit optimizers fault "
+                "on FSDP2's sharded (DTensor) parameters (bitsandbytes issue #1633, open); use grpo.optim=adamw_torch "
+                "or distributed.strategy=ddp"
+            )
         if d.strategy == "fsdp2" and self.model.load_in_4bit:
             raise ValueError(
                 "distributed.strategy=fsdp2 cannot shard model.load_in_4bit (bitsandbytes) weights; use ddp"

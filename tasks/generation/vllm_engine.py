@@ -25,8 +25,9 @@ Generation; sync_weights(model). What this module adds, and why:
 - EOS: the engine stops only on the tokenizer's EOS (``generation_config="vllm"`` ignores extra
   EOS ids in the model's generation_config, as the transformers backend does) and the completion
   includes it: finish_reason "stop"; cut at max_tokens: "length".
-- Determinism: vLLM reseeds the global RNGs when it starts and, on CPU, replaces
-  ``torch.set_num_threads`` with a no-op; both are restored. Each generate draws one seed from
+- Device and process state (tasks/generation/vllm_device.py): the engine starts on the model's GPU, and the
+  trainer's current CUDA device, RNGs and thread count are restored after its start.
+- Determinism: Each generate draws one seed from
   the trainer's torch RNG and gives every prompt its own seed (vLLM adds the sample index), so
   completions follow the trainer's RNG state, which GRPO checkpoints: a resumed run samples the
   same completions. With ``row_seeds`` (distributed GRPO) each completion is a request seeded by its row.
@@ -41,18 +42,24 @@ from __future__ import annotations
 import gc
 import logging
 import os
-import random
 import time
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
 from pathlib import Path
 
-import numpy as np
 import torch
 
 from grpoflow.tasks.config import GenerationConfig
 from grpoflow.tasks.generation.types import Generation, SamplingParams
+from grpoflow.tasks.generation.vllm_device import (
+    engine_device,
+    keep_current_device,
+    keep_process_state,
+    placement_kwargs,
+    release_cached_blocks,
+    vllm_has_device_ids,
+)
 from grpoflow.tasks.generation.vllm_ranks import executor_backend, full, launcher_world, row_requests
+from grpoflow.tasks.model.device import model_device
 from grpoflow.tasks.model.lora import lora_layers, merged_weight, unwrap
 
 log = logging.getLogger(__name__)
@@ -181,8 +188,9 @@ def engine_kwargs(
     lora_rank: int | None = None,
     world: int = 1,
 ) -> dict:
-    """Arguments of ``vllm.LLM`` for a co-located engine on ``device`` ("cpu" or "cuda"), in a process of a
-    ``world``-process torch.distributed group (tasks/generation/vllm_ranks.py).
+    """Arguments of ``vllm.LLM`` for a co-located engine on ``device`` ("cpu", "cuda" or "cuda:N"; the GPU's own
+    placement: vllm_device.placement_kwargs), in a process of a ``world``-process torch.distributed group
+    (tasks/generation/vllm_ranks.py).
 
     KV cache: ``vllm_kv_cache_gib`` when set; else on CPU room for ``vllm_max_num_seqs`` full-length
     sequences (block-rounded, at least 32 MiB); on GPU ``vllm_gpu_memory_utilization`` of the device."""
@@ -298,25 +306,6 @@ def weights_version(model) -> int:
 # --------------------------------------------------------------------------------------------
 # the generator
 # --------------------------------------------------------------------------------------------
-@contextmanager
-def _keep_process_state():
-    """Undo what constructing a vLLM engine does to the process: reseeded RNGs, torch thread count
-    (and, on the CPU backend, a torch.set_num_threads replaced by a no-op)."""
-    set_threads, threads = torch.set_num_threads, torch.get_num_threads()
-    states = random.getstate(), np.random.get_state(), torch.get_rng_state()
-    cuda_states = torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None
-    try:
-        yield
-    finally:
-        torch.set_num_threads = set_threads
-        torch.set_num_threads(threads)
-        random.setstate(states[0])
-        np.random.set_state(states[1])
-        torch.set_rng_state(states[2])
-        if cuda_states is not None:
-            torch.cuda.set_rng_state_all(cuda_states)
-
-
 _SYNC_CHATTER = (
     "Reloading and processing weights took",
     "Successfully reset prefix cache",
@@ -363,7 +352,8 @@ class VLLMGenerator:
         self.model = model
         self.eos_id = tokenizer.eos_token_id
         self.cfg = cfg
-        self.device = "cpu" if current_platform.is_cpu() else "cuda"
+        self.device = engine_device(current_platform.is_cpu(), model_device(model), torch.cuda.current_device)
+        self.empty_cache: Callable[[], None] = lambda: release_cached_blocks(self.device)  # before each wake-up
         self.sleep_enabled = sleep_mode_on(cfg, self.device, current_platform.is_sleep_mode_available())
         base = unwrap(model)
         self.lora_sync = cfg.vllm_lora_sync if hasattr(model, "peft_config") else None
@@ -381,9 +371,11 @@ class VLLMGenerator:
             lora_rank=lora_rank,
             world=self.world,
         )
+        if self.device != "cpu":  # the model's GPU (vLLM's one-process worker would take cuda:0)
+            kwargs.update(placement_kwargs(self.device, self.world, vllm_has_device_ids()))
         t0 = time.perf_counter()
         _quiet_sync_logs()  # before the engine starts: its chat warm-up is dropped too
-        with _keep_process_state():
+        with keep_process_state(), keep_current_device():  # vLLM's worker sets the current device as it starts
             self.llm = vllm.LLM(**kwargs)
         log.info(
             "vLLM engine up in %.1fs (%s, co-located, KV cache %s, sleep mode %s)",
@@ -443,8 +435,11 @@ class VLLMGenerator:
 
     # ------------------------------------------------------------------ memory around training
     def _wake(self, tags: list[str]) -> None:
+        """Wake the engine's ``tags`` that sleep, after handing the training step's cached blocks back to the
+        driver: the engine allocates beside the caching allocator, and a nearly full card runs out here."""
         tags = [t for t in tags if t in self._asleep]
         if tags:
+            self.empty_cache()
             self.llm.wake_up(tags=tags)
             self._asleep -= set(tags)
 

@@ -127,9 +127,30 @@ def micro_metrics_distributed(
         window["sampling/sampling_logp_difference/max"].append(float(maxes[1]))
 
 
-def wrap_root(root: torch.nn.Module, comm: Comm, strategy: str = "ddp") -> torch.nn.Module:
+def mixed_precision(autocast_dtype: torch.dtype | None):
+    """FSDP2's MixedPrecisionPolicy for a run that trains under ``autocast_dtype`` (tasks/model/loading.py
+    train_dtypes), or None (FSDP2 then computes in the parameters' own dtype).
+
+    Full fine-tuning in bf16 (float32 master weights, bf16 autocast): the shards stay float32 (the optimizer steps
+    them), each layer is all-gathered and computed in bf16 (half the all-gather traffic and unsharded memory of
+    float32), and gradients are reduce-scattered in float32, so the sum over the ranks does not round in bf16.
+    LoRA (autocast None): no policy. The frozen base is already bf16 and is gathered as it is; the float32 adapters,
+    the only trainable parameters (FSDP2 asks a uniform dtype of those alone), are small enough that gathering
+    them in bf16 saves nothing worth their precision, and they compute in float32 as on one process (peft's
+    default)."""
+    if autocast_dtype is None:
+        return None
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    return MixedPrecisionPolicy(param_dtype=autocast_dtype, reduce_dtype=torch.float32)
+
+
+def wrap_root(
+    root: torch.nn.Module, comm: Comm, strategy: str = "ddp", autocast_dtype: torch.dtype | None = None
+) -> torch.nn.Module:
     """The root module as the distributed engine's: DistributedDataParallel, or FSDP2 (fully_shard per decoder
-    layer, then the root) on a device mesh of the ranks; ``root`` itself at world size 1."""
+    layer, then the root) on a device mesh of the ranks, with :func:`mixed_precision` for ``autocast_dtype``;
+    ``root`` itself at world size 1."""
     if comm.world == 1:
         return root
     if strategy == "ddp":
@@ -142,9 +163,11 @@ def wrap_root(root: torch.nn.Module, comm: Comm, strategy: str = "ddp") -> torch
         from torch.distributed.fsdp import fully_shard
 
         mesh = init_device_mesh(comm.device.type, (comm.world,))
+        policy = mixed_precision(autocast_dtype)
+        kw = {} if policy is None else {"mp_policy": policy}
         for layer in decoder_layers(root):
-            fully_shard(layer, mesh=mesh)
-        fully_shard(root, mesh=mesh)
+            fully_shard(layer, mesh=mesh, **kw)
+        fully_shard(root, mesh=mesh, **kw)
         return root
     raise ValueError(f"distributed.strategy must be ddp or fsdp2 (got {strategy!r})")
 

@@ -4,15 +4,18 @@
     cpu     -> cpu
     cuda    -> cuda, cuda:N -> that GPU; an error naming run.device when torch sees no such GPU
 
-Every stage loads its models onto this device (4-bit bases through bitsandbytes' own placement,
-``device_map``), and builds its batches, masks and labels on ``model_device(model)``, so one setting moves
-SFT, GRPO (policy, reference, sampling loop, optimizer state) and evaluation together. Export writes from
-CPU copies whatever the device.
+A stage takes its device with :func:`select_device`, which also makes it torch's current CUDA device: what
+launches on the current device (Triton kernels, a bare "cuda" in bitsandbytes' placement, a CUDA context created
+by the first CUDA call) then lands on the GPU the tensors live on, not on cuda:0. Every stage loads its models
+onto this device (4-bit bases through bitsandbytes' own placement, ``device_map``), and builds its batches, masks
+and labels on ``model_device(model)``, so one setting moves SFT, GRPO (policy, reference, sampling loop,
+optimizer state) and evaluation together. Export writes from CPU copies whatever the device.
 """
 
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 
 import torch
 
@@ -42,3 +45,36 @@ def model_device(model: torch.nn.Module) -> torch.device:
     for p in model.parameters():
         return p.device
     return torch.device("cpu")
+
+
+def activate_device(
+    device: torch.device,
+    set_device: Callable[[torch.device], None] = torch.cuda.set_device,
+    current_index: Callable[[], int] = torch.cuda.current_device,
+) -> torch.device:
+    """``device`` made torch's current CUDA device (``set_device``); a bare ``cuda`` becomes the current GPU with its
+    index, so what the stage passes on (bitsandbytes' device_map, the vLLM engine's placement) names one GPU. Any
+    other device type is returned as it is, nothing set."""
+    if device.type != "cuda":
+        return device
+    if device.index is None:
+        device = torch.device("cuda", current_index())
+    set_device(device)
+    return device
+
+
+def select_device(
+    spec: str,
+    set_device: Callable[[torch.device], None] = torch.cuda.set_device,
+    local_rank: int | None = None,
+) -> torch.device:
+    """The device of a stage's process for ``run.device`` (:func:`resolve_device`), made current
+    (:func:`activate_device`): what every stage that computes calls, instead of ``resolve_device``.
+
+    ``local_rank``: a torchrun process's LOCAL_RANK; a CUDA run then takes that GPU, whatever the backend (nccl's
+    process group sets it too; under gloo the ranks would otherwise all share cuda:0). The config refuses
+    ``run.device: cuda:N`` with several processes."""
+    device = resolve_device(spec)
+    if local_rank is not None and device.type == "cuda":
+        device = torch.device("cuda", local_rank)
+    return activate_device(device, set_device)

@@ -36,7 +36,7 @@ from grpoflow.tasks.config import PipelineConfig
 from grpoflow.tasks.dataio.splits import load_split
 from grpoflow.tasks.generation.transformers_loop import TransformersGenerator
 from grpoflow.tasks.generation.types import SamplingParams
-from grpoflow.tasks.model.device import resolve_device
+from grpoflow.tasks.model.device import select_device
 from grpoflow.tasks.model.loading import load_causal_lm, load_tokenizer, load_with_adapter, prompt_ids
 from grpoflow.tasks.rewards import BUILTIN_REWARDS, resolve_reward_funcs, score_completions
 from grpoflow.tasks.runtime.plots import plot_eval_report
@@ -230,7 +230,7 @@ def run_eval(
             **{k: v for k, v in dataclasses.asdict(params).items() if k != "greedy"},
         },
     }
-    device = resolve_device(cfg.run.device)
+    device = select_device(cfg.run.device)
     models: dict[str, Callable] = {
         "before": lambda: load_causal_lm(before_model, cfg.model, device=device).eval(),
         "after": lambda: (

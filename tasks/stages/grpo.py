@@ -24,7 +24,7 @@ from grpoflow.tasks.generation.backend import make_generator
 from grpoflow.tasks.grpo.batch import PolicyLogProbs
 from grpoflow.tasks.grpo.distributed import full_state_dict, wrap_root
 from grpoflow.tasks.grpo.trainer import GRPOTrainer, list_checkpoints
-from grpoflow.tasks.model.device import resolve_device
+from grpoflow.tasks.model.device import select_device
 from grpoflow.tasks.model.loading import (
     count_parameters,
     load_causal_lm,
@@ -94,12 +94,13 @@ def train_grpo(
     model_cfg = cfg.model
     if g.gradient_checkpointing is not None:
         model_cfg = model_cfg.model_copy(update={"gradient_checkpointing": g.gradient_checkpointing})
-    device = comm.device if comm.device.type == "cuda" else resolve_device(cfg.run.device)
+    device = select_device(cfg.run.device, local_rank=comm.local_rank if comm.world > 1 else None)
     model = load_trainable(start, model_cfg, use_lora, device)
     weights_dtype, autocast_dtype = train_dtypes(cfg.model, use_lora)
     ref_model = None
     if g.beta > 0 and not use_lora:
-        ref_model = load_causal_lm(start, cfg.model, device=device, dtype=weights_dtype).eval().requires_grad_(False)
+        ref_dtype = reference_dtype(cfg)
+        ref_model = load_causal_lm(start, cfg.model, device=device, dtype=ref_dtype).eval().requires_grad_(False)
     trainable, total = count_parameters(model)
     rows = list(load_split(ws, "train"))
     prompts = [prompt_ids(tokenizer, r["prompt"], g.max_prompt_length) for r in rows]
@@ -115,9 +116,15 @@ def train_grpo(
     )
     b = g.batching(comm.world)
     tracker.log_params(
-        {"trainable_params": trainable, "total_params": total, "generation_backend": generator.name, **b.model_dump()}
+        {
+            "trainable_params": trainable,
+            "total_params": total,
+            "generation_backend": generator.name,
+            "reference_dtype": dtype_name(ref_model),
+            **b.model_dump(),
+        }
     )
-    root = wrap_root(PolicyLogProbs(model), comm, cfg.distributed.strategy)  # the module DDP/FSDP2 own
+    root = wrap_root(PolicyLogProbs(model), comm, cfg.distributed.strategy, autocast_dtype)  # what DDP/FSDP2 own
     log.info("GRPO on %s: weights %s, autocast %s", device, model.dtype, autocast_dtype or "off")
     log.info(
         "GRPO: %d prompts, %d per round x %d generations, %d micro-batches of %d per round and process, "
@@ -183,10 +190,25 @@ def train_grpo(
         "first_reward": trainer.history[0].get("reward") if trainer.history else None,
         "seconds": time.perf_counter() - t0,
         "generation_backend": generator.name,
+        "reference_dtype": dtype_name(ref_model),  # full fine-tuning with beta > 0: the frozen copy's dtype
     }
     if comm.world > 1:
         summary["world_size"] = comm.world
     return summary
+
+
+def reference_dtype(cfg: PipelineConfig) -> torch.dtype | None:
+    """The dtype of full fine-tuning's reference model (grpo.beta > 0; None: model.dtype as configured).
+
+    The dtype its forward runs in when training: bf16 under bf16 autocast (model.dtype bfloat16). It is frozen and
+    needs no float32 master weights: half their memory. With grpo.sync_ref_model (TR-DPO) it is not frozen: each
+    sync moves it by alpha * (policy - ref), which bf16 would round away for a small alpha: float32 then."""
+    weights, autocast = train_dtypes(cfg.model, use_lora=False)
+    return weights if cfg.grpo.sync_ref_model else autocast or weights
+
+
+def dtype_name(model) -> str | None:
+    return None if model is None else str(model.dtype).removeprefix("torch.")
 
 
 @task(name="grpo")

@@ -19,7 +19,7 @@ from prefect import task
 
 from grpoflow.tasks.config import PipelineConfig
 from grpoflow.tasks.dataio.splits import load_split
-from grpoflow.tasks.model.device import resolve_device
+from grpoflow.tasks.model.device import select_device
 from grpoflow.tasks.model.loading import (
     backbone_and_head,
     count_parameters,
@@ -81,7 +81,7 @@ def run_sft(cfg: PipelineConfig, ws: Workspace, tracker: RunLogger) -> dict:
     base = base_model_path(cfg, ws)
     tokenizer = load_tokenizer(base, cfg.model)
     use_lora = s.use_lora and cfg.model.lora.enabled
-    device = resolve_device(cfg.run.device)
+    device = select_device(cfg.run.device)
     model = load_trainable(base, cfg.model, use_lora, device)
     _, autocast_dtype = train_dtypes(cfg.model, use_lora)
     trainable, total = count_parameters(model)

@@ -1,11 +1,14 @@
 """run.device and the training precision: resolution, clear refusals, and what bf16 means for LoRA and full
 fine-tuning (run on the CPU, where torch.autocast to bfloat16 works as on a GPU)."""
 
+import ast
+from pathlib import Path
+
 import pytest
 import torch
 
 from grpoflow.tasks.config import GRPOConfig, ModelConfig, PipelineConfig
-from grpoflow.tasks.model.device import model_device, resolve_device
+from grpoflow.tasks.model.device import activate_device, model_device, resolve_device, select_device
 from grpoflow.tasks.model.loading import load_trainable, train_dtypes
 from tests.tasks.test_grpo_trainer import make, make_trainer
 
@@ -19,6 +22,53 @@ def test_resolve_device_on_a_machine_without_a_gpu():
                 resolve_device(spec)
     with pytest.raises(ValueError, match="run.device: 'gpu'"):
         resolve_device("gpu")
+
+
+def test_activate_device_makes_a_gpu_current_and_leaves_the_cpu_alone():
+    """The seam of run.device=cuda:N (only a GPU runs torch.cuda.set_device): the setter it is given is called with
+    that GPU; a bare cuda gets the current GPU's index; the CPU sets nothing."""
+    calls = []
+    assert activate_device(torch.device("cuda", 1), calls.append) == torch.device("cuda", 1)
+    assert calls == [torch.device("cuda", 1)]
+    assert activate_device(torch.device("cuda"), calls.append, current_index=lambda: 3) == torch.device("cuda", 3)
+    assert calls[-1] == torch.device("cuda", 3)
+    calls.clear()
+    assert activate_device(torch.device("cpu"), calls.append) == torch.device("cpu")
+    assert select_device("cpu", calls.append) == torch.device("cpu")
+    assert select_device("cpu", calls.append, local_rank=1) == torch.device("cpu")  # gloo on CPU processes
+    assert calls == []
+    if not torch.cuda.is_available():
+        with pytest.raises(ValueError, match="run.device: 'cuda:1'"):
+            select_device("cuda:1", calls.append)
+        assert calls == []  # refused before anything is set
+
+
+STAGES = Path(__file__).parents[2] / "tasks" / "stages"
+LOADERS = {"load_trainable", "load_causal_lm", "load_with_adapter"}
+
+
+def calls_in(tree: ast.AST) -> list[ast.Call]:
+    return [n for n in ast.walk(tree) if isinstance(n, ast.Call) and isinstance(n.func, ast.Name)]
+
+
+def test_every_stage_that_loads_a_model_selects_its_device():
+    """A stage module that loads a model onto a device (a loader called with device=, positionally for
+    load_trainable) takes that device from select_device (which makes it the current CUDA device), never from
+    resolve_device alone."""
+    computing = {}
+    for path in sorted(STAGES.glob("*.py")):
+        calls = calls_in(ast.parse(path.read_text()))
+        onto_device = [
+            c
+            for c in calls
+            if c.func.id in LOADERS
+            and (any(k.arg == "device" for k in c.keywords) or (c.func.id == "load_trainable" and len(c.args) > 3))
+        ]
+        if onto_device:
+            computing[path.stem] = {c.func.id for c in calls}
+    assert {"sft", "grpo", "evaluate"} <= computing.keys()
+    for stage, calls in computing.items():
+        assert "select_device" in calls and "resolve_device" not in calls, stage
 
 
 def test_config_checks_device_and_refuses_float16_training():
@@ -77,3 +127,38 @@ def test_full_fine_tuning_in_bfloat16_autocasts_over_float32_weights(saved_tiny,
     assert any(not torch.equal(before[n], p) for n, p in model.named_parameters())
     assert {p.dtype for p in model.parameters()} == {torch.float32}
     assert trainer.history[-1]["loss"] == trainer.history[-1]["loss"]  # not NaN
+
+
+MICRO = Path(__file__).parents[1] / "fixtures" / "micro.yaml"
+FULL_BF16_KL = ["model.lora.enabled=false", "export.adapter=false", "model.dtype=bfloat16", "grpo.beta=0.04"]
+
+
+def test_grpo_stage_keeps_the_reference_model_in_the_training_dtype(tmp_path):
+    """Full fine-tuning in bf16 with beta > 0: the policy trains float32 master weights under bf16 autocast, and its
+    frozen reference is loaded in bf16, the dtype its forward runs in (half the memory of a float32 copy)."""
+    from grpoflow.tasks.config import load_config
+    from grpoflow.tasks.runtime.tracking import RunLogger
+    from grpoflow.tasks.runtime.workspace import Workspace
+    from grpoflow.tasks.stages.data import prepare_data
+    from grpoflow.tasks.stages.grpo import run_grpo
+
+    cfg = load_config(MICRO, [*FULL_BF16_KL, "grpo.max_steps=1", "generation.backend=transformers"])
+    ws = Workspace(tmp_path / "ws")
+    prepare_data(cfg, ws)
+    summary = run_grpo(cfg, ws, RunLogger.disabled())
+    assert summary["steps"] == 1 and summary["reference_dtype"] == "bfloat16"
+    import json
+
+    history = [json.loads(line) for line in (ws.stage_dir("grpo") / "history.jsonl").read_text().splitlines()]
+    # the reference's log-probs entered the loss: at step 1 it holds the policy's weights, so its KL is bf16 rounding
+    assert 0 < history[0]["kl"] < 1e-3
+
+
+def test_reference_dtype():
+    from grpoflow.tasks.config import load_config
+    from grpoflow.tasks.stages.grpo import reference_dtype
+
+    assert reference_dtype(load_config(MICRO, FULL_BF16_KL)) == torch.bfloat16
+    # TR-DPO moves the reference by alpha * (policy - ref) each sync: bf16 would round small moves away
+    assert reference_dtype(load_config(MICRO, [*FULL_BF16_KL, "grpo.sync_ref_model=true"])) == torch.float32
+    assert reference_dtype(load_config(MICRO, ["model.lora.enabled=false", "export.adapter=false"])) is None

@@ -54,12 +54,37 @@ def test_one_process_by_default():
             ["distributed.nproc_per_node=2", "distributed.strategy=fsdp2", "model.load_in_4bit=true"],
             "cannot shard model.load_in_4bit",
         ),
+        (
+            ["distributed.nproc_per_node=2", "distributed.strategy=fsdp2", "grpo.optim=adamw_8bit"],
+            "grpo.optim=adamw_8bit with distributed.strategy=fsdp2: bitsandbytes' 8-bit optimizers fault on FSDP2's "
+            "sharded (DTensor) parameters (bitsandbytes issue #1633",
+        ),
+        (
+            ["distributed.nnodes=2", "distributed.rdzv_endpoint=h:1", "distributed.strategy=fsdp2"]
+            + ["grpo.optim=paged_adamw_8bit"],
+            "grpo.optim=paged_adamw_8bit with distributed.strategy=fsdp2",
+        ),
+        (
+            ["distributed.nproc_per_node=2", "run.device=cuda:1"],
+            "run.device=cuda:1 with distributed (nproc_per_node * nnodes = 2): each GRPO process takes the GPU of its "
+            "LOCAL_RANK",
+        ),
     ],
 )
 def test_bad_distributed_config_names_the_key(overrides, message):
     with pytest.raises(ConfigError) as err:
         load_config(None, overrides)
     assert message in str(err.value)
+
+
+def test_what_fsdp2_and_several_processes_still_take():
+    """The refusals above are narrow: an 8-bit optimizer with DDP (the GSM8K config's), torch AdamW with FSDP2, and a
+    bare cuda with several processes all load."""
+    two = ["distributed.nproc_per_node=2"]
+    assert load_config(None, [*two, "grpo.optim=adamw_8bit"]).grpo.optim == "adamw_8bit"
+    assert load_config(None, [*two, "distributed.strategy=fsdp2"]).distributed.strategy == "fsdp2"
+    assert load_config(None, [*two, "run.device=cuda"]).run.device == "cuda"
+    assert load_config(None, ["run.device=cuda:1", "grpo.optim=adamw_8bit"]).run.device == "cuda:1"  # one process
 
 
 def test_batching_over_processes_is_trls():

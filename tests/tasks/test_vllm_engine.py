@@ -306,7 +306,8 @@ def test_sleep_mode_only_on_gpu_when_asked_and_available():
 
 
 class _SleepRecorder:
-    """Stands in for a GPU engine's sleep/wake calls (vLLM's CPU worker has no sleep mode to run here)."""
+    """Stands in for a GPU engine's sleep/wake and weight-sync calls (vLLM's CPU worker has no sleep mode to run
+    here), and for the generator's empty-cache hook: one call log, in order."""
 
     def __init__(self):
         self.calls = []
@@ -317,26 +318,66 @@ class _SleepRecorder:
     def wake_up(self, tags):
         self.calls.append(("wake", tuple(tags)))
 
+    def empty_cache(self):
+        self.calls.append(("empty_cache",))
+
+    def collective_rpc(self, method, kwargs=None, args=()):
+        self.calls.append(("rpc", method))
+
+    def reset_prefix_cache(self):
+        self.calls.append(("reset_prefix_cache",))
+
+
+def sleeping_generator(lora_sync, synced_version):
+    """A VLLMGenerator's bookkeeping around a _SleepRecorder: no engine starts."""
+    gen = object.__new__(VLLMGenerator)
+    gen.llm, gen.sleep_enabled, gen.lora_sync, gen._asleep, gen._synced_version = (
+        _SleepRecorder(),
+        True,
+        lora_sync,
+        set(),
+        synced_version,
+    )
+    gen.empty_cache = gen.llm.empty_cache
+    gen.weights_key, gen.sync_seconds, gen.syncs = None, 0.0, 0
+    return gen
+
 
 @pytest.mark.parametrize("lora_sync, level", [("merge", 2), (None, 2), ("adapter", 1)])
 def test_sleep_level_and_the_resync_it_forces(lora_sync, level):
     """Level 2 discards the weights, so the next sync must stream them even if training did not change them;
     level 1 keeps them (adapter sync streams the base only once)."""
     assert sleep_level(lora_sync) == level
-    gen = object.__new__(VLLMGenerator)  # the bookkeeping only: no engine starts
-    gen.llm, gen.sleep_enabled, gen.lora_sync, gen._asleep, gen._synced_version = (
-        _SleepRecorder(),
-        True,
-        lora_sync,
-        set(),
-        7,
-    )
+    gen = sleeping_generator(lora_sync, 7)
     gen.release()
     gen.release()  # already asleep: no second call
     assert gen.llm.calls == [("sleep", level)]
     assert gen._synced_version == (None if level == 2 else 7)
     gen.resume()
-    assert gen.llm.calls[-1] == ("wake", ("weights", "kv_cache")) and not gen._asleep
+    assert gen.llm.calls[-2:] == [("empty_cache",), ("wake", ("weights", "kv_cache"))] and not gen._asleep
+
+
+def test_the_cache_is_emptied_before_every_wake_up(tok):
+    """After training, the caching allocator holds the step's blocks: they go back to the driver before the engine
+    wakes its weights (to sync them) and again before its KV cache (to generate), never after; an engine that is
+    awake is not woken, and nothing is emptied for it."""
+    gen = sleeping_generator("merge", None)
+    gen.model = tiny(tok, tied=False, lora=False)
+    gen.release()
+    assert gen.sync_weights(force=True)
+    gen.resume()
+    assert gen.llm.calls == [
+        ("sleep", 2),
+        ("empty_cache",),
+        ("wake", ("weights",)),
+        ("rpc", "reload_weights"),
+        ("reset_prefix_cache",),
+        ("empty_cache",),
+        ("wake", ("kv_cache",)),
+    ]
+    gen.llm.calls.clear()
+    gen.resume()  # awake already
+    assert gen.sync_weights(force=True) and ("empty_cache",) not in gen.llm.calls
 
 
 def test_sampling_kwargs_match_the_transformers_backend():
