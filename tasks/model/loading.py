@@ -104,13 +104,40 @@ def keep_bnb_cpu_path_valid(model) -> int:
     return changed
 
 
+def enable_gradient_checkpointing(model: PreTrainedModel) -> None:
+    """Checkpoint every decoder layer with torch's non-reentrant checkpoint (``use_reentrant=False``), the variant
+    torch recommends: it supports frozen inputs (a frozen base's embeddings) and keyword arguments, and does not
+    warn. The KV cache is off: it cannot coexist with recomputation."""
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model.config.use_cache = False
+
+
+def prepare_4bit_base(model: PreTrainedModel, gradient_checkpointing: bool) -> PreTrainedModel:
+    """A 4-bit base made ready for LoRA: every weight frozen and, if asked, non-reentrant gradient checkpointing.
+
+    This replaces peft's ``prepare_model_for_kbit_training``, which does two things grpoflow does not want:
+    it calls ``gradient_checkpointing_enable`` again with its own kwargs (``{}`` unless told otherwise), which
+    replaces an earlier ``use_reentrant=False`` with torch's reentrant fallback (and its warning); and it casts
+    every parameter that is not 4-bit (embeddings, output head, norms) from 16 bits to float32. Those weights are
+    frozen, so float32 copies make no update more precise; they double the memory of the two vocabulary-sized
+    matrices (2 x V x D: about 2 GB more for a 7B model with a 152k vocabulary), turn the residual stream float32
+    after the first float32 norm, and hand the log-prob head a float32 weight. A bfloat16 base keeps float32's
+    exponent range, the reason QLoRA upcast under float16. So a QLoRA base keeps ``model.dtype`` everywhere but
+    in its 4-bit linears, as the 16-bit LoRA base does, and the adapters are float32 (peft's own default)."""
+    for param in model.parameters():
+        param.requires_grad_(False)
+    if gradient_checkpointing:
+        enable_gradient_checkpointing(model)
+    return model
+
+
 def add_lora(model: PreTrainedModel, cfg: LoraConfig, gradient_checkpointing: bool = False):
-    """Wrap ``model`` with fresh trainable LoRA adapters (peft)."""
+    """Wrap ``model`` with fresh trainable LoRA adapters (peft); a 4-bit base goes through prepare_4bit_base."""
     from peft import LoraConfig as PeftLoraConfig
-    from peft import get_peft_model, prepare_model_for_kbit_training
+    from peft import get_peft_model
 
     if getattr(model, "is_loaded_in_4bit", False):
-        model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=gradient_checkpointing)
+        model = prepare_4bit_base(model, gradient_checkpointing)
     peft_cfg = PeftLoraConfig(
         r=cfg.r,
         lora_alpha=cfg.alpha,
@@ -144,8 +171,7 @@ def load_trainable(name_or_path: str, cfg: ModelConfig, use_lora: bool, device: 
             "scaler: small gradients underflow); set model.dtype=bfloat16 or float32"
         )
     if cfg.gradient_checkpointing:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-        model.config.use_cache = False
+        enable_gradient_checkpointing(model)
     if use_lora:
         model = add_lora(model, cfg.lora, cfg.gradient_checkpointing)
     model.train()

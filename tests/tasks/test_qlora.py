@@ -1,10 +1,13 @@
 """QLoRA on CPU: a 4-bit NF4 base (bitsandbytes) with LoRA adapters trains with GRPO and 8-bit AdamW,
 and the stages around it (eval on the 4-bit model, export merged into the full-precision base) work."""
 
+import warnings
 from pathlib import Path
 
 import bitsandbytes as bnb
+import pytest
 import torch
+import transformers.modeling_utils
 
 from grpoflow.tasks.config import GRPOConfig, ModelConfig, load_config
 from grpoflow.tasks.model.loading import load_trainable
@@ -58,6 +61,62 @@ def test_4bit_base_with_lora_trains_with_8bit_adamw(tmp_path):
     assert changed
     for n, m in quantized.items():
         assert torch.equal(m.weight, base_bytes[n]), n  # the 4-bit base is frozen
+
+
+def save_tiny_base(tmp_path) -> str:
+    tok, model = make(lora=False)
+    model.save_pretrained(tmp_path / "base")
+    tok.save_pretrained(tmp_path / "base")
+    return str(tmp_path / "base")
+
+
+def test_4bit_gradient_checkpointing_stays_non_reentrant(tmp_path, monkeypatch):
+    """The flag torch receives. gradient_checkpointing_enable binds ``checkpoint`` (modeling_utils' import of
+    torch.utils.checkpoint.checkpoint) and the kwargs it is given into a functools.partial that every decoder layer
+    calls in a training forward. Replacing that name before the model is loaded puts a recorder inside the partial:
+    it sees the keyword arguments each layer's call to torch's checkpoint carries, then runs the real one. peft's
+    prepare_model_for_kbit_training re-enabled checkpointing with ``{}``: the recorder then saw no use_reentrant
+    and torch fell back to the reentrant variant with a warning."""
+    calls = []
+    real = torch.utils.checkpoint.checkpoint
+
+    def recording(fn, *args, **kwargs):
+        calls.append(kwargs.get("use_reentrant", "not passed"))
+        return real(fn, *args, **kwargs)
+
+    monkeypatch.setattr(transformers.modeling_utils, "checkpoint", recording)
+    base = save_tiny_base(tmp_path)
+    cfg = ModelConfig(name=base, load_in_4bit=True, gradient_checkpointing=True)
+    model = load_trainable(base, cfg, use_lora=True)
+    assert any(isinstance(m, bnb.nn.Linear4bit) for m in model.modules())
+    ids = torch.randint(3, 200, (2, 12))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        model(input_ids=ids, labels=ids).loss.backward()
+    assert calls == [False, False]  # one call per decoder layer, each non-reentrant
+    assert not [w for w in caught if "use_reentrant" in str(w.message)]
+    grads = [p.grad for n, p in model.named_parameters() if "lora_B" in n]  # lora_A: zero until B moves
+    assert grads and all(g is not None and torch.count_nonzero(g) > 0 for g in grads)
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_4bit_base_keeps_model_dtype_outside_its_4bit_layers(tmp_path, dtype):
+    """peft's prepare_model_for_kbit_training would cast embeddings, head and norms to float32 (loading.py's
+    prepare_4bit_base says why grpoflow keeps them in model.dtype); the adapters are float32 either way."""
+    base = save_tiny_base(tmp_path)
+    model = load_trainable(base, ModelConfig(name=base, load_in_4bit=True, dtype=dtype), use_lora=True)
+    inner = model.get_base_model()
+    assert inner.get_input_embeddings().weight.dtype == getattr(torch, dtype)
+    assert inner.get_output_embeddings().weight.dtype == getattr(torch, dtype)
+    norms = {n: p.dtype for n, p in model.named_parameters() if "norm" in n}
+    assert norms and set(norms.values()) == {getattr(torch, dtype)}
+    lora = {p.dtype for n, p in model.named_parameters() if "lora_" in n}
+    assert lora == {torch.float32}
+    assert all(p.requires_grad == ("lora_" in n) for n, p in model.named_parameters())
+    ids = torch.randint(3, 200, (2, 10))
+    loss = model(input_ids=ids, labels=ids).loss
+    loss.backward()
+    assert torch.isfinite(loss)
 
 
 def test_qlora_pipeline_stages(tmp_path):
