@@ -178,6 +178,38 @@ def load_trainable(name_or_path: str, cfg: ModelConfig, use_lora: bool, device: 
     return model
 
 
+def quantization_method(name_or_path: str, cfg: ModelConfig) -> str | None:
+    """The ``quant_method`` of a checkpoint's quantization_config (its config.json), None for a plain checkpoint.
+
+    transformers loads a checkpoint that carries one quantized (bitsandbytes 4-bit, GPTQ, ...) whatever
+    ``from_pretrained`` is asked, so such a folder can never be the 16-bit base a LoRA adapter is merged into."""
+    from transformers import AutoConfig
+
+    try:
+        config = AutoConfig.from_pretrained(
+            name_or_path, revision=cfg.revision, trust_remote_code=cfg.trust_remote_code
+        )
+    except OSError as e:
+        raise ValueError(f"cannot read the model config of {name_or_path!r}: {e}") from e
+    q = getattr(config, "quantization_config", None)
+    if q is None:
+        return None
+    method = q.get("quant_method") if isinstance(q, dict) else getattr(q, "quant_method", None)
+    return str(getattr(method, "value", method) or "unknown")
+
+
+def require_unquantized(name_or_path: str, cfg: ModelConfig, what: str) -> None:
+    """Refuse a quantized checkpoint where 16-bit weights are needed (a merge target): ``what`` names the use."""
+    method = quantization_method(name_or_path, cfg)
+    if method is not None:
+        raise ValueError(
+            f"{what}: {name_or_path} is a quantized checkpoint (its config.json has a {method} quantization_config), "
+            "which transformers loads quantized whatever is asked: a LoRA adapter merged into it is rounded to the "
+            "quantized format again and the result loads quantized. Use the unquantized checkpoint; "
+            "model.load_in_4bit=true quantizes it at load time for training."
+        )
+
+
 def load_with_adapter(
     base: str,
     adapter_dir: str | None,
