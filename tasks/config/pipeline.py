@@ -259,7 +259,12 @@ class ExportConfig(_Section):
     adapter: bool = True
     merged: bool = True
     merged_dtype: Literal["float16", "bfloat16", "float32"] = "float16"
-    verify_prompts: int = Field(4, ge=0, description="Check the merged model's greedy tokens on N eval prompts.")
+    verify_prompts: int = Field(
+        4,
+        ge=0,
+        description="Verify the merged model on N eval prompts: per-token log-probs of the trained model's greedy "
+        "completions, teacher-forced through both, within a tolerance per dtype (docs/export.md); 0: no check.",
+    )
     gguf: list[Literal["f32", "f16", "bf16", "q8_0", "q4_k_m"]] = Field(
         default_factory=lambda: ["f16"],
         description="GGUF files of the merged model (export/gguf/model-<type>.gguf), for llama.cpp; [] for none. "

@@ -104,13 +104,40 @@ def keep_bnb_cpu_path_valid(model) -> int:
     return changed
 
 
+def enable_gradient_checkpointing(model: PreTrainedModel) -> None:
+    """Checkpoint every decoder layer with torch's non-reentrant checkpoint (``use_reentrant=False``), the variant
+    torch recommends: it supports frozen inputs (a frozen base's embeddings) and keyword arguments, and does not
+    warn. The KV cache is off: it cannot coexist with recomputation."""
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model.config.use_cache = False
+
+
+def prepare_4bit_base(model: PreTrainedModel, gradient_checkpointing: bool) -> PreTrainedModel:
+    """A 4-bit base made ready for LoRA: every weight frozen and, if asked, non-reentrant gradient checkpointing.
+
+    This replaces peft's ``prepare_model_for_kbit_training``, which does two things grpoflow does not want:
+    it calls ``gradient_checkpointing_enable`` again with its own kwargs (``{}`` unless told otherwise), which
+    replaces an earlier ``use_reentrant=False`` with torch's reentrant fallback (and its warning); and it casts
+    every parameter that is not 4-bit (embeddings, output head, norms) from 16 bits to float32. Those weights are
+    frozen, so float32 copies make no update more precise; they double the memory of the two vocabulary-sized
+    matrices (2 x V x D: about 2 GB more for a 7B model with a 152k vocabulary), turn the residual stream float32
+    after the first float32 norm, and hand the log-prob head a float32 weight. A bfloat16 base keeps float32's
+    exponent range, the reason QLoRA upcast under float16. So a QLoRA base keeps ``model.dtype`` everywhere but
+    in its 4-bit linears, as the 16-bit LoRA base does, and the adapters are float32 (peft's own default)."""
+    for param in model.parameters():
+        param.requires_grad_(False)
+    if gradient_checkpointing:
+        enable_gradient_checkpointing(model)
+    return model
+
+
 def add_lora(model: PreTrainedModel, cfg: LoraConfig, gradient_checkpointing: bool = False):
-    """Wrap ``model`` with fresh trainable LoRA adapters (peft)."""
+    """Wrap ``model`` with fresh trainable LoRA adapters (peft); a 4-bit base goes through prepare_4bit_base."""
     from peft import LoraConfig as PeftLoraConfig
-    from peft import get_peft_model, prepare_model_for_kbit_training
+    from peft import get_peft_model
 
     if getattr(model, "is_loaded_in_4bit", False):
-        model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=gradient_checkpointing)
+        model = prepare_4bit_base(model, gradient_checkpointing)
     peft_cfg = PeftLoraConfig(
         r=cfg.r,
         lora_alpha=cfg.alpha,
@@ -144,12 +171,43 @@ def load_trainable(name_or_path: str, cfg: ModelConfig, use_lora: bool, device: 
             "scaler: small gradients underflow); set model.dtype=bfloat16 or float32"
         )
     if cfg.gradient_checkpointing:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-        model.config.use_cache = False
+        enable_gradient_checkpointing(model)
     if use_lora:
         model = add_lora(model, cfg.lora, cfg.gradient_checkpointing)
     model.train()
     return model
+
+
+def quantization_method(name_or_path: str, cfg: ModelConfig) -> str | None:
+    """The ``quant_method`` of a checkpoint's quantization_config (its config.json), None for a plain checkpoint.
+
+    transformers loads a checkpoint that carries one quantized (bitsandbytes 4-bit, GPTQ, ...) whatever
+    ``from_pretrained`` is asked, so such a folder can never be the 16-bit base a LoRA adapter is merged into."""
+    from transformers import AutoConfig
+
+    try:
+        config = AutoConfig.from_pretrained(
+            name_or_path, revision=cfg.revision, trust_remote_code=cfg.trust_remote_code
+        )
+    except OSError as e:
+        raise ValueError(f"cannot read the model config of {name_or_path!r}: {e}") from e
+    q = getattr(config, "quantization_config", None)
+    if q is None:
+        return None
+    method = q.get("quant_method") if isinstance(q, dict) else getattr(q, "quant_method", None)
+    return str(getattr(method, "value", method) or "unknown")
+
+
+def require_unquantized(name_or_path: str, cfg: ModelConfig, what: str) -> None:
+    """Refuse a quantized checkpoint where 16-bit weights are needed (a merge target): ``what`` names the use."""
+    method = quantization_method(name_or_path, cfg)
+    if method is not None:
+        raise ValueError(
+            f"{what}: {name_or_path} is a quantized checkpoint (its config.json has a {method} quantization_config), "
+            "which transformers loads quantized whatever is asked: a LoRA adapter merged into it is rounded to the "
+            "quantized format again and the result loads quantized. Use the unquantized checkpoint; "
+            "model.load_in_4bit=true quantizes it at load time for training."
+        )
 
 
 def load_with_adapter(

@@ -4,12 +4,21 @@
     export/merged/    base + adapter merged, cast to export.merged_dtype, with the tokenizer
     export/gguf/      model-<type>.gguf of the merged folder for each of export.gguf (tasks/model/gguf.py)
 
-Verification: the merged folder is loaded back with plain transformers and must produce the
-same greedy tokens as the trained model (base + adapter, in the training dtype) on
-``export.verify_prompts`` eval prompts; the match count is in the summary and a mismatch fails
-the stage. Each GGUF is read back with gguf.GGUFReader. A GGUF that cannot be made (an architecture or
-tokenizer the converter does not support, q4_k_m without llama.cpp's llama-quantize) is skipped with a
-warning and listed under ``gguf_skipped``: the default ``export.gguf: [f16]`` must not fail other models' runs.
+The merge target is always 16-bit: the adapter is merged into the GRPO base loaded unquantized in
+``model.dtype`` (a QLoRA run's base is SFT's 16-bit checkpoint or the original model, which GRPO
+quantized at load time); a base whose config.json carries a quantization_config is refused.
+
+Verification (tasks/model/verify.py): the trained model (base + adapter, ``model.dtype``) completes
+``export.verify_prompts`` eval prompts greedily; prompt + completion go teacher-forced through it and
+through the merged folder loaded back with plain transformers in ``merged_dtype``. The stage fails
+when a completion token's log-prob differs by more than the dtypes' tolerance (logprob_tolerance);
+the summary reports the max and mean gap, the tolerance and the greedy agreement (the share of each
+completion the merged model's greedy choices follow before the first divergence, averaged), which
+16-bit rounding lowers on real models without anything being wrong.
+
+Each GGUF is read back with gguf.GGUFReader. A GGUF that cannot be made (an architecture or tokenizer
+the converter does not support, q4_k_m without llama.cpp's llama-quantize) is skipped with a warning and
+listed under ``gguf_skipped``: the default ``export.gguf: [f16]`` must not fail other models' runs.
 """
 
 from __future__ import annotations
@@ -25,8 +34,16 @@ from grpoflow.tasks.config import PipelineConfig
 from grpoflow.tasks.dataio.splits import load_split
 from grpoflow.tasks.generation.transformers_loop import TransformersGenerator
 from grpoflow.tasks.generation.types import SamplingParams
-from grpoflow.tasks.model.loading import DTYPES, load_causal_lm, load_tokenizer, load_with_adapter, prompt_ids
+from grpoflow.tasks.model.loading import (
+    DTYPES,
+    load_causal_lm,
+    load_tokenizer,
+    load_with_adapter,
+    prompt_ids,
+    require_unquantized,
+)
 from grpoflow.tasks.model.save import save_merged
+from grpoflow.tasks.model.verify import compare_logprobs, logprob_tolerance, teacher_forced
 from grpoflow.tasks.runtime.stage import run_stage
 from grpoflow.tasks.runtime.tracking import RunLogger
 from grpoflow.tasks.runtime.workspace import Workspace
@@ -59,6 +76,42 @@ def export_gguf(merged_dir: Path, gguf_dir: Path, types: list[str], tracker: Run
     return written, skipped
 
 
+def verify_merged(trained_logprobs, prompts, completions, merged_dir: Path, merged_dtype: str, trained_dtype: str):
+    """The merged folder loaded back in ``merged_dtype`` against the trained model's log-probs on the verify batch:
+    the summary entries; raises RuntimeError when the max gap exceeds logprob_tolerance(trained, merged dtype)."""
+    from transformers import AutoModelForCausalLM
+
+    reloaded = AutoModelForCausalLM.from_pretrained(merged_dir, dtype=DTYPES[merged_dtype]).eval()
+    forced = [teacher_forced(reloaded, p, c) for p, c in zip(prompts, completions)]
+    v = compare_logprobs(trained_logprobs, [lp for lp, _ in forced], [am for _, am in forced], completions)
+    tol = logprob_tolerance(trained_dtype, merged_dtype)
+    entries = {
+        "verify_prompts": len(prompts),
+        "verify_tokens": v.tokens,
+        "verify_max_logprob_gap": v.max_gap,
+        "verify_mean_logprob_gap": v.mean_gap,
+        "verify_tolerance": tol,
+        "verify_greedy_agreement": v.greedy_agreement,
+    }
+    log.info(
+        "export: merged %s vs trained %s on %d tokens: max log-prob gap %.3g (tolerance %.3g), greedy agreement %.3f",
+        merged_dtype,
+        trained_dtype,
+        v.tokens,
+        v.max_gap,
+        tol,
+        v.greedy_agreement,
+    )
+    if v.max_gap > tol:
+        raise RuntimeError(
+            f"export: the merged {merged_dtype} model at {merged_dir} does not match the trained model "
+            f"({trained_dtype}): max per-token log-prob gap {v.max_gap:.4g} > tolerance {tol:.4g} "
+            f"(eval prompt {v.worst[0]}, completion token {v.worst[1]}; mean gap {v.mean_gap:.4g} over {v.tokens} "
+            "teacher-forced tokens)"
+        )
+    return entries
+
+
 def run_export(
     cfg: PipelineConfig, ws: Workspace, tracker: RunLogger, base_model: str, trained_model: str, is_adapter: bool
 ) -> dict:
@@ -66,16 +119,20 @@ def run_export(
     t0 = time.perf_counter()
     out = ws.stage_dir("export")
     tokenizer = load_tokenizer(trained_model, cfg.model)
-    trained = (
-        # QLoRA too merges into the full-precision base (base + B @ A), never into the 4-bit copy
-        load_with_adapter(base_model, trained_model, cfg.model, quantize=False)
-        if is_adapter
-        else load_causal_lm(trained_model, cfg.model).eval()
-    )
+    if is_adapter:
+        # QLoRA too merges into the 16-bit base (base + B @ A), never into a 4-bit copy
+        require_unquantized(base_model, cfg.model, "export merges the adapter into its base model")
+        trained = load_with_adapter(base_model, trained_model, cfg.model, quantize=False)
+    else:
+        require_unquantized(trained_model, cfg.model, "export saves the trained model")
+        trained = load_causal_lm(trained_model, cfg.model).eval()
+    trained_dtype = str(next(trained.parameters()).dtype).removeprefix("torch.")
     rows = list(load_split(ws, "eval"))[: x.verify_prompts]
     prompts = [prompt_ids(tokenizer, r["prompt"], cfg.grpo.max_prompt_length) for r in rows]
     max_new = cfg.eval.max_new_tokens or cfg.grpo.max_completion_length
-    expected = greedy_tokens(trained, tokenizer, prompts, max_new) if prompts else []
+    completions = greedy_tokens(trained, tokenizer, prompts, max_new) if prompts else []
+    # before the merge below folds the adapter into ``trained`` in place
+    trained_logprobs = [teacher_forced(trained, p, c)[0] for p, c in zip(prompts, completions)]
     summary: dict = {"seconds": 0.0}
 
     if x.adapter and is_adapter:
@@ -92,19 +149,7 @@ def run_export(
         summary["merged_path"] = str(merged_dir)
         summary["merged_dtype"] = x.merged_dtype
         if prompts:
-            from transformers import AutoModelForCausalLM
-
-            reloaded = AutoModelForCausalLM.from_pretrained(merged_dir, dtype=DTYPES[x.merged_dtype]).eval()
-            got = greedy_tokens(reloaded, tokenizer, prompts, max_new)
-            matches = sum(a == b for a, b in zip(expected, got))
-            summary["verify_prompts"] = len(prompts)
-            summary["verify_matches"] = matches
-            if matches != len(prompts):
-                bad = [i for i, (a, b) in enumerate(zip(expected, got)) if a != b]
-                raise RuntimeError(
-                    f"export: merged {x.merged_dtype} model at {merged_dir} differs from the trained model in greedy "
-                    f"tokens on eval prompts {bad} ({matches}/{len(prompts)} match)"
-                )
+            summary |= verify_merged(trained_logprobs, prompts, completions, merged_dir, x.merged_dtype, trained_dtype)
         tracker.log_artifact(merged_dir, "merged")
         if x.gguf:
             summary["gguf"], skipped = export_gguf(merged_dir, out / "gguf", x.gguf, tracker)

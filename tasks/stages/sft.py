@@ -4,7 +4,9 @@ Each training example is the chat-templated prompt followed by the reference com
 ("<reasoning>...</reasoning><answer>...</answer>") and EOS; with ``completion_only_loss`` the
 prompt tokens carry label -100. Cross-entropy is the token mean over the accumulated batch.
 With LoRA the adapter is merged before saving, so the checkpoint is always a plain model that
-GRPO (or evaluation) loads as its base.
+GRPO (or evaluation) loads as its base. On a 4-bit base (QLoRA) the adapter is merged into the base
+reloaded unquantized in ``model.dtype``, never into the 4-bit copy: sft/model carries no
+quantization_config, and GRPO quantizes it itself when ``model.load_in_4bit`` asks.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ from __future__ import annotations
 import logging
 import math
 import random
+import tempfile
 import time
 
 import torch
@@ -26,9 +29,11 @@ from grpoflow.tasks.model.loading import (
     load_tokenizer,
     load_trainable,
     prompt_ids,
+    require_unquantized,
     train_dtypes,
 )
 from grpoflow.tasks.model.optim import build_optimizer, build_scheduler, clip_and_step
+from grpoflow.tasks.model.save import merge_into_16bit_base
 from grpoflow.tasks.runtime.progress import progress_bar
 from grpoflow.tasks.runtime.stage import run_stage
 from grpoflow.tasks.runtime.tracking import RunLogger
@@ -81,6 +86,9 @@ def run_sft(cfg: PipelineConfig, ws: Workspace, tracker: RunLogger) -> dict:
     base = base_model_path(cfg, ws)
     tokenizer = load_tokenizer(base, cfg.model)
     use_lora = s.use_lora and cfg.model.lora.enabled
+    qlora = use_lora and cfg.model.load_in_4bit
+    if qlora:  # before training: the merge at the end needs 16-bit base weights
+        require_unquantized(base, cfg.model, "sft (use_lora with model.load_in_4bit) merges into model.name")
     device = select_device(cfg.run.device)
     model = load_trainable(base, cfg.model, use_lora, device)
     _, autocast_dtype = train_dtypes(cfg.model, use_lora)
@@ -132,8 +140,13 @@ def run_sft(cfg: PipelineConfig, ws: Workspace, tracker: RunLogger) -> dict:
             advance(loss=loss_val)
 
     out = ws.stage_dir("sft") / "model"
-    if use_lora:
-        model = model.merge_and_unload()
+    if qlora:
+        with tempfile.TemporaryDirectory() as adapter_dir:
+            model.save_pretrained(adapter_dir)
+            del model, optimizer, scheduler  # the 4-bit training copy goes before the 16-bit one loads
+            model = merge_into_16bit_base(base, adapter_dir, cfg.model, "sft")
+    elif use_lora:
+        model = model.merge_and_unload()  # a 16-bit base in model.dtype: the merge is exact up to its rounding
     model.save_pretrained(out)
     tokenizer.save_pretrained(out)
     summary = {
