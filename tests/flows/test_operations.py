@@ -103,7 +103,7 @@ def test_a_failed_cycle_consumes_nothing(tmp_path):
         config=str(MICRO), overrides=overrides, source=str(src), state_dir=str(tmp_path / "state"), return_state=True
     )
     assert state.is_failed()
-    with pytest.raises(StageError, match="data: .*'question' is not a column"):  # one line naming the stage
+    with pytest.raises(StageError, match="data: .*'question': no row has it"):  # one line naming the stage
         state.result()
     assert not (tmp_path / "state" / "ledger.json").exists()
     assert [f.name for f in Ledger(tmp_path / "state" / "ledger.json").new_files(list_source(str(src)))] == [
@@ -134,7 +134,7 @@ def test_a_cycle_keeps_its_state_on_s3(tmp_path, seaweedfs, monkeypatch):
     ]
     state = grpo_continuous(config=str(MICRO), overrides=overrides, source=source, return_state=True)
     assert state.is_failed()
-    with pytest.raises(StageError, match="data: .*'question' is not a column"):
+    with pytest.raises(StageError, match="data: .*'question': no row has it"):
         state.result()
     ledger = f"{source}/_grpoflow-continuous/ledger.json"
     assert not store.exists(ledger)
