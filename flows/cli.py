@@ -114,6 +114,10 @@ def _load(args) -> PipelineConfig:
 
     if problem := model_problem(cfg.model.name):  # a bad GGUF or folder: now, not after data prep
         raise ConfigError(f"model.name: {problem}")
+    from grpoflow.tasks.model.context import context_problem, known_context
+
+    if (known := known_context(cfg)) and (problem := context_problem(cfg, *known)):  # lengths past the context
+        raise ConfigError(problem)
     from grpoflow.tasks.dataio.sources import file_problem
 
     d = cfg.data
