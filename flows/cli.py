@@ -187,6 +187,11 @@ def cmd_compare(args) -> int:
         refs = [resolve_run(r, uri) for r in (args.run_a, args.run_b)]
     except ValueError as e:
         raise ConfigError(str(e)) from e
+    from grpoflow.tasks.runtime.preflight import tracking_problem
+
+    for u in dict.fromkeys(u for u, _ in refs):  # a server that is down: now, not after minutes of retries
+        if problem := tracking_problem(u):
+            raise ConfigError(problem)
     try:
         summaries = [run_summary(MlflowClient(u), rid, args.window) for u, rid in refs]
     except MlflowException as e:  # an unknown run id, a store that does not answer: its first line, no traceback
@@ -392,6 +397,13 @@ def main(argv: list[str] | None = None) -> int:
             f"`grpoflow resume {e.workspace}` reruns from this stage)",
             file=sys.stderr,
         )
+        return 1
+    except Exception as e:
+        if not type(e).__module__.startswith("mlflow."):
+            raise
+        # MLflow's own error outside a stage (the parent run, the registry, compare): its first line, no traceback
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        print(f"grpoflow: MLflow ({type(e).__name__}): {first}", file=sys.stderr)
         return 1
     except KeyboardInterrupt as e:  # Ctrl-C, or SIGTERM (Terminated)
         print(

@@ -257,6 +257,9 @@ def test_compare_of_a_missing_folder_and_an_output_dir_under_a_file_fail_in_one_
     assert last == f"grpoflow: {missing}: no such run workspace folder (looked at {missing})"
     last = _one_line(_cli(tmp_path, "compare", "0" * 32, "1" * 32, env=env), 2)
     assert last.startswith(f"grpoflow: compare: {'0' * 32}: "), last
+    down = _env(tmp_path, MLFLOW_TRACKING_URI="http://127.0.0.1:9")  # no minutes of the client's retries
+    last = _one_line(_cli(tmp_path, "compare", "0" * 32, "1" * 32, env=down, timeout=60), 2)
+    assert last.startswith("grpoflow: MLflow tracking server http://127.0.0.1:9 does not answer"), last
     blocker = tmp_path / "a-file"
     blocker.write_text("x")
     last = _one_line(_cli(tmp_path, "run", str(MICRO), f"run.output_dir={blocker / 'runs'}"), 2)

@@ -60,6 +60,16 @@ def test_commands_need_a_server_and_an_existing_path(tmp_path, capsys):
     with temporary_settings(updates={PREFECT_API_URL: "http://127.0.0.1:9/api"}):
         assert main(["data-landed", str(tmp_path / "missing.jsonl")]) == 2
     assert "missing.jsonl" in capsys.readouterr().err
+    # a server that does not answer: one line before anything (deploy raised httpx's traceback, data-landed
+    # reported an event as emitted that its background worker then dropped)
+    with temporary_settings(updates={PREFECT_API_URL: "http://127.0.0.1:9/api"}):
+        assert main(["data-landed", str(tmp_path)]) == 2
+        assert main(["deploy"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 2 and all(
+        line.startswith("grpoflow: PREFECT_API_URL: the Prefect server http://127.0.0.1:9/api does not answer")
+        for line in err
+    ), err
 
 
 def test_prefect_yaml_declares_the_fixed_names():
