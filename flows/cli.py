@@ -114,12 +114,20 @@ def _load(args) -> PipelineConfig:
 
     if problem := model_problem(cfg.model.name):  # a bad GGUF or folder: now, not after data prep
         raise ConfigError(f"model.name: {problem}")
+    from grpoflow.tasks.model.context import context_problem, known_context
+
+    if (known := known_context(cfg)) and (problem := context_problem(cfg, *known)):  # lengths past the context
+        raise ConfigError(problem)
     from grpoflow.tasks.dataio.sources import file_problem
 
     d = cfg.data
     for key, source in (("data.source", d.source), ("data.eval_source", d.eval_source)):
         if source and (problem := file_problem(source, d.question_field, d.answer_field)):
             raise ConfigError(f"{key}: {problem}")
+    from grpoflow.tasks.runtime.preflight import output_dir_problem
+
+    if problem := output_dir_problem(cfg.run.output_dir):
+        raise ConfigError(problem)
     from grpoflow.tasks.rewards import resolve_reward_funcs
 
     try:  # imported and their signatures checked now, not in the GRPO stage after data prep and SFT
@@ -167,6 +175,7 @@ def cmd_resume(args) -> int:
 
 def cmd_compare(args) -> int:
     """Key metrics and config differences of two runs, side by side (tasks/ops/compare.py)."""
+    from mlflow.exceptions import MlflowException
     from mlflow.tracking import MlflowClient
     from rich.console import Console
     from rich.table import Table
@@ -178,7 +187,17 @@ def cmd_compare(args) -> int:
         refs = [resolve_run(r, uri) for r in (args.run_a, args.run_b)]
     except ValueError as e:
         raise ConfigError(str(e)) from e
-    summaries = [run_summary(MlflowClient(u), rid, args.window) for u, rid in refs]
+    from grpoflow.tasks.runtime.preflight import tracking_problem
+
+    for u in dict.fromkeys(u for u, _ in refs):  # a server that is down: now, not after minutes of retries
+        if problem := tracking_problem(u):
+            raise ConfigError(problem)
+    try:
+        summaries = [run_summary(MlflowClient(u), rid, args.window) for u, rid in refs]
+    except MlflowException as e:  # an unknown run id, a store that does not answer: its first line, no traceback
+        ref = next((r for r, (_, rid) in zip((args.run_a, args.run_b), refs, strict=True) if rid in str(e)), None)
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise ConfigError(f"compare: {ref + ': ' if ref else ''}{first}") from None
     table = Table(title="grpoflow compare")
     table.add_column("")
     for s in summaries:
@@ -189,7 +208,29 @@ def cmd_compare(args) -> int:
     return 0
 
 
+def preflight(cfg: PipelineConfig) -> None:
+    """What must be reachable for a run, checked in seconds before any stage (tasks/runtime/preflight.py): the
+    MLflow tracking server, and hub ids that are not cached. `grpoflow validate` stays offline and skips these."""
+    from grpoflow.tasks.dataio.sources import BUILTIN_SOURCE, HUMANEVAL_SOURCE, looks_like_file
+    from grpoflow.tasks.model.sources import ALIASES, is_gguf
+    from grpoflow.tasks.runtime import preflight as pf
+
+    uri = cfg.tracking.uri or os.environ.get("MLFLOW_TRACKING_URI") or ""
+    key = "tracking.uri" if cfg.tracking.uri else "MLFLOW_TRACKING_URI"
+    if problem := pf.tracking_problem(uri):
+        raise ConfigError(f"{key}: {problem}")
+    m, d = cfg.model, cfg.data
+    if m.name != "tiny" and m.name not in ALIASES and not is_gguf(m.name) and pf.is_hub_id(m.name):
+        if problem := pf.hub_problem("model.name", m.name, "model", m.revision):
+            raise ConfigError(problem)
+    if d.source not in (BUILTIN_SOURCE, HUMANEVAL_SOURCE) and not s3.is_s3_uri(d.source):
+        if not looks_like_file(d.source) and pf.is_hub_id(d.source):
+            if problem := pf.hub_problem("data.source", d.source, "dataset"):
+                raise ConfigError(problem)
+
+
 def _run_pipeline(cfg: PipelineConfig, before=None) -> int:
+    preflight(cfg)
     _setup_env(cfg)
     if s3.is_s3_uri(cfg.run.output_dir):
         s3.S3Store(cfg.storage).check_access(
@@ -230,6 +271,13 @@ def quiet_stage_errors() -> None:
             logger.addFilter(_NoTracebackForStageErrors())
 
 
+def _num(value, spec: str) -> str:
+    """A number of the summary as ``spec`` formats it; "n/a" for None or NaN (a reward that scored nothing)."""
+    if value is None or (isinstance(value, float) and value != value):
+        return "n/a"
+    return format(value, spec)
+
+
 def print_summary(result: dict, seconds: float) -> None:
     from rich.console import Console
     from rich.table import Table
@@ -241,14 +289,13 @@ def print_summary(result: dict, seconds: float) -> None:
         table.add_row("local copy", result["local_copy"])
     table.add_row("MLflow run", result["mlflow_run_id"])
     g = result["grpo"]
-    table.add_row("GRPO", f"{g['steps']} steps, reward {g['first_reward']:.3f} -> {g['final_reward']:.3f}")
+    reward = f"{_num(g.get('first_reward'), '.3f')} -> {_num(g.get('final_reward'), '.3f')}"
+    table.add_row("GRPO", f"{g.get('steps')} steps, reward {reward}")
     if "eval" in result:
         e = result["eval"]
-        table.add_row(
-            "accuracy",
-            f"before GRPO {e['accuracy_before']:.1%} -> after {e['accuracy_after']:.1%} ({e['rows']} held-out rows)",
-        )
-        table.add_row("report", e["report_path"])
+        before, after = _num(e.get("accuracy_before"), ".1%"), _num(e.get("accuracy_after"), ".1%")
+        table.add_row("accuracy", f"before GRPO {before} -> after {after} ({e.get('rows')} held-out rows)")
+        table.add_row("report", str(e.get("report_path")))
     if "registry" in result:
         r = result["registry"]
         table.add_row("registry", f"{r['name']} version {r['version']}: {r['reason']}")
@@ -350,6 +397,13 @@ def main(argv: list[str] | None = None) -> int:
             f"`grpoflow resume {e.workspace}` reruns from this stage)",
             file=sys.stderr,
         )
+        return 1
+    except Exception as e:
+        if not type(e).__module__.startswith("mlflow."):
+            raise
+        # MLflow's own error outside a stage (the parent run, the registry, compare): its first line, no traceback
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        print(f"grpoflow: MLflow ({type(e).__name__}): {first}", file=sys.stderr)
         return 1
     except KeyboardInterrupt as e:  # Ctrl-C, or SIGTERM (Terminated)
         print(

@@ -51,6 +51,12 @@ def _api_url() -> str:
             "PREFECT_API_URL: not set; start a server (prefect server start) and "
             "`export PREFECT_API_URL=http://127.0.0.1:4200/api`"
         )
+    from grpoflow.tasks.runtime.preflight import unreachable
+
+    # checked now: unchecked, deploy fails in a raw httpx traceback and data-landed reports an event as emitted
+    # that its background worker then drops
+    if why := unreachable(url.rstrip("/") + "/health"):
+        raise ConfigError(f"PREFECT_API_URL: the Prefect server {url} does not answer ({why}); start it or fix the URL")
     return url
 
 
@@ -110,9 +116,9 @@ def resource_id(path: str) -> str:
 
 def emit_data_landed(path: str) -> str:
     """Emit ``grpoflow.data.landed`` for ``path`` and wait until it is sent; returns the event id."""
-    _api_url()
     if not path.startswith("s3://") and not Path(path).expanduser().exists():
         raise ConfigError(f"data-landed: {path!r} does not exist")
+    _api_url()
     from prefect.events import emit_event
     from prefect.events.worker import EventsWorker
 

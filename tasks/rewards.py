@@ -26,10 +26,10 @@ import inspect
 import logging
 import math
 import re
+import threading
 from collections import Counter
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from concurrent.futures import TimeoutError as FuturesTimeout
 from functools import partial
 from typing import Any
 
@@ -377,23 +377,66 @@ def reward_values(name: str, out: Any, completions: list[Any]) -> list[float]:
     return values
 
 
+class UnscoredRounds:
+    """Rounds in which a reward scored no completion at all (every value None or NaN): such a reward teaches
+    nothing, usually because it cannot find a column it needs. Warns naming the reward on its first such round
+    (and every 100th after), and counts them as the metric rewards/<name>/unscored_rounds."""
+
+    def __init__(self) -> None:
+        self.counts: Counter[str] = Counter()
+
+    def update(self, names: Sequence[str], columns: Sequence[Sequence[float]]) -> dict[str, float]:
+        """``columns``: each reward's values over the whole round, in the order of ``names``."""
+        for name, values in zip(names, columns, strict=True):
+            if values and all(v is None or v != v for v in values):
+                self.counts[name] += 1
+                if self.counts[name] % 100 == 1:
+                    log.warning(
+                        "reward %r scored no completion of this round (%d values, all None or NaN; %d such "
+                        "rounds so far): it adds nothing to the advantages; check the columns it reads",
+                        name,
+                        len(values),
+                        self.counts[name],
+                    )
+        return {f"rewards/{name}/unscored_rounds": float(self.counts[name]) for name in names}
+
+
 def _sample(completions: list[Any], i: int) -> str:
     text = completion_text(completions[i])
     return f"completion {i} ({text[:80]!r}{'...' if len(text) > 80 else ''})"
 
 
 def call_with_timeout(name: str, fn: Callable[[], Any], timeout: float | None) -> Any:
-    """fn() bounded by ``timeout`` seconds (None: unbounded). Over time, a RewardError names the function; the
-    call is left to finish in its own thread (a thread cannot be killed), and the stage fails."""
-    if timeout is None:
+    """fn() bounded by ``timeout`` seconds (None or 0: unbounded). Over time, a RewardError names the function
+    and the bound, and the stage fails.
+
+    A Python function cannot be stopped from outside its thread, so the call runs in a daemon thread that is
+    abandoned when the bound passes: it holds no lock of ours, and it ends with the process (the CLI exits
+    after a failed stage; a daemon thread is not joined at exit, where a ThreadPoolExecutor's worker would be,
+    keeping a `time.sleep(3600)` alive for its hour). Not a subprocess: a reward may be a closure or hold a
+    loaded judge model, neither of which pickles or starts in milliseconds; the rewards that run untrusted
+    programs (code_tests) already do so in their own sandboxed subprocesses (runtime/sandbox.py)."""
+    if not timeout:
         return fn()
-    pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"reward-{name}")
-    try:
-        return pool.submit(fn).result(timeout=timeout)
-    except FuturesTimeout:
-        raise RewardError(f"reward {name!r} took longer than grpo.reward_timeout_s={timeout:g} s") from None
-    finally:
-        pool.shutdown(wait=False)
+    box: dict[str, Any] = {}
+
+    def target() -> None:
+        try:
+            box["value"] = fn()
+        except BaseException as e:  # handed to the caller's thread, raised there
+            box["error"] = e
+
+    worker = threading.Thread(target=target, name=f"reward-{name}", daemon=True)
+    worker.start()
+    worker.join(timeout)
+    if worker.is_alive():
+        raise RewardError(
+            f"reward {name!r} did not return within grpo.reward_timeout_s={timeout:g} s (stopped waiting; raise "
+            "the bound, or 0 for none, if the function is slow rather than stuck)"
+        )
+    if "error" in box:
+        raise box["error"]
+    return box.get("value")
 
 
 def score_completions(

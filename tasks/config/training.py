@@ -138,7 +138,13 @@ class GRPOConfig(OptimizerFields):
         default_factory=CodeRewardConfig, description="Sandbox limits of the code_tests reward."
     )
     reward_timeout_s: float | None = Field(
-        None, gt=0, description="Bound on one call of one reward function; over it the GRPO stage fails naming it."
+        120.0,
+        ge=0,
+        validation_alias=AliasChoices("reward_timeout_s", "reward_timeout"),
+        description="Seconds one call of one reward function may take (also accepted as grpo.reward_timeout); over "
+        "it the GRPO stage fails naming the reward, its checkpoints kept for `grpoflow resume`. 0 or None: no bound. "
+        "The default is far above what a rule-based reward (GSM8K's take milliseconds a batch) needs; it is there for "
+        "a remote scorer or judge that hangs.",
     )
     mask_truncated_completions: bool = False
     logprob_chunk_rows: int = Field(

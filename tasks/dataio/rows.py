@@ -77,8 +77,8 @@ def generate_arithmetic(acfg: ArithmeticConfig, seed: int) -> tuple[list[dict[st
 def columns(rows: Dataset, question_field: str, answer_field: str, source_name: str) -> tuple[list, list]:
     """The question and answer columns as lists; a missing one fails listing the columns there are."""
     for key, field in (("data.question_field", question_field), ("data.answer_field", answer_field)):
-        if field not in rows.column_names:
-            raise ValueError(f"{source_name}: {key} {field!r} is not a column; available columns: {rows.column_names}")
+        if field not in rows.column_names:  # a column any row has exists (None where a row lacks it)
+            raise ValueError(f"{source_name}: {key} {field!r}: no row has it; the rows have {rows.column_names}")
     columns = rows.select_columns([question_field, answer_field]).to_dict()
     return columns[question_field], columns[answer_field]
 

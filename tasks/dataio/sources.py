@@ -160,14 +160,36 @@ def file_problem(source: str, question_field: str, answer_field: str) -> str | N
     if keys is None:
         return None
     for key, field in (("data.question_field", question_field), ("data.answer_field", answer_field)):
-        if field not in keys:
-            return f"data file {source!r} {where}: {key} {field!r} is not a column; it has {sorted(keys)}"
+        if field in keys:
+            continue
+        if where.startswith("(first"):  # JSON lines: a row without the field is an invalid row, not the file's
+            found, all_keys = _any_row_has(path, field)
+            if found:
+                continue
+            return f"data file {source!r}: {key} {field!r}: no row has it; its rows have {sorted(all_keys)}"
+        return f"data file {source!r} {where}: {key} {field!r} is not a column; it has {sorted(keys)}"
     return None
 
 
+def _any_row_has(path: Path, field: str) -> tuple[bool, set[str]]:
+    """Whether any row of a JSON-lines file has ``field`` (read to the first that has it), and the keys seen."""
+    seen: set[str] = set()
+    with open(path, "rb") as f:
+        for line in f:
+            try:
+                row = json.loads(line) if line.strip() else None
+            except json.JSONDecodeError:
+                continue  # the data stage reports it by line
+            if isinstance(row, dict):
+                if field in row:
+                    return True, seen | set(row)
+                seen |= set(row)
+    return False, seen
+
+
 def _head_columns(path: Path) -> tuple[set[str] | None, str]:
-    """The columns of the file's first rows and where they were read ("line 3", "the header"); None when the
-    head alone cannot tell (a .json array: the whole file is one document)."""
+    """The columns of the file's first rows (of JSON lines: those any of them has) and where they were read
+    ("(first 5 rows)", "(its header)"); None when the head alone cannot tell (a .json array: one document)."""
     suffix = path.suffix.lower()
     if suffix == ".parquet":
         import pyarrow.parquet as pq
@@ -197,7 +219,7 @@ def _head_columns(path: Path) -> tuple[set[str] | None, str]:
                 raise ValueError(f"line {n}: not a JSON object ({e.msg} at column {e.colno})") from None
             if not isinstance(row, dict):
                 raise ValueError(f"line {n}: a JSON {type(row).__name__}, not an object of columns")
-            common = set(row) if common is None else common & set(row)
+            common = set(row) if common is None else common | set(row)
             seen += 1
             if seen == HEAD_ROWS:
                 break

@@ -56,7 +56,7 @@ from grpoflow.tasks.grpo.rounds import PromptSampler, Round
 from grpoflow.tasks.grpo.schedule import is_optimizer_step, micro_batch_rows
 from grpoflow.tasks.model.device import model_device
 from grpoflow.tasks.model.optim import build_optimizer, build_scheduler, clip_and_step
-from grpoflow.tasks.rewards import score_completions
+from grpoflow.tasks.rewards import UnscoredRounds, score_completions
 from grpoflow.tasks.runtime.dist import Comm
 from grpoflow.tasks.runtime.progress import progress_bar
 
@@ -160,14 +160,14 @@ class GRPOTrainer:
         self.perm_rng = torch.Generator().manual_seed(seed)
         self.round: Round | None = None
         # what a checkpoint must agree with to be resumed (run length and logging may change)
-        hashed = cfg.model_dump(
-            mode="json", exclude={"max_steps", "save_steps", "logging_steps", "log_completions", "resume"}
-        )
+        same = {"max_steps", "save_steps", "logging_steps", "log_completions", "resume", "reward_timeout_s"}
+        hashed = cfg.model_dump(mode="json", exclude=same)
         self.config_hash = hashlib.sha256(json.dumps(hashed, sort_keys=True).encode()).hexdigest()[:16]
         self.step = 0
         self.micro_step = 0
         self.num_tokens = 0
         self.history: list[dict] = []
+        self.unscored_rounds = UnscoredRounds()  # per reward: rounds it scored nothing
 
     # ---------------------------------------------------------------- generation round
     def draw(self, n_prompts: int) -> Drawn:
@@ -226,6 +226,7 @@ class GRPOTrainer:
             if callable(take := getattr(fn, "take_counts", None)):
                 stats.update({f"rewards/{name}/{k}": v for k, v in take().items()})
         stats["frac_unscored"] = unscored.float().mean().item()  # completions no reward function scored
+        stats.update(self.unscored_rounds.update(self.reward_names, per_func.t().tolist()))
         for k, name in enumerate(self.reward_names):
             col = per_func[:, k]
             stats[f"rewards/{name}/mean"] = torch.nanmean(col).item()

@@ -41,6 +41,8 @@ def resolve_run(ref: str, tracking_uri: str | None, storage: StorageConfig | Non
             raise ValueError(f"{ref}: no run.json; not a run workspace (<output_dir>/<run name>)")
         data = json.loads(info.read_text())
         return data["tracking_uri"], data["mlflow_run_id"]
+    if ref.startswith((".", "~")) or "/" in ref or "\\" in ref:  # a path, never a run id: it does not exist
+        raise ValueError(f"{ref}: no such run workspace folder (looked at {path.expanduser().absolute()})")
     if tracking_uri is None:
         raise ValueError(f"{ref}: not a folder; an MLflow run id needs --tracking-uri or $MLFLOW_TRACKING_URI")
     return tracking_uri, ref

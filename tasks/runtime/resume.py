@@ -15,7 +15,7 @@ A stage's key is a sha256 over everything its result depends on (config sections
     base_model  data key;  run.seed, model.name, model.revision, model.tiny  (the tiny model built from the data)
 
 Left out, since they do not change a result: run.name, run.output_dir, run.torch_threads, tracking.*,
-storage.*, sft.logging_steps, grpo.{save_steps, logging_steps, log_completions, resume},
+storage.*, sft.logging_steps, grpo.{save_steps, logging_steps, log_completions, resume, reward_timeout_s},
 generation.{torch_threads, batch_size}, distributed.{backend, timeout_s, node_rank, rdzv_endpoint, master_addr,
 master_port, launcher, trainjob} (where the processes run, not what they compute). A section in SPARSE
 contributes only its keys that differ from their defaults, so a run on one process keeps the key it had before
@@ -54,6 +54,7 @@ IGNORED = frozenset(
         "grpo.logging_steps",
         "grpo.log_completions",
         "grpo.resume",
+        "grpo.reward_timeout_s",
         "generation.torch_threads",
         "generation.batch_size",
         "model.cache_dir",

@@ -120,7 +120,15 @@ def prepare_data(cfg: PipelineConfig, ws: Workspace) -> dict[str, Any]:
     eval_rows = eval_rows[: d.max_eval_rows]
     n_skipped = sum(len(s) for s in skipped.values())
     if not train_rows:
-        raise ValueError(f"data.source {d.source!r}: no usable training rows ({n_skipped} invalid rows skipped)")
+        first: list[str] = []
+        for name, rows in skipped.items():  # the first three, each named by line as the file shows it
+            if rows and len(first) < 3:
+                where = row_locator(name, cfg.storage)
+                first += [f"{where(i)}: {why}" for i, why in rows[: 3 - len(first)]]
+        raise ValueError(
+            f"data.source {d.source!r}: no usable training rows: {n_skipped} invalid rows skipped"
+            + (f" ({', '.join(first)}{', ...' if n_skipped > len(first) else ''})" if first else "")
+        )
     if not eval_rows:
         log.warning("data.source %r: the eval split is empty", d.source)
 

@@ -24,13 +24,13 @@ from grpoflow.tasks.generation.backend import make_generator
 from grpoflow.tasks.grpo.batch import PolicyLogProbs
 from grpoflow.tasks.grpo.distributed import full_state_dict, wrap_root
 from grpoflow.tasks.grpo.trainer import GRPOTrainer, list_checkpoints
+from grpoflow.tasks.model.context import config_context, context_problem, tokenize_prompts
 from grpoflow.tasks.model.device import select_device
 from grpoflow.tasks.model.loading import (
     count_parameters,
     load_causal_lm,
     load_tokenizer,
     load_trainable,
-    prompt_ids,
     train_dtypes,
 )
 from grpoflow.tasks.rewards import resolve_reward_funcs
@@ -103,7 +103,11 @@ def train_grpo(
         ref_model = load_causal_lm(start, cfg.model, device=device, dtype=ref_dtype).eval().requires_grad_(False)
     trainable, total = count_parameters(model)
     rows = list(load_split(ws, "train"))
-    prompts = [prompt_ids(tokenizer, r["prompt"], g.max_prompt_length) for r in rows]
+    prompts, cut = tokenize_prompts(tokenizer, rows, g.max_prompt_length)  # warns once when prompts are cut
+    tracker.log_metrics({f"prompts/{k}": v for k, v in cut.items()})
+    fed = max(map(len, prompts), default=0)  # the context of a model downloaded or converted in this stage:
+    if problem := context_problem(cfg, config_context(model.config), start, sft=False, prompt_tokens=fed):
+        raise ValueError(problem)
     generator = make_generator(  # on several processes: one engine per rank (vLLM's starts are collective)
         cfg.generation,
         model,
@@ -191,6 +195,7 @@ def train_grpo(
         "seconds": time.perf_counter() - t0,
         "generation_backend": generator.name,
         "reference_dtype": dtype_name(ref_model),  # full fine-tuning with beta > 0: the frozen copy's dtype
+        **cut,
     }
     if comm.world > 1:
         summary["world_size"] = comm.world

@@ -76,3 +76,192 @@ def test_validate_refuses_a_bad_data_file_or_model_folder_before_any_stage(tmp_p
         assert lines[-1].startswith(want), (override, lines[-1])
         assert "Traceback" not in res.stderr
     assert not (tmp_path / "runs").exists()
+
+
+# ------------------------------------------------------------------ issue 27: the error contract, finished
+NONE_REWARD = """
+def none_reward(prompts, completions, **columns):
+    return [None] * len(completions)
+"""
+HANGING_REWARD = """
+import os, time
+from pathlib import Path
+
+CALLS = 0
+
+
+def stuck_reward(prompts, completions, **columns):
+    global CALLS
+    CALLS += 1
+    if CALLS > 2 and os.environ.get("REWARD_HANGS") == "1":  # the third round: after checkpoint-2
+        Path("hung_at").write_text(repr(time.time()))
+        time.sleep(3600)
+    return [float(len(c[0]["content"]) % 3) for c in completions]
+"""
+SHORT = ("sft.enabled=false", "eval.enabled=false", "export.enabled=false")  # only data and GRPO run
+
+
+def _env(tmp_path: Path, **extra: str) -> dict[str, str]:
+    env = dict(
+        os.environ,
+        OMP_NUM_THREADS="1",
+        PYTHONPATH=f"{tmp_path}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
+        PREFECT_HOME=str(tmp_path / "prefect"),
+        HF_HOME=str(tmp_path / "hf"),  # an empty cache: nothing of the machine's is found
+    )
+    env.pop("MLFLOW_TRACKING_URI", None)
+    env.update(extra)
+    return env
+
+
+def _cli(tmp_path: Path, *args: str, env: dict[str, str] | None = None, timeout: float = 600):
+    return subprocess.run(
+        [sys.executable, "-m", "grpoflow.flows.cli", *args],
+        env=env or _env(tmp_path),
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+
+
+def _one_line(res: subprocess.CompletedProcess, code: int) -> str:
+    assert res.returncode == code, res.stderr[-3000:]
+    assert "Traceback" not in res.stderr and "Traceback" not in res.stdout, res.stderr[-3000:]
+    return res.stderr.strip().splitlines()[-1]
+
+
+@pytest.mark.slow
+def test_a_reward_scoring_nothing_warns_and_cut_prompts_are_counted(tmp_path):
+    """Cases 1 and 7 in one short run: a reward returning None for every completion is warned about by name
+    and counted per round, the summary prints n/a instead of crashing; prompts cut by max_prompt_length are
+    counted, warned once and logged."""
+    import mlflow
+
+    (tmp_path / "none_rewards.py").write_text(NONE_REWARD)
+    run = ["run", str(MICRO), f"run.output_dir={tmp_path / 'runs'}", "run.name=none", *SHORT]
+    overrides = ["grpo.reward_funcs=[none_rewards:none_reward]", "grpo.max_steps=1", "grpo.max_prompt_length=12"]
+    res = _cli(tmp_path, *run, *overrides)
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert "reward 'none_reward' scored no completion of this round" in res.stderr
+    assert res.stderr.count("grpo.max_prompt_length=12 cuts") == 1
+    assert "reward n/a -> n/a" in res.stdout and "Traceback" not in res.stderr
+    ws = tmp_path / "runs" / "none"
+    summary = json.loads((ws / "grpo" / "manifest.json").read_text())["summary"]
+    assert summary["truncated_prompts"] > 0 and summary["longest_prompt_tokens"] > 12
+    client = mlflow.MlflowClient(f"sqlite:///{tmp_path / 'runs' / 'mlflow.db'}")
+    grpo_run = client.get_run(summary["mlflow_run_id"])
+    assert grpo_run.data.metrics["rewards/none_reward/unscored_rounds"] == 1
+    assert grpo_run.data.metrics["prompts/truncated_prompts"] == summary["truncated_prompts"]
+
+
+@pytest.mark.slow
+def test_a_hanging_reward_is_stopped_at_its_timeout_and_resume_continues(tmp_path):
+    """Case 2: the third reward call sleeps an hour. The stage fails within the timeout plus a few seconds,
+    naming the reward and the bound; checkpoint-2 is intact; `grpoflow resume` continues from it once the
+    reward returns again."""
+    import time
+
+    (tmp_path / "stuck_rewards.py").write_text(HANGING_REWARD)
+    ws = tmp_path / "runs" / "stuck"
+    run = ["run", str(MICRO), f"run.output_dir={tmp_path / 'runs'}", "run.name=stuck", *SHORT]
+    overrides = ["grpo.reward_funcs=[stuck_rewards:stuck_reward]", "grpo.max_steps=4", "grpo.reward_timeout=3"]
+    res = _cli(tmp_path, *run, *overrides, env=_env(tmp_path, REWARD_HANGS="1"))
+    ended = time.time()
+    last = _one_line(res, 1)
+    assert last.startswith("grpoflow: grpo: reward 'stuck_reward' did not return within grpo.reward_timeout_s=3 s")
+    assert ended - float((tmp_path / "hung_at").read_text()) < 3 + 15  # the bound, then the exit
+    checkpoints = ws / "grpo" / "checkpoints"
+    assert sorted(p.name for p in checkpoints.iterdir()) == ["checkpoint-2"]
+    assert (ws / "data" / "manifest.json").is_file() and not (ws / "grpo" / "manifest.json").exists()
+    res = _cli(tmp_path, "resume", str(ws))  # the fix: the reward returns again (same import path, same key)
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert "resumed GRPO from" in res.stderr and "checkpoint-2 (step 2)" in res.stderr
+    assert json.loads((ws / "grpo" / "manifest.json").read_text())["summary"]["steps"] == 4
+
+
+def test_an_unreachable_tracking_server_fails_before_any_stage_in_seconds(tmp_path):
+    """Case 3: MLFLOW_TRACKING_URI on a closed port: one line naming the URI, exit 2, no workspace, in seconds
+    (the MLflow client alone retries for minutes)."""
+    import time
+
+    t0 = time.perf_counter()
+    res = _cli(
+        tmp_path,
+        "run",
+        str(MICRO),
+        f"run.output_dir={tmp_path / 'runs'}",
+        env=_env(tmp_path, MLFLOW_TRACKING_URI="http://127.0.0.1:9"),
+    )
+    last = _one_line(res, 2)
+    assert last.startswith("grpoflow: MLFLOW_TRACKING_URI: MLflow tracking server http://127.0.0.1:9 does not answer")
+    assert time.perf_counter() - t0 < 60  # the check itself: under PROBE_TIMEOUT_S; the rest is the CLI's start
+    assert not (tmp_path / "runs").exists()
+
+
+def test_the_tracking_probe_passes_a_real_server(mlflow_server):
+    from grpoflow.tasks.runtime.preflight import tracking_problem
+
+    assert tracking_problem(mlflow_server) is None
+    assert tracking_problem("sqlite:///x.db") is None and tracking_problem("databricks") is None
+    assert "does not answer" in tracking_problem("http://127.0.0.1:9", timeout=2)
+
+
+def test_an_uncached_hub_model_or_dataset_without_network_fails_before_any_stage(tmp_path):
+    """Case 4, offline (HF_HUB_OFFLINE=1) and with the hub unreachable (HF_ENDPOINT on a closed port): the key,
+    the id, the cache folder looked in and the ways out, exit 2, no workspace."""
+    base = ["run", str(MICRO), f"run.output_dir={tmp_path / 'runs'}"]
+    cache = tmp_path / "hf" / "hub"
+    offline = _env(tmp_path, HF_HUB_OFFLINE="1")
+    unreachable = _env(tmp_path, HF_ENDPOINT="http://127.0.0.1:9")
+    for var in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE"):
+        unreachable.pop(var, None)
+    for env, why in ((offline, "HF_HUB_OFFLINE is set"), (unreachable, "the hub http://127.0.0.1:9 does not answer")):
+        last = _one_line(_cli(tmp_path, *base, "model.name=Qwen/Qwen2.5-0.5B-Instruct", env=env), 2)
+        assert last.startswith(
+            "grpoflow: model.name: 'Qwen/Qwen2.5-0.5B-Instruct' is a Hugging Face model id not in the local cache "
+            f"(looked in {cache}) and {why}"
+        ), last
+        assert "a local model folder" in last and "HF_HUB_OFFLINE=1" in last
+        last = _one_line(_cli(tmp_path, *base, "data.source=openai/gsm8k", "data.subset=main", env=env), 2)
+        assert last.startswith("grpoflow: data.source: 'openai/gsm8k' is a Hugging Face dataset id"), last
+        assert "--repo-type dataset" in last
+    assert not (tmp_path / "runs").exists()
+
+
+def test_a_row_without_the_question_field_passes_the_pre_stage_check(tmp_path):
+    """Case 5 before any stage: a first row without 'question' no longer fails the file (the data stage skips or
+    names that row: tests/tasks/test_data.py); a file where no row has it is refused saying so."""
+    partial = tmp_path / "partial.jsonl"
+    partial.write_text(
+        '{"answer": "#### 5"}\n{"question": "q1", "answer": "#### 5"}\n{"question": "q2", "answer": "#### 6"}\n'
+    )
+    absent = tmp_path / "absent.jsonl"
+    absent.write_text('{"answer": "#### 5"}\n' * 3)
+    base = ["validate", str(MICRO), f"run.output_dir={tmp_path / 'runs'}", "data.on_invalid_row=skip"]
+    res = _cli(tmp_path, *base, f"data.source={partial}")
+    assert res.returncode == 0 and "config OK" in res.stdout, res.stderr[-2000:]
+    last = _one_line(_cli(tmp_path, *base, f"data.source={absent}"), 2)
+    assert last == (
+        f"grpoflow: data.source: data file '{absent}': data.question_field 'question': no row has it; its rows have "
+        "['answer']"
+    )
+
+
+def test_compare_of_a_missing_folder_and_an_output_dir_under_a_file_fail_in_one_line(tmp_path):
+    """Cases 8 and 9, and an unknown run id against a real store."""
+    store = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    missing = tmp_path / "runs" / "nope"
+    env = _env(tmp_path, MLFLOW_TRACKING_URI=store)
+    last = _one_line(_cli(tmp_path, "compare", str(missing), str(missing), env=env), 2)
+    assert last == f"grpoflow: {missing}: no such run workspace folder (looked at {missing})"
+    last = _one_line(_cli(tmp_path, "compare", "0" * 32, "1" * 32, env=env), 2)
+    assert last.startswith(f"grpoflow: compare: {'0' * 32}: "), last
+    down = _env(tmp_path, MLFLOW_TRACKING_URI="http://127.0.0.1:9")  # no minutes of the client's retries
+    last = _one_line(_cli(tmp_path, "compare", "0" * 32, "1" * 32, env=down, timeout=60), 2)
+    assert last.startswith("grpoflow: MLflow tracking server http://127.0.0.1:9 does not answer"), last
+    blocker = tmp_path / "a-file"
+    blocker.write_text("x")
+    last = _one_line(_cli(tmp_path, "run", str(MICRO), f"run.output_dir={blocker / 'runs'}"), 2)
+    want = f"grpoflow: run.output_dir: {blocker / 'runs'} lies under {blocker}, which is a file; a run workspace"
+    assert last == want + " needs a folder there"

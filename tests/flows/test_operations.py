@@ -60,6 +60,16 @@ def test_commands_need_a_server_and_an_existing_path(tmp_path, capsys):
     with temporary_settings(updates={PREFECT_API_URL: "http://127.0.0.1:9/api"}):
         assert main(["data-landed", str(tmp_path / "missing.jsonl")]) == 2
     assert "missing.jsonl" in capsys.readouterr().err
+    # a server that does not answer: one line before anything (deploy raised httpx's traceback, data-landed
+    # reported an event as emitted that its background worker then dropped)
+    with temporary_settings(updates={PREFECT_API_URL: "http://127.0.0.1:9/api"}):
+        assert main(["data-landed", str(tmp_path)]) == 2
+        assert main(["deploy"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 2 and all(
+        line.startswith("grpoflow: PREFECT_API_URL: the Prefect server http://127.0.0.1:9/api does not answer")
+        for line in err
+    ), err
 
 
 def test_prefect_yaml_declares_the_fixed_names():
@@ -103,7 +113,7 @@ def test_a_failed_cycle_consumes_nothing(tmp_path):
         config=str(MICRO), overrides=overrides, source=str(src), state_dir=str(tmp_path / "state"), return_state=True
     )
     assert state.is_failed()
-    with pytest.raises(StageError, match="data: .*'question' is not a column"):  # one line naming the stage
+    with pytest.raises(StageError, match="data: .*'question': no row has it"):  # one line naming the stage
         state.result()
     assert not (tmp_path / "state" / "ledger.json").exists()
     assert [f.name for f in Ledger(tmp_path / "state" / "ledger.json").new_files(list_source(str(src)))] == [
@@ -134,7 +144,7 @@ def test_a_cycle_keeps_its_state_on_s3(tmp_path, seaweedfs, monkeypatch):
     ]
     state = grpo_continuous(config=str(MICRO), overrides=overrides, source=source, return_state=True)
     assert state.is_failed()
-    with pytest.raises(StageError, match="data: .*'question' is not a column"):
+    with pytest.raises(StageError, match="data: .*'question': no row has it"):
         state.result()
     ledger = f"{source}/_grpoflow-continuous/ledger.json"
     assert not store.exists(ledger)

@@ -254,9 +254,12 @@ def test_file_problem_reads_only_the_head_and_names_file_line_and_key(tmp_path):
     (tmp_path / "rows.txt").write_text("x\n")
     assert "unsupported suffix '.txt'" in file_problem(str(tmp_path / "rows.txt"), q, a)
     assert file_problem(str(good), "prompt", a) == (
-        f"data file '{good}' (first 5 rows): data.question_field 'prompt' is not a column; "
-        "it has ['answer', 'question']"
+        f"data file '{good}': data.question_field 'prompt': no row has it; its rows have ['answer', 'question']"
     )
+    # a first row without the field is an invalid row (the data stage skips or reports it by line), not a
+    # missing column: the field is looked for in every row before the file is refused
+    late = write_rows(tmp_path / "late.jsonl", [{"answer": "#### 5"}] * 7 + [{"question": "q", "answer": "#### 5"}])
+    assert file_problem(str(late), q, a) is None
     broken = tmp_path / "broken.jsonl"
     broken.write_text(good.read_text().split("\n", 1)[0] + "\n\n{not json\n")
     assert file_problem(str(broken), q, a) == (
@@ -391,3 +394,24 @@ def test_arithmetic_reasoning_styles():
     assert arithmetic_reasoning(7, "+", 5, "12", "steps", "q") == "7 + 5 = 12"  # one step is enough
     styles = {arithmetic_reasoning(12, "+", 15, "27", "mixed", f"What is {i}?") for i in range(20)}
     assert styles == {"12 + 15 = 27", "12 + 15 = 12 + 10 + 5 = 22 + 5 = 27"}
+
+
+def test_a_row_missing_the_question_field_is_an_invalid_row_not_a_missing_column(tmp_path):
+    """Issue 27: the first row lacks 'question', two rows have it. Under skip the two are kept and line 1 is
+    counted; under error line 1 is named; a file where every row lacks it lists the invalid rows by line."""
+    rows = [{"answer": "#### 5"}, {"question": "What is 2 + 3?", "answer": "#### 5"}]
+    path = write_rows(tmp_path / "partial.jsonl", [*rows, {"question": "What is 1 + 5?", "answer": "#### 6"}])
+    summary, _ = run(tmp_path, source=str(path), format="gsm8k", on_invalid_row="skip", eval_size=1)
+    assert (summary["train_rows"], summary["eval_rows"], summary["skipped_rows"]) == (1, 1, 1)
+    with pytest.raises(ValueError, match=r"partial.jsonl line 1: question is missing \(set data.on_invalid_row"):
+        run(tmp_path, source=str(path), format="gsm8k")
+    none = write_rows(tmp_path / "none.jsonl", [{"question": None, "answer": "#### 5"}] * 3 + [{"answer": "#### 1"}])
+    with pytest.raises(
+        ValueError,
+        match=r"no usable training rows: 4 invalid rows skipped \(line 1: question is missing, line 2: question "
+        r"is missing, line 3: question is missing, \.\.\.\)",
+    ):
+        run(tmp_path, source=str(none), format="gsm8k", on_invalid_row="skip", eval_size=1)
+    absent = write_rows(tmp_path / "absent.jsonl", [{"answer": "#### 5"}] * 3)
+    with pytest.raises(ValueError, match=r"data.question_field 'question': no row has it; the rows have \['answer'\]"):
+        run(tmp_path, source=str(absent), format="gsm8k", on_invalid_row="skip")

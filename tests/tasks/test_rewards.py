@@ -368,9 +368,58 @@ def test_reward_timeout_names_the_function(tmp_path, monkeypatch):
         return [1.0] * len(completions)
 
     t0 = time.perf_counter()
-    with pytest.raises(RewardError, match=r"reward 'sleepy' took longer than grpo.reward_timeout_s=0.2 s"):
+    with pytest.raises(RewardError, match=r"reward 'sleepy' did not return within grpo.reward_timeout_s=0.2 s"):
         score_completions([("sleepy", sleepy)], ["p"], ["a"], {}, timeout=0.2)
     assert time.perf_counter() - t0 < 2
+    # the abandoned call runs on in a daemon thread, which the interpreter does not wait for at exit
+    import threading
+
+    assert [t.daemon for t in threading.enumerate() if t.name == "reward-sleepy"] == [True]
     assert score_completions([("quick", lambda prompts, completions, **kw: [0.5])], ["p"], ["a"], {}, 1.0) == {
         "quick": [0.5]
     }
+    here = []
+
+    def where(prompts, completions, **kwargs):
+        here.append(threading.current_thread())
+        return [1.0]
+
+    for unbounded in (None, 0):  # no bound: called in this thread
+        score_completions([("where", where)], ["p"], ["a"], {}, unbounded)
+    assert here == [threading.main_thread()] * 2
+
+    def raising(prompts, completions, **kwargs):
+        raise KeyError("score")
+
+    with pytest.raises(RewardError, match=r"reward 'raising' raised KeyError: 'score'"):  # raised in its thread
+        score_completions([("raising", raising)], ["p"], ["a"], {}, timeout=5)
+
+
+def test_unscored_rounds_warn_naming_the_reward_and_count(caplog):
+    from grpoflow.tasks.rewards import UnscoredRounds
+
+    u = UnscoredRounds()
+    nan = float("nan")
+    with caplog.at_level("WARNING", logger="grpoflow.tasks.rewards"):
+        first = u.update(["nothing", "fine"], [[nan, nan], [1.0, nan]])
+        second = u.update(["nothing", "fine"], [[nan, nan], [nan, nan]])
+    assert first == {"rewards/nothing/unscored_rounds": 1.0, "rewards/fine/unscored_rounds": 0.0}
+    assert second == {"rewards/nothing/unscored_rounds": 2.0, "rewards/fine/unscored_rounds": 1.0}
+    warned = [r.getMessage() for r in caplog.records]
+    assert len(warned) == 2  # once per reward, not once per round
+    assert warned[0].startswith("reward 'nothing' scored no completion of this round") and "'fine'" in warned[1]
+
+
+def test_reward_timeout_key_default_alias_and_zero():
+    from grpoflow.tasks.config import ConfigError, config_from_dict
+
+    assert config_from_dict({}).grpo.reward_timeout_s == 120
+    assert config_from_dict({"grpo": {"reward_timeout": 7}}).grpo.reward_timeout_s == 7
+    assert config_from_dict({"grpo": {"reward_timeout_s": 0}}).grpo.reward_timeout_s == 0
+    with pytest.raises(ConfigError, match="reward_timeout"):
+        config_from_dict({"grpo": {"reward_timeout": -1}})
+    from grpoflow.tasks.runtime.resume import stage_keys
+
+    # raising the bound on resume keeps the GRPO stage's key (and so its checkpoints)
+    keys = [stage_keys(config_from_dict({"grpo": {"reward_timeout": t}}).to_dict())["grpo"] for t in (5, 500)]
+    assert keys[0] == keys[1]

@@ -1,0 +1,127 @@
+"""Checks `grpoflow run` and `grpoflow resume` make before any stage, each returning why the run cannot start (a
+line naming the config key) or None. Nothing here retries: a server or hub that does not answer in a few
+seconds is reported now, not after the data stage and minutes of a client's own retries.
+
+- :func:`output_dir_problem`: run.output_dir under an existing file (no workspace can be made there).
+- :func:`tracking_problem`: an http(s) MLflow tracking URI that does not answer. One GET with a short timeout;
+  any HTTP answer (even 404 behind a proxy) counts as reachable. MLflow's client keeps its own retries for
+  errors later in the run: those settings are not touched.
+- :func:`hub_problem`: a Hugging Face model or dataset id that is not in the local cache while the hub cannot
+  be reached (HF_HUB_OFFLINE set, or its endpoint, $HF_ENDPOINT or https://huggingface.co, not answering).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+PROBE_TIMEOUT_S = 5.0
+_HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[A-Za-z0-9][\w.-]*)?$")  # "name" or "owner/name"
+_TRUE = ("1", "on", "yes", "true")
+
+
+def output_dir_problem(output_dir: str) -> str | None:
+    """run.output_dir (a local path) whose nearest existing ancestor, or itself, is not a folder."""
+    if "://" in output_dir:
+        return None
+    path = Path(output_dir).expanduser().absolute()
+    for p in (path, *path.parents):
+        if p.exists():
+            if p.is_dir():
+                return None
+            what = "is a file" if p == path else f"lies under {p}, which is a file"
+            return f"run.output_dir: {output_dir} {what}; a run workspace needs a folder there"
+    return None
+
+
+def unreachable(url: str, timeout: float = PROBE_TIMEOUT_S) -> str | None:
+    """Why ``url`` gives no HTTP answer within ``timeout`` seconds (refused, no route, timed out, DNS); None when
+    any HTTP status comes back."""
+    try:
+        with urllib.request.urlopen(urllib.request.Request(url, method="GET"), timeout=timeout):
+            return None
+    except urllib.error.HTTPError:  # an answer: the server is there
+        return None
+    except (urllib.error.URLError, OSError, ValueError) as e:
+        reason = getattr(e, "reason", e)
+        return f"{type(reason).__name__}: {reason}" if not isinstance(reason, str) else reason
+
+
+def tracking_problem(uri: str, timeout: float = PROBE_TIMEOUT_S) -> str | None:
+    """An http(s) tracking URI whose server does not answer GET <uri>/health within ``timeout`` seconds."""
+    if not uri.lower().startswith(("http://", "https://")):
+        return None
+    why = unreachable(uri.rstrip("/") + "/health", timeout)
+    if why is None:
+        return None
+    return (
+        f"MLflow tracking server {uri} does not answer ({why}); start it, or fix tracking.uri / "
+        "$MLFLOW_TRACKING_URI (unset both to track in <output_dir>/mlflow.db)"
+    )
+
+
+def _env_true(name: str) -> bool:
+    return os.environ.get(name, "").strip().lower() in _TRUE
+
+
+def is_hub_id(name: str) -> bool:
+    """'owner/name' (or 'name') that is no existing local path."""
+    return bool(_HUB_ID.match(name)) and not Path(name).expanduser().exists()
+
+
+def hub_cache() -> Path:
+    from huggingface_hub import constants
+
+    return Path(os.environ.get("HF_HUB_CACHE") or constants.HF_HUB_CACHE)
+
+
+def _hub_endpoint() -> str:
+    from huggingface_hub import constants
+
+    return (os.environ.get("HF_ENDPOINT") or constants.ENDPOINT).rstrip("/")
+
+
+def model_cached(repo_id: str, revision: str | None) -> bool:
+    """The model's config.json is in the hub cache (what from_pretrained reads first)."""
+    from huggingface_hub import try_to_load_from_cache
+
+    found = try_to_load_from_cache(repo_id, "config.json", cache_dir=hub_cache(), revision=revision)
+    return isinstance(found, str)
+
+
+def dataset_cached(repo_id: str) -> list[Path]:
+    """Where a dataset id has files on this machine: its hub-cache snapshots, or a `datasets` cache folder."""
+    import datasets.config
+
+    places = [
+        hub_cache() / f"datasets--{repo_id.replace('/', '--')}" / "snapshots",
+        Path(datasets.config.HF_DATASETS_CACHE) / repo_id.replace("/", "___"),
+    ]
+    return [p for p in places if p.is_dir() and any(p.iterdir())]
+
+
+def hub_problem(key: str, repo_id: str, kind: str, revision: str | None = None) -> str | None:
+    """``repo_id`` (a model or dataset id, the value of config key ``key``) that is not cached here while the hub
+    cannot be reached: the message names the key, the cache folder looked in and the ways out."""
+    cached = model_cached(repo_id, revision) if kind == "model" else bool(dataset_cached(repo_id))
+    if cached:
+        return None
+    if _env_true("HF_HUB_OFFLINE") or (kind == "dataset" and _env_true("HF_DATASETS_OFFLINE")):
+        why = "HF_HUB_OFFLINE is set" if _env_true("HF_HUB_OFFLINE") else "HF_DATASETS_OFFLINE is set"
+    else:
+        endpoint = _hub_endpoint()
+        reason = unreachable(f"{endpoint}/api/{kind}s/{repo_id}")
+        if reason is None:
+            return None  # the hub answers: the stage downloads it
+        why = f"the hub {endpoint} does not answer ({reason})"
+    local = "a local model folder" if kind == "model" else "a local .jsonl/.json/.parquet/.csv file"
+    download = f"hf download {repo_id}" + (" --repo-type dataset" if kind == "dataset" else "")
+    return (
+        f"{key}: {repo_id!r} is a Hugging Face {kind} id not in the local cache (looked in {hub_cache()}) and {why}; "
+        f"set {key} to {local}, pre-fill the cache (`{download}` "
+        "where the hub is reachable, then copy the cache or point HF_HOME at it), or, once cached, set "
+        "HF_HUB_OFFLINE=1"
+    )
