@@ -178,7 +178,7 @@ def summary(report: dict) -> list[str]:
                 lines.append(f"      FAILED {cname}: {c['reason'][:160]}")
         if name == "kernel_correctness":
             for impl in ("triton", "chunked"):
-                flags = [c["bitwise_repeatable"] for n, c in sec["cases"].items() if n.startswith(impl + "/")]
+                flags = [c.get("bitwise_repeatable") for n, c in sec["cases"].items() if n.startswith(impl + "/")]
                 flags = [f for f in flags if f is not None]
                 if flags:
                     lines.append(f"      {impl}: bitwise repeatable in {sum(flags)}/{len(flags)} cases")
@@ -287,8 +287,11 @@ def main(argv: list[str] | None = None) -> dict:
         report.data["seconds"] = time.perf_counter() - runner.t0
         report.data["comparisons"] = comparisons(report.data["sections"].get("kernel_timing", {}).get("cases", {}))
         report.write()
-        print_table(report.data)
-        print("\n".join(summary(report.data)))
+        try:  # the report is on disk already: a fault in printing it must not hide it
+            print_table(report.data)
+            print("\n".join(summary(report.data)))
+        except Exception:
+            traceback.print_exc()
         print(f"wrote {out}")
     return report.data
 

@@ -210,15 +210,13 @@ def grpo_case(kind: str, setup: Setup, device: torch.device, small: bool, round_
 
 
 def round_trip_check(kind: str, setup: Setup, device: torch.device, small: bool, a, folder: Path) -> dict:
-    """Run B: a fresh trainer (other RNG states: it has not sampled round 1) loads checkpoint-1 and trains to the
-    end; compared with run A."""
+    """Run B: a fresh trainer loads checkpoint-1 and trains to the end; compared with run A."""
     ckpt = folder / f"checkpoint-{RESUME_FROM}"
     if not (ckpt / "trainer_state.json").is_file():
         raise RuntimeError(f"run A wrote no {ckpt.name} (found {sorted(p.name for p in folder.iterdir())})")
     blob = torch.load(ckpt / "trainer_state.pt", weights_only=True, map_location="cpu")
-    torch.manual_seed(12345)  # B starts from other RNG states: only the checkpoint's can make it agree
-    if device.type == "cuda":
-        torch.cuda.manual_seed_all(12345)
+    # B is built from seed 0 like A, so its RNG states at the load are those before round 1 was sampled, not A's at
+    # checkpoint-1: only the checkpoint's (torch and CUDA) can make its next round's completions agree with A's
     b = make_trainer(kind, setup, device, small, STEPS, Path(tempfile.mkdtemp(prefix=f"gpu_check_{kind}_b_")))
     b.load_checkpoint(ckpt)
     b.train()

@@ -142,7 +142,10 @@ class BaseModel:
             value = self._coerce(name, f, value)
             for vname, v in cls._validators:
                 if v.kind == "field" and name in v.fields:
-                    value = _call(getattr(cls, vname), value, info=info)
+                    try:
+                        value = _call(getattr(cls, vname), value, info=info)
+                    except ValueError as e:  # named by its key, as pydantic's errors are
+                        raise ValidationError(f"{cls.__name__}.{name}: {e}") from e
             object.__setattr__(self, name, value)
             info.data[name] = value
         for vname, v in cls._validators:
