@@ -24,9 +24,10 @@ that need more time than is left, are recorded as "skipped" with the reason. Sec
    full fine-tuning of the tiny model (float32 weights, bf16 autocast), LoRA on a bf16 base, each 3 optimizer
    steps: every parameter, gradient, optimizer state and round tensor on the device ("all_on_device"), the
    optimizer stepped, then a checkpoint round trip: a fresh trainer resumed from checkpoint-1 (inside a round)
-   must reproduce the uninterrupted run's losses and the completions it samples next (torch and CUDA RNG
-   restored): "checkpoint_round_trip_identical". Then a model of Qwen2.5-0.5B's shape (random weights, 151936
-   vocabulary, LoRA r16 on all linear layers) for step time, tokens/s and peak memory.
+   must reproduce the uninterrupted run: the next step's loss bitwise, the one after within 1e-4, and the
+   completions it samples for its new round token for token (torch and CUDA RNG restored):
+   "checkpoint_round_trip_identical". Then a model of Qwen2.5-0.5B's shape (random weights, 151936 vocabulary,
+   LoRA r16 on all linear layers) for step time, tokens/s and peak memory.
 3. kernel_timing: N in {2048, 16384} x D in {896, 4096}, V=151936, bf16, frozen and trainable head: triton,
    chunked and "bare", the matmul floor (Z = H W^T; for fwd+bwd also Z W, and Z^T H for a trainable head).
    "fwd" is the no-grad forward (old and reference log-probs), "fwd_bwd" the training forward + backward; median
@@ -282,6 +283,9 @@ def main(argv: list[str] | None = None) -> dict:
         for sec_name in [s for s in sections if s in chosen]:
             print(f"[{time.perf_counter() - runner.t0:6.1f} s] {sec_name}", flush=True)
             runner.section(sec_name, sections[sec_name])
+    except BaseException as e:  # SIGINT/SIGTERM (the running case says so): the sections after it are absent
+        report.data["stopped_by"] = type(e).__name__
+        raise
     finally:
         report.data["finished"] = True
         report.data["seconds"] = time.perf_counter() - runner.t0

@@ -6,9 +6,10 @@ Each training case runs the trainer twice from the same seed:
     A  steps 1..3, a checkpoint after each step (rounds of two optimizer steps: checkpoint-1 is mid-round)
     B  a fresh trainer loads checkpoint-1, then runs steps 2..3
 
-and compares B with A: step 2's loss (from the restored round and weights), step 3's loss, and the completions
-of the round that step 3 generated (sampled with the restored torch/CUDA RNG). Identical means the checkpoint
-holds everything the run needs, the CUDA RNG included.
+and compares B with A: step 2's loss (from the restored round and weights: bitwise), step 3's loss (after a
+backward in each run: within LATER_LOSS_TOL) and the completions of the round that step 3 generated (sampled with
+the restored torch/CUDA RNG: token for token). Identical means the checkpoint holds everything the run needs, the
+CUDA RNG included.
 """
 
 from __future__ import annotations
@@ -24,6 +25,9 @@ from gpu_check_kernels import Case, Skip, peak, reset_peak, sync
 
 RESUME_FROM = 1  # checkpoint-1: after the first optimizer step, inside the first round
 STEPS = 3
+# The first step after the resume replays the restored round on the restored weights: bitwise equal. Later steps
+# follow a backward in each run, which CUDA may sum in another order (atomics): equal within this relative bound.
+LATER_LOSS_TOL = 1e-4
 
 
 class _Tracker:
@@ -221,19 +225,22 @@ def round_trip_check(kind: str, setup: Setup, device: torch.device, small: bool,
     b.load_checkpoint(ckpt)
     b.train()
     la, lb = _losses(a), _losses(b)
-    after = [s for s in sorted(la) if s > RESUME_FROM]
-    same_losses = all(la[s] == lb.get(s) for s in after)
+    first, *later = [s for s in sorted(la) if s > RESUME_FROM]
     ra, rb = a.round, b.round
     same_tokens = ra is not None and rb is not None and torch.equal(ra.batch.completion_ids, rb.batch.completion_ids)
+    later_diff = max((abs(la[s] - lb.get(s, float("nan"))) for s in later), default=0.0)
+    later_close = all(abs(la[s] - lb.get(s, float("nan"))) <= LATER_LOSS_TOL * max(1.0, abs(la[s])) for s in later)
+    placed = not misplaced(b, device)
     return {
         "resumed_from_step": RESUME_FROM,
         "cuda_rng_states_saved": len(blob["cuda_rng"]),
         "round_saved": blob["round"] is not None,
-        "losses_after_resume": {str(s): [la[s], lb.get(s)] for s in after},
-        "losses_identical": same_losses,
+        "losses_after_resume": {str(s): [la[s], lb.get(s)] for s in (first, *later)},
+        "first_loss_identical": la[first] == lb.get(first),
+        "later_losses_max_diff": later_diff,
         "new_round_tokens_identical": same_tokens,
-        "resumed_on_device": not misplaced(b, device),
-        "checkpoint_round_trip_identical": same_losses and same_tokens and not misplaced(b, device),
+        "resumed_on_device": placed,
+        "checkpoint_round_trip_identical": la[first] == lb.get(first) and same_tokens and later_close and placed,
     }
 
 

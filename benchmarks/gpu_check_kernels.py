@@ -64,12 +64,11 @@ def free_bytes(device: torch.device) -> int | None:
 def inputs(n: int, d: int, v: int, dtype: torch.dtype, device: torch.device, trainable: bool, seed: int = 0):
     """H [N, D], W [V, D] (logits of std LOGIT_STD), targets y [N] and an upstream gradient g [N] (GRPO's
     per-token weights), on ``device``; W needs a gradient when the head is ``trainable``."""
-    g = torch.Generator(device="cpu").manual_seed(seed)
-    h = torch.randn(n, d, generator=g).to(device=device, dtype=dtype).requires_grad_()
-    w = (torch.randn(v, d, generator=g) * (LOGIT_STD / d**0.5)).to(device=device, dtype=dtype)
-    w.requires_grad_(trainable)
-    y = torch.randint(0, v, (n,), generator=g).to(device)
-    up = torch.randn(n, generator=g).to(device)
+    g = torch.Generator(device=device).manual_seed(seed)  # drawn on the device: W at D=4096 is 622M numbers
+    h = torch.randn(n, d, generator=g, device=device).to(dtype).requires_grad_()
+    w = (torch.randn(v, d, generator=g, device=device) * (LOGIT_STD / d**0.5)).to(dtype).requires_grad_(trainable)
+    y = torch.randint(0, v, (n,), generator=g, device=device)
+    up = torch.randn(n, generator=g, device=device)
     return h, w, y, up
 
 
