@@ -186,7 +186,7 @@ def summary(report: dict) -> list[str]:
         if name.startswith("grpo"):
             for cname, c in sec.get("cases", {}).items():
                 if c["status"] in ("passed", "failed") and "steps" in c:
-                    rt = c.get("checkpoint_round_trip_identical", "-")
+                    rt = c.get("checkpoint_round_trip_identical", "(not checked)")
                     lines.append(
                         f"      {cname}: {c['steps']} steps, {c['step_seconds']:.2f} s/step, on device "
                         f"{c['all_on_device']}, checkpoint round trip identical {rt}"
@@ -195,17 +195,14 @@ def summary(report: dict) -> list[str]:
     rows = comparisons(timing)
     if rows:
         dtype = next(c["dtype"] for c in timing.values() if c.get("status") == "passed")
-        lines.append(f"  timing, {dtype} (ms: fwd / fwd+bwd; ratios of fwd+bwd)")
+        lines.append(f"  timing, {dtype}, training pass (fwd+bwd ms; time ratios)")
         for r in rows:
-            shape = f"{r['N']}x{r['D']} {r['head']:9s}"
             got = {n.split("/")[0]: c for n, c in timing.items() if c.get("status") == "passed" and _same(c, r)}
-            ms = "  ".join(f"{k} {c['fwd_ms']:.1f}/{c['fwd_bwd_ms']:.1f}" for k, c in got.items())
-            ratios = "  ".join(
-                f"{k.removesuffix('_fwd_bwd')} {v:.2f}" for k, v in r.items() if k.endswith("/bare_fwd_bwd")
-            )
-            tc = r.get("triton/chunked_fwd_bwd")
-            faster = f"faster: {r['faster_fwd_bwd']} ({tc:.2f}x triton/chunked)" if "faster_fwd_bwd" in r else ""
-            lines.append(f"    {shape} {ms}  | {ratios}  {faster}")
+            ms = "  ".join(f"{k} {c['fwd_bwd_ms']:.1f}" for k, c in got.items())
+            ratio = {k.removesuffix("_fwd_bwd"): v for k, v in r.items() if "/" in k and k.endswith("_fwd_bwd")}
+            ratios = "  ".join(f"{k} {v:.2f}" for k, v in ratio.items())
+            faster = f" -> {r['faster_fwd_bwd']} faster" if "faster_fwd_bwd" in r else ""
+            lines.append(f"    {r['N']:>6d}x{r['D']:<5d} {r['head']:9s} {ms} | {ratios}{faster}")
     return lines
 
 
@@ -287,6 +284,8 @@ def main(argv: list[str] | None = None) -> dict:
         report.data["stopped_by"] = type(e).__name__
         raise
     finally:
+        stand_in = getattr(sys.modules.get("pydantic"), "GPU_CHECK_STAND_IN", False)
+        report.data["meta"]["pydantic"] = "stand-in (gpu_check_nopydantic)" if stand_in else "installed or unused"
         report.data["finished"] = True
         report.data["seconds"] = time.perf_counter() - runner.t0
         report.data["comparisons"] = comparisons(report.data["sections"].get("kernel_timing", {}).get("cases", {}))
