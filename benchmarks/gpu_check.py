@@ -40,7 +40,10 @@ that need more time than is left, are recorded as "skipped" with the reason. Sec
 6. peers: TRL's chunked log-prob and Triton log-softmax, Liger's fused linear GRPO loss, timed like section 3 at
    its first two shapes; skipped with the reason when the package is missing.
 
-The end prints a summary to read in ten seconds: per section what passed, failed or was skipped, the failures'
+The report's keys: meta (device, versions, budget, whether pydantic was the stand-in), sections (name -> status,
+reason, cases: name -> status and numbers), comparisons (section 3's ratios per shape), finished, seconds, and
+stopped_by when SIGINT/SIGTERM ended the run. --sections runs a subset; --fail-case NAME makes one case raise (the
+tests). The end prints a summary to read in ten seconds: per section what passed, failed or was skipped, the failures'
 reasons, and per timing shape which impl is faster.
 """
 
