@@ -1,33 +1,50 @@
-"""The GPU check, one command: the log-prob kernels side by side, then GRPO on the device through grpoflow's trainer.
+"""The one-shot GPU check: grpoflow's log-prob kernels and its GRPO trainer on a GPU, in one command that brings
+its numbers home whatever happens.
 
-Prepared on a CPU machine for a GPU one (one H200: under 8 minutes). It imports only torch, transformers, peft,
-triton, pydantic and grpoflow's own modules (no vLLM, Prefect, MLflow, datasets or bitsandbytes: a GPU machine may
-have none of them), writes --out (JSON) and prints two tables.
+On the GPU machine (one H200; torch, transformers, peft and triton are all it needs; the bare working tree, no
+install):
 
-1. kernel: per-token log-probs forward + backward (dH; --train-head adds dW) at N x D x V in bf16 (float32 with
-   --small on CPU), every case against a float32 reference computed from the same inputs:
-       naive        H W^T, log_softmax in float32 (kernels.logprobs.token_logprobs_reference)
-       triton       kernels/triton_logprobs.py (what GRPO uses on CUDA: token_logprobs impl="auto")
-       chunked      the chunked torch path (what GRPO uses on CPU)
-       trl_chunked  TRL 1.16's ChunkedLogProbFunction (trl/kernels/chunked_logprob.py)
-       trl_triton   materialized logits + TRL's Triton log-softmax/entropy kernel (trl/kernels/logprob_entropy.py)
-       liger        Liger-Kernel's LigerFusedLinearGRPOLoss (beta 0): log-probs fused with the GRPO loss
-       bare         the two GEMMs the math needs and nothing else: Z = H W^T, then Z W (the dH GEMM); the floor
-                    that says whether a kernel is compute or memory bound
-   A peer whose package is missing or fails (trl, liger-kernel: small wheels, carry them) is reported, not fatal.
-   Columns: max |logp - ref|, max |dH - ref| / max |ref|, median seconds, peak memory above the inputs (CUDA).
-2. grpo: grpoflow's GRPOTrainer on the device, generation with the transformers backend:
-       tiny   the built-in task's shape (0.8M-parameter model, arithmetic prompts, the default rewards), from a
-              short SFT warm-up, for --tiny-steps optimizer steps: first and last reward
-       qwen   a model of Qwen2.5-0.5B's shape built from config (random weights), bf16 base + float32 LoRA r16
-              on all linear layers, --qwen-steps steps
-   Columns: median step seconds, tokens/s (prompt + completion tokens of the rounds), peak memory, and whether
-   every parameter, gradient, optimizer state and round tensor stayed on the device.
+    python benchmarks/gpu_check.py --out $OUT/gpu_check.json          # --budget-s 420 by default
+    python benchmarks/gpu_check.py --device cpu --small --out x.json  # the same code on CPU in toy sizes (a test;
+                                                                      # the triton cases need TRITON_INTERPRET=1)
 
-    python benchmarks/gpu_check.py                                   # a GPU machine
-    python benchmarks/gpu_check.py --device cpu --small --out x.json # the same code on CPU, toy sizes (a test)
+The report (--out, JSON) is rewritten atomically (a temporary file, then os.replace) before and after every case:
+a kill at any moment leaves every finished number on disk, and the case that was running marked "running". Each
+section and each case runs in its own try/except: a failure is recorded with its traceback ("status": "failed",
+"reason", "traceback") and the next case runs. Cases not started when the time budget (--budget-s) is spent, or
+that need more time than is left, are recorded as "skipped" with the reason. Sections, most valuable first:
 
-On CPU the triton case needs TRITON_INTERPRET=1 (the test sets it) and is skipped otherwise.
+1. kernel_correctness: token_logprobs impl="triton" (the compiled Triton kernel) and impl="chunked" against the
+   float32 reference (materialized logits, log_softmax) on the same inputs: max error of logp and entropy, max
+   error of dH and dW relative to the reference's largest entry; bf16 and float32; frozen and trainable head;
+   N x D x V = 1024 x 896 x 151936, then ragged 1001 x 900 x 32003 at temperature 0.7. A case fails when an error
+   passes its bound (gpu_check_kernels.TOLERANCE). "bitwise_repeatable": two runs on the same inputs give the
+   same bits (recorded, not a failure).
+2. grpo: grpoflow's GRPOTrainer on the device (transformers generation, the built-in arithmetic task's rows):
+   full fine-tuning of the tiny model (float32 weights, bf16 autocast), LoRA on a bf16 base, each 3 optimizer
+   steps: every parameter, gradient, optimizer state and round tensor on the device ("all_on_device"), the
+   optimizer stepped, then a checkpoint round trip: a fresh trainer resumed from checkpoint-1 (inside a round)
+   must reproduce the uninterrupted run: the next step's loss bitwise, the one after within 1e-4, and the
+   completions it samples for its new round token for token (torch and CUDA RNG restored):
+   "checkpoint_round_trip_identical". Then a model of Qwen2.5-0.5B's shape (random weights, 151936 vocabulary,
+   LoRA r16 on all linear layers) for step time, tokens/s and peak memory.
+3. kernel_timing: N in {2048, 16384} x D in {896, 4096}, V=151936, bf16, frozen and trainable head: triton,
+   chunked and "bare", the matmul floor (Z = H W^T; for fwd+bwd also Z W, and Z^T H for a trainable head).
+   "fwd" is the no-grad forward (old and reference log-probs), "fwd_bwd" the training forward + backward; median
+   of --repeats after a warm-up; peak memory above the inputs. The summary gives triton/chunked, each/bare and
+   which impl is faster per shape (what decides kernel impl "auto" on CUDA).
+4. grpo_second_gpu: section 2's training cases on cuda:1 when there is one, without torch.cuda.set_device (the
+   current device stays cuda:0); records the current device before and after. Last but one: a launch on the
+   wrong device can leave the CUDA context unusable.
+5. reference_timing: the naive float32 reference at the timing shapes, where memory allows.
+6. peers: TRL's chunked log-prob and Triton log-softmax, Liger's fused linear GRPO loss, timed like section 3 at
+   its first two shapes; skipped with the reason when the package is missing.
+
+The report's keys: meta (device, versions, budget, whether pydantic was the stand-in), sections (name -> status,
+reason, cases: name -> status and numbers), comparisons (section 3's ratios per shape), finished, seconds, and
+stopped_by when SIGINT/SIGTERM ended the run. --sections runs a subset; --fail-case NAME makes one case raise (the
+tests). The end prints a summary to read in ten seconds: per section what passed, failed or was skipped, the failures'
+reasons, and per timing shape which impl is faster.
 """
 
 from __future__ import annotations
@@ -36,335 +53,294 @@ import argparse
 import json
 import os
 import platform
-import random
-import statistics
+import signal
 import sys
 import tempfile
 import time
+import traceback
+from collections.abc import Callable
 from pathlib import Path
 
-import torch
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))  # the helper modules beside this file, however it is started (runpy, -m, a path)
+
+import torch  # noqa: E402
+from gpu_check_kernels import Case, Skip, comparisons  # noqa: E402
 
 
 def _grpoflow_from_the_tree() -> None:
-    """A bare checkout (the GPU machine gets the working tree, not an install): expose its flows/, tasks/ and
-    kernels/ folders as grpoflow.* through a folder of symlinks, as pyproject's package-dir does when installed."""
+    """A bare checkout (the GPU machine gets the working tree, not an install): expose its flows/, tasks/, kernels/
+    and configs/ folders as grpoflow.* through a folder of symlinks, as pyproject's package-dir does installed."""
     try:
         import grpoflow.tasks  # noqa: F401
     except ImportError:
-        root = Path(__file__).resolve().parents[1]
         shim = Path(tempfile.mkdtemp()) / "grpoflow"
         shim.mkdir()
         for name in ("flows", "tasks", "kernels", "configs"):
-            (shim / name).symlink_to(root / name)
+            (shim / name).symlink_to(HERE.parent / name)
         sys.path.insert(0, str(shim.parent))
         for name in [m for m in sys.modules if m == "grpoflow" or m.startswith("grpoflow.")]:
             del sys.modules[name]
 
 
-_grpoflow_from_the_tree()
+class Report:
+    """The JSON report, rewritten whole and atomically (tmp + os.replace) on every change."""
 
-KERNEL_CASES = ("naive", "triton", "chunked", "trl_chunked", "trl_triton", "liger", "bare")
-OURS = ("naive", "triton", "chunked")  # an error in one of these fails the check; a peer's is reported
-TRL_VOCAB_CHUNK = 32768  # trl.trainer.utils._CHUNKED_LOGPROB_CHUNK_SIZE in TRL 1.16
+    def __init__(self, path: Path, meta: dict):
+        self.path = path
+        self.data: dict = {"meta": meta, "finished": False, "sections": {}}
+        self.write()
 
-
-# ---------------------------------------------------------------------------------------------- kernel
-def kernel_logprobs(case: str, h: torch.Tensor, w: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-    """logp [N] of ``case`` with autograd (entropy computed where the implementation offers it, as GRPO asks)."""
-    from grpoflow.kernels.logprobs import token_logprobs, token_logprobs_reference
-
-    if case == "naive":
-        return token_logprobs_reference(h, w, y)[0]
-    if case in ("triton", "chunked"):
-        return token_logprobs(h, w, y, compute_entropy=True, impl=case)[0]
-    if case == "trl_chunked":
-        from trl.kernels.chunked_logprob import ChunkedLogProbFunction
-
-        return ChunkedLogProbFunction.apply(h, w, None, y, 1.0, TRL_VOCAB_CHUNK, None, 1.0, ("entropy",))[0]
-    if case == "trl_triton":
-        from trl.kernels.logprob_entropy import selective_log_softmax_and_entropy
-
-        return selective_log_softmax_and_entropy(h @ w.t(), y)[0]
-    raise ValueError(f"unknown case {case!r}")
+    def write(self) -> None:
+        tmp = self.path.with_name(self.path.name + ".tmp")
+        tmp.write_text(json.dumps(self.data, indent=1, default=str))
+        os.replace(tmp, self.path)
 
 
-def liger_loss(h: torch.Tensor, w: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-    """Liger's fused linear GRPO loss on one group of all N rows (its log-probs are not exposed alone)."""
-    from liger_kernel.chunked_loss import LigerFusedLinearGRPOLoss
-
-    loss_fn = LigerFusedLinearGRPOLoss(beta=0.0, compiled=False)
-    n = h.shape[0]
-    rows = 8 if n % 8 == 0 else 1
-    hb, yb = h.view(rows, n // rows, -1), y.view(rows, n // rows)
-    mask = torch.ones_like(yb)
-    adv = torch.linspace(-1, 1, rows, device=h.device)
-    return loss_fn(hb, w, yb, mask, adv)[0]
+def _failure(e: BaseException) -> dict:
+    return {"status": "failed", "reason": f"{type(e).__name__}: {str(e)[:500]}", "traceback": traceback.format_exc()}
 
 
-def kernel_case(
-    case: str, n: int, d: int, v: int, dtype: torch.dtype, device: torch.device, repeats: int, train_head: bool
-) -> dict:
-    from grpoflow.kernels.logprobs import token_logprobs_reference
+class Runner:
+    """Runs sections of cases against a time budget, recording each case as it starts and ends."""
 
-    if case == "triton" and device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
-        return {"skipped": "triton on CPU needs TRITON_INTERPRET=1"}
-    g = torch.Generator(device=device).manual_seed(0)
-    h = torch.randn(n, d, device=device, generator=g).to(dtype).requires_grad_()
-    w = (torch.randn(v, d, device=device, generator=g) / d**0.5).to(dtype).requires_grad_(train_head)
-    y = torch.randint(0, v, (n,), device=device, generator=g)
-    up = torch.randn(n, device=device, generator=g)
-    hr = h.detach().float().requires_grad_()
-    ref = token_logprobs_reference(hr, w.float(), y)[0]
-    (ref_dh,) = torch.autograd.grad((ref * up).sum(), hr)
+    def __init__(self, report: Report, budget_s: float, fail_case: str | None = None, estimates: bool = True):
+        self.report, self.budget_s, self.fail_case = report, budget_s, fail_case
+        self.estimates = estimates  # Case.est_s are GPU figures: --small (toy sizes) starts a case while any is left
+        self.t0 = time.perf_counter()
 
-    wrt = (h, w) if train_head else (h,)
+    def left(self) -> float:
+        return self.budget_s - (time.perf_counter() - self.t0)
 
-    def step():
-        if case == "bare":
-            with torch.no_grad():
-                (h @ w.t()) @ w
-            return None, None
-        if case == "liger":
-            return None, torch.autograd.grad(liger_loss(h, w, y), wrt)[0]
-        got = kernel_logprobs(case, h, w, y)
-        return got.detach(), torch.autograd.grad((got * up).sum(), wrt)[0]
-
-    try:
-        got, dh = step()  # warm-up: compilation, autotuning; also the values checked
-    except Exception as e:  # a peer's missing package or failure is reported; ours fail the check
-        if case in OURS:
-            raise
-        return {"skipped": f"{type(e).__name__}: {str(e)[:200]}"}
-    out = {}
-    if got is not None:
-        out["logp_max_err"] = (got.float() - ref.detach()).abs().max().item()
-        out["dh_rel_err"] = ((dh.float() - ref_dh).abs().max() / ref_dh.abs().max()).item()
-    sync(device)
-    base = memory_allocated(device)
-    reset_peak(device)
-    times = []
-    for _ in range(repeats):
+    def section(self, name: str, build: Callable[[], list[Case]]) -> None:
+        sec = self.report.data["sections"][name] = {"status": "running", "cases": {}}
         t0 = time.perf_counter()
-        step()
-        sync(device)
-        times.append(time.perf_counter() - t0)
-    peak = peak_memory(device)
-    out["seconds"] = statistics.median(times)
-    out["peak_gb"] = None if peak is None else (peak - base) / 2**30
-    return out
+        if self.left() <= 0:
+            sec.update(status="skipped", reason=f"time budget spent ({self.budget_s:g} s) before the section")
+            self.report.write()
+            return
+        try:
+            cases = build()
+        except Exception as e:  # its setup failed: recorded, and the next section runs
+            sec.update(_failure(e))
+            self.report.write()
+            return
+        for case in cases:
+            self.case(sec["cases"], name, case)
+        sec.update(seconds=time.perf_counter() - t0, **_section_status(sec["cases"]))
+        self.report.write()
+
+    def case(self, into: dict, section: str, case: Case) -> None:
+        left = self.left()
+        if left <= 0 or (self.estimates and left < case.est_s):
+            why = "spent" if left <= 0 else f"{left:.0f} s left, the case needs about {case.est_s:.0f} s"
+            into[case.name] = {"status": "skipped", "reason": f"time budget ({self.budget_s:g} s): {why}"}
+            self.report.write()
+            return
+        into[case.name] = {"status": "running"}
+        self.report.write()
+        t0 = time.perf_counter()
+        try:
+            if self.fail_case in (case.name, f"{section}/{case.name}"):
+                raise RuntimeError(f"--fail-case {self.fail_case}: this case fails on purpose")
+            rec = case.run()
+            rec = {"status": rec.pop("status", "passed"), **rec}
+        except Skip as e:
+            rec = {"status": "skipped", "reason": str(e)}
+        except Exception as e:
+            rec = _failure(e)
+        except KeyboardInterrupt as e:  # SIGINT or SIGTERM: this case's record says so, then the run stops
+            into[case.name] = {**_failure(e), "reason": "interrupted", "case_seconds": time.perf_counter() - t0}
+            self.report.write()
+            raise
+        rec["case_seconds"] = time.perf_counter() - t0
+        into[case.name] = rec
+        self.report.write()
 
 
-# ---------------------------------------------------------------------------------------------- device helpers
-def sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
+def _section_status(cases: dict) -> dict:
+    states = [c["status"] for c in cases.values()]
+    failed = [n for n, c in cases.items() if c["status"] == "failed"]
+    if failed:
+        return {"status": "failed", "reason": f"{len(failed)} case(s) failed: {', '.join(failed)}"}
+    if states and all(s == "skipped" for s in states):
+        return {"status": "skipped", "reason": next(iter(cases.values()))["reason"]}
+    return {"status": "passed"}
 
 
-def memory_allocated(device: torch.device) -> int:
-    return torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
+# ---------------------------------------------------------------------------------------------- summary
+def summary(report: dict) -> list[str]:
+    lines = ["", "gpu_check summary"]
+    for name, sec in report["sections"].items():
+        counts = {}
+        for c in sec.get("cases", {}).values():
+            counts[c["status"]] = counts.get(c["status"], 0) + 1
+        tally = ", ".join(f"{v} {k}" for k, v in sorted(counts.items())) or sec.get("reason", "")
+        lines.append(f"  {name:20s} {sec['status'].upper():8s} {tally}")
+        for cname, c in sec.get("cases", {}).items():
+            if c["status"] == "failed":
+                lines.append(f"      FAILED {cname}: {c['reason'][:160]}")
+        if name == "kernel_correctness":
+            for impl in ("triton", "chunked"):
+                flags = [c.get("bitwise_repeatable") for n, c in sec["cases"].items() if n.startswith(impl + "/")]
+                flags = [f for f in flags if f is not None]
+                if flags:
+                    lines.append(f"      {impl}: bitwise repeatable in {sum(flags)}/{len(flags)} cases")
+        if name.startswith("grpo"):
+            for cname, c in sec.get("cases", {}).items():
+                if c["status"] in ("passed", "failed") and "steps" in c:
+                    rt = c.get("checkpoint_round_trip_identical", "(not checked)")
+                    lines.append(
+                        f"      {cname}: {c['steps']} steps, {c['step_seconds']:.2f} s/step, on device "
+                        f"{c['all_on_device']}, checkpoint round trip identical {rt}"
+                    )
+    timing = report["sections"].get("kernel_timing", {}).get("cases", {})
+    rows = comparisons(timing)
+    if rows:
+        dtype = next(c["dtype"] for c in timing.values() if c.get("status") == "passed")
+        lines.append(f"  timing, {dtype}, training pass (fwd+bwd ms; time ratios)")
+        for r in rows:
+            got = {n.split("/")[0]: c for n, c in timing.items() if c.get("status") == "passed" and _same(c, r)}
+            ms = "  ".join(f"{k} {c['fwd_bwd_ms']:.1f}" for k, c in got.items())
+            ratio = {k.removesuffix("_fwd_bwd"): v for k, v in r.items() if "/" in k and k.endswith("_fwd_bwd")}
+            ratios = "  ".join(f"{k} {v:.2f}" for k, v in ratio.items())
+            faster = f" -> {r['faster_fwd_bwd']} faster" if "faster_fwd_bwd" in r else ""
+            lines.append(f"    {r['N']:>6d}x{r['D']:<5d} {r['head']:9s} {ms} | {ratios}{faster}")
+    return lines
 
 
-def reset_peak(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats(device)
+def _same(case: dict, row: dict) -> bool:
+    return all(case.get(k) == row[k] for k in ("N", "D", "V", "head"))
 
 
-def peak_memory(device: torch.device) -> int | None:
-    return torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None
-
-
-# ---------------------------------------------------------------------------------------------- grpo
-class _Tracker:
-    """What GRPOTrainer logs, kept in memory (no MLflow on a bare GPU machine)."""
-
-    def log_metrics(self, metrics, step=None):
-        pass
-
-    def log_table(self, table, name):
-        pass
-
-
-def arithmetic_rows(n: int, seed: int) -> list[dict]:
-    """Rows of the built-in task's shape: a chat prompt, the answer, the reference completion."""
-    rng = random.Random(seed)
-    rows = []
-    for _ in range(n):
-        a, b = rng.randint(0, 20), rng.randint(0, 20)
-        ref = f"<reasoning>\n{a} + {b} = {a + b}\n</reasoning>\n<answer>\n{a + b}\n</answer>"
-        rows.append({"prompt": [{"role": "user", "content": f"What is {a} + {b}?"}], "answer": str(a + b), "ref": ref})
-    return rows
-
-
-def sft_warmup(model, tok, rows: list[dict], steps: int, device: torch.device) -> None:
-    """A few cross-entropy steps on prompt + reference (the pipeline's SFT stage, minus its bookkeeping), so the
-    tiny model starts GRPO producing the answer format."""
-    from grpoflow.tasks.model.loading import prompt_ids
-
-    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=3e-3)
-    seqs = [prompt_ids(tok, r["prompt"]) + tok(r["ref"], add_special_tokens=False)["input_ids"] for r in rows]
-    seqs = [s + [tok.eos_token_id] for s in seqs]
-    for _ in range(steps):
-        batch = random.sample(seqs, min(16, len(seqs)))
-        width = max(map(len, batch))
-        ids = torch.tensor([s + [tok.pad_token_id] * (width - len(s)) for s in batch], device=device)
-        labels = torch.tensor([s + [-100] * (width - len(s)) for s in batch], device=device)
-        logits = model(input_ids=ids).logits[:, :-1].float()
-        loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels[:, 1:].reshape(-1))
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-
-
-def on_device(trainer, device: torch.device) -> bool:
-    """Every parameter, gradient, optimizer state tensor and the last round's tensors on ``device``."""
-    tensors = list(trainer.model.parameters())
-    tensors += [p.grad for p in trainer.model.parameters() if p.grad is not None]
-    tensors += [t for s in trainer.optimizer.state.values() for t in s.values() if torch.is_tensor(t) and t.dim()]
-    if trainer.round is not None:
-        r = trainer.round
-        tensors += [getattr(r.batch, f) for f in r.batch.__dataclass_fields__] + [r.advantages]
-    return all(t.device.type == device.type for t in tensors)
-
-
-def grpo_case(name: str, device: torch.device, small: bool, steps: int) -> dict:
-    from grpoflow.tasks.config import GRPOConfig, LoraConfig, TinyModelConfig
-    from grpoflow.tasks.generation.transformers_loop import TransformersGenerator
-    from grpoflow.tasks.grpo.trainer import GRPOTrainer
-    from grpoflow.tasks.model.loading import add_lora, prompt_ids
-    from grpoflow.tasks.model.tiny import build_tiny_model, train_tiny_tokenizer
-    from grpoflow.tasks.rewards import resolve_reward_funcs
-
-    torch.manual_seed(0)
-    random.seed(0)
-    rows = arithmetic_rows(200, seed=1)
-    tok = train_tiny_tokenizer([r["prompt"][0]["content"] + "\n" + r["ref"] for r in rows], 300)
-    if name == "tiny":
-        shape = TinyModelConfig()
-        model = build_tiny_model(shape, tok, seed=0).to(device)
-        sft_warmup(model, tok, rows, 20 if small else 300, device)
-        cfg = GRPOConfig(
-            max_steps=steps,
-            per_device_train_batch_size=16,
-            num_generations=8,
-            learning_rate=5e-4,
-            max_completion_length=32,
-            reward_funcs=["correctness", "proximity", "strict_format"],
-        )
-    else:  # Qwen2.5-0.5B's shape (hidden 896, 24 layers, 14 heads, 2 KV heads, MLP 4864; its 151936 vocabulary)
-        shape = TinyModelConfig(
-            hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14, num_key_value_heads=2
-        )
-        if small:
-            shape = TinyModelConfig(
-                hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1
-            )
-        model = build_tiny_model(shape, tok, seed=0)
-        if not small:  # Qwen's vocabulary size: the head and the log-prob kernel at full width (ids past the
-            model.resize_token_embeddings(151936)  # tokenizer's decode to nothing: a speed check, not a task)
-        dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-        model = add_lora(model.to(device=device, dtype=dtype), LoraConfig(r=16, alpha=32, target_modules="all-linear"))
-        cfg = GRPOConfig(
-            max_steps=steps,
-            per_device_train_batch_size=8 if small else 32,
-            num_generations=8,
-            max_completion_length=16 if small else 128,
-            reward_funcs=["proximity"],
-        )
-    prompts = [prompt_ids(tok, r["prompt"]) for r in rows]
-    trainer = GRPOTrainer(
-        cfg,
-        model,
-        tok,
-        rows,
-        prompts,
-        resolve_reward_funcs(cfg.reward_funcs),
-        TransformersGenerator(model, tok),
-        _Tracker(),
-        Path(tempfile.mkdtemp()),
-        seed=0,
-    )
-    reset_peak(device)
-    t0 = time.perf_counter()
-    trainer.train()
-    sync(device)
-    seconds = time.perf_counter() - t0
-    h = trainer.history
-    peak = peak_memory(device)
-    return {
-        "parameters": sum(p.numel() for p in model.parameters()),
-        "steps": len(h),
-        "first_reward": h[0]["reward"],
-        "last_reward": statistics.mean(x["reward"] for x in h[-max(1, len(h) // 5) :]),
-        "step_seconds": statistics.median(x["step_time"] for x in h),
-        "seconds": seconds,
-        "tokens_per_second": h[-1]["tokens_per_second"],  # prompt + completion tokens of the rounds, per second
-        "peak_gb": None if peak is None else peak / 2**30,
-        "all_on_device": on_device(trainer, device),
-    }
+def print_table(report: dict) -> None:
+    timing = report["sections"].get("kernel_timing", {}).get("cases", {})
+    passed = {n: c for n, c in timing.items() if c.get("status") == "passed"}
+    if passed:
+        print(f"\n  {'case':34s} {'fwd ms':>9s} {'fwd+bwd ms':>11s} {'fwd GB':>8s} {'fwd+bwd GB':>11s}")
+        for n, c in passed.items():
+            gb = [("-" if x is None else f"{x:.3f}") for x in (c["fwd_peak_gb"], c["fwd_bwd_peak_gb"])]
+            print(f"  {n:34s} {c['fwd_ms']:9.2f} {c['fwd_bwd_ms']:11.2f} {gb[0]:>8s} {gb[1]:>11s}")
 
 
 # ---------------------------------------------------------------------------------------------- main
-def fmt(x, spec: str) -> str:
-    return "-" if x is None else format(x, spec)
+def _versions() -> dict:
+    out = {"python": platform.python_version(), "torch": torch.__version__, "cuda": torch.version.cuda}
+    for name in ("triton", "transformers", "peft"):
+        try:
+            out[name] = __import__(name).__version__
+        except Exception as e:  # recorded, not fatal: the sections that need it fail with their own reason
+            out[name] = f"unavailable: {type(e).__name__}"
+    return out
+
+
+def parse(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--device", default="cuda", help="cuda (cuda:0), cuda:N or cpu")
+    p.add_argument("--small", action="store_true", help="toy sizes (the CPU test)")
+    p.add_argument("--out", default="gpu_check.json")
+    p.add_argument("--budget-s", type=float, default=420.0, help="total time budget (default 420: 7 minutes)")
+    p.add_argument("--repeats", type=int, default=None, help="timed repetitions per case (default 3; 1 --small)")
+    p.add_argument("--sections", default=None, help="comma-separated subset of the sections, in the usual order")
+    p.add_argument("--fail-case", default=None, help="(tests) make this case (name or section/name) raise")
+    return p.parse_args(argv)
 
 
 def main(argv: list[str] | None = None) -> dict:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--device", default="cuda")
-    p.add_argument("--small", action="store_true", help="toy sizes (the CPU test)")
-    p.add_argument("--n", type=int, default=16384)
-    p.add_argument("--d", type=int, default=4096)
-    p.add_argument("--v", type=int, default=151936)
-    p.add_argument("--repeats", type=int, default=5)
-    p.add_argument("--cases", default=",".join(KERNEL_CASES))
-    p.add_argument("--train-head", action="store_true", help="kernel: also dW (full fine-tuning)")
-    p.add_argument("--tiny-steps", type=int, default=40)
-    p.add_argument("--qwen-steps", type=int, default=5)
-    p.add_argument("--out", default="gpu_check.json")
-    a = p.parse_args(argv)
+    a = parse(argv)
     device = torch.device(a.device)
     if device.type == "cuda" and not torch.cuda.is_available():
         sys.exit("gpu_check: --device cuda, but torch sees no GPU (on CPU: --device cpu --small)")
-    n, d, v, dtype = (64, 32, 300, torch.float32) if a.small else (a.n, a.d, a.v, torch.bfloat16)
-    steps = (2, 1) if a.small else (a.tiny_steps, a.qwen_steps)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    repeats = a.repeats or (1 if a.small else 3)
+    signal.signal(signal.SIGTERM, signal.default_int_handler)  # a kill by timeout records the running case
+    os.environ.setdefault("GRPOFLOW_PROGRESS", "0")
+    torch.backends.cuda.matmul.allow_tf32 = False  # float32 means IEEE float32 (the reference, fp32 cases)
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu"
-    report: dict = {"device": name, "torch": torch.__version__, "kernel": {}, "grpo": {}}
-    print(f"{name}, torch {torch.__version__}")
-    grads = "dH, dW" if a.train_head else "dH"
-    print(f"kernel: N={n} D={d} V={v} {dtype}, forward + backward ({grads}), median of {a.repeats}")
-    print(f"  {'case':12s} {'|logp err|':>11s} {'dH rel err':>11s} {'ms':>10s} {'peak GB':>9s}")
-    for case in a.cases.split(","):
-        r = report["kernel"][case] = kernel_case(case, n, d, v, dtype, device, a.repeats, a.train_head)
-        if "skipped" in r:
-            print(f"  {case:12s} skipped: {r['skipped']}")
-            continue
-        ms = r["seconds"] * 1e3
-        err, rel = fmt(r.get("logp_max_err"), "11.2e"), fmt(r.get("dh_rel_err"), "11.2e")
-        print(f"  {case:12s} {err:>11s} {rel:>11s} {ms:10.2f} {fmt(r['peak_gb'], '9.3f'):>9s}", flush=True)
-    timed = {c: r for c, r in report["kernel"].items() if "seconds" in r}
-    for ours in ("triton", "chunked"):
-        for other in ("naive", "bare", "trl_chunked", "trl_triton", "liger"):
-            if ours in timed and other in timed:
-                t = timed[ours]["seconds"] / timed[other]["seconds"]
-                mem = ""
-                if timed[ours]["peak_gb"] is not None and timed[other]["peak_gb"]:
-                    mem = f"   memory {timed[ours]['peak_gb'] / timed[other]['peak_gb']:7.4f}x"
-                print(f"  {ours} / {other:12s} time {t:6.2f}x{mem}")
-    print(f"grpo on {device} (transformers generation)")
-    head = f"{'params':>11s} {'steps':>5s} {'reward':>15s} {'s/step':>7s} {'tok/s':>8s} {'peak GB':>8s}"
-    print(f"  {'case':6s} {head} on-device")
-    for case, k in zip(("tiny", "qwen"), steps):
-        r = report["grpo"][case] = grpo_case(case, device, a.small, k)
-        reward = f"{r['first_reward']:.2f} -> {r['last_reward']:.2f}"
-        print(
-            f"  {case:6s} {r['parameters']:11,d} {r['steps']:5d} {reward:>15s} {r['step_seconds']:7.2f} "
-            f"{r['tokens_per_second']:8.0f} {fmt(r['peak_gb'], '8.2f'):>8s} {r['all_on_device']}",
-            flush=True,
-        )
-    Path(a.out).write_text(json.dumps(report, indent=2))
-    print(f"wrote {a.out}")
-    return report
+    meta = {
+        "device": str(device),
+        "device_name": name,
+        "gpus": torch.cuda.device_count() if device.type == "cuda" else 0,
+        "argv": sys.argv[1:] if argv is None else argv,
+        "budget_s": a.budget_s,
+        "small": a.small,
+        "triton_interpret": os.environ.get("TRITON_INTERPRET") == "1",
+        "started": time.strftime("%Y-%m-%d %H:%M:%S"),
+        **_versions(),
+    }
+    out = Path(a.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    report = Report(out, meta)
+    runner = Runner(report, a.budget_s, a.fail_case, estimates=not a.small)
+    print(f"gpu_check: {name} ({device}), torch {torch.__version__}, budget {a.budget_s:g} s -> {out}", flush=True)
+    sections = build_sections(device, a.small, repeats)
+    chosen = a.sections.split(",") if a.sections else list(sections)
+    unknown = set(chosen) - set(sections)
+    if unknown:
+        sys.exit(f"gpu_check: unknown sections {sorted(unknown)}; known: {', '.join(sections)}")
+    try:
+        for sec_name in [s for s in sections if s in chosen]:
+            print(f"[{time.perf_counter() - runner.t0:6.1f} s] {sec_name}", flush=True)
+            runner.section(sec_name, sections[sec_name])
+    except BaseException as e:  # SIGINT/SIGTERM (the running case says so): the sections after it are absent
+        report.data["stopped_by"] = type(e).__name__
+        raise
+    finally:
+        stand_in = getattr(sys.modules.get("pydantic"), "GPU_CHECK_STAND_IN", False)
+        report.data["meta"]["pydantic"] = "stand-in (gpu_check_nopydantic)" if stand_in else "installed or unused"
+        report.data["finished"] = True
+        report.data["seconds"] = time.perf_counter() - runner.t0
+        report.data["comparisons"] = comparisons(report.data["sections"].get("kernel_timing", {}).get("cases", {}))
+        report.write()
+        try:  # the report is on disk already: a fault in printing it must not hide it
+            print_table(report.data)
+            print("\n".join(summary(report.data)))
+        except Exception:
+            traceback.print_exc()
+        print(f"wrote {out}")
+    return report.data
+
+
+def build_sections(device, small: bool, repeats: int) -> dict[str, Callable[[], list[Case]]]:
+    """Section name -> a function building its cases (in the order they run). Importing grpoflow and the pydantic
+    stand-in happens inside, so that a failure there is a section's failure, recorded."""
+
+    def grpo(second: bool):
+        def build():
+            _grpoflow_ready()
+            import gpu_check_grpo as g
+
+            return g.second_device_cases(device, small) if second else g.grpo_cases(device, small)
+
+        return build
+
+    def kernels(make):
+        def build():
+            _grpoflow_ready()
+            return make()
+
+        return build
+
+    import gpu_check_kernels as k
+
+    return {
+        "kernel_correctness": kernels(lambda: k.correctness_cases(device, small)),
+        "grpo": grpo(False),
+        "kernel_timing": kernels(lambda: k.timing_cases(device, small, repeats)),
+        "grpo_second_gpu": grpo(True),
+        "reference_timing": kernels(lambda: k.reference_timing_cases(device, small, repeats)),
+        "peers": kernels(lambda: k.peer_cases(device, small, repeats)),
+    }
+
+
+def _grpoflow_ready() -> None:
+    """grpoflow importable from the tree, its config sections definable without pydantic (the GPU machine has
+    none: gpu_check_nopydantic stands in)."""
+    _grpoflow_from_the_tree()
+    import gpu_check_nopydantic
+
+    gpu_check_nopydantic.install()
 
 
 if __name__ == "__main__":

@@ -16,18 +16,6 @@ import os
 import time
 from collections.abc import Callable, Iterator
 
-from rich.console import Console
-from rich.progress import (
-    BarColumn,
-    MofNCompleteColumn,
-    Progress,
-    SpinnerColumn,
-    TextColumn,
-    TimeElapsedColumn,
-    TimeRemainingColumn,
-)
-
-console = Console(stderr=True)
 log = logging.getLogger("grpoflow.progress")
 
 
@@ -66,17 +54,41 @@ def _log_lines(description: str, total: int, start: int) -> Iterator[Callable[..
     yield advance
 
 
+def _terminal_console():
+    """A rich console on stderr when stderr is a terminal (or Jupyter), else None; None also where rich is not
+    installed (imported here, not at module level: the trainer runs without rich, as benchmarks/gpu_check.py does
+    on a bare GPU machine)."""
+    try:
+        from rich.console import Console
+    except ImportError:
+        return None
+    console = Console(stderr=True)
+    return console if console.is_terminal or console.is_jupyter else None
+
+
 @contextlib.contextmanager
 def progress_bar(description: str, total: int, start: int = 0) -> Iterator[Callable[..., None]]:
     """Yield ``advance(n=1, **metrics)`` over ``total`` units, ``start`` of them done already (a resumed run).
-    GRPOFLOW_PROGRESS=0 turns progress off; without a terminal it is log lines (see the module docstring)."""
+    GRPOFLOW_PROGRESS=0 turns progress off; without a terminal (or without rich) it is log lines (see the module
+    docstring)."""
     if os.environ.get("GRPOFLOW_PROGRESS", "1") == "0":
         yield lambda *a, **k: None
         return
-    if not (console.is_terminal or console.is_jupyter):
+    console = _terminal_console()
+    if console is None:
         with _log_lines(description, total, start) as advance:
             yield advance
         return
+    from rich.progress import (
+        BarColumn,
+        MofNCompleteColumn,
+        Progress,
+        SpinnerColumn,
+        TextColumn,
+        TimeElapsedColumn,
+        TimeRemainingColumn,
+    )
+
     with Progress(
         SpinnerColumn(),
         TextColumn("[bold]{task.description}"),
