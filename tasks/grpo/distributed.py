@@ -162,6 +162,7 @@ def wrap_root(
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import fully_shard
 
+        check_fsdp2_placement(next(root.parameters()).device.type, comm.device.type)
         mesh = init_device_mesh(comm.device.type, (comm.world,))
         policy = mixed_precision(autocast_dtype)
         kw = {} if policy is None else {"mp_policy": policy}
@@ -170,6 +171,18 @@ def wrap_root(
         fully_shard(root, mesh=mesh, **kw)
         return root
     raise ValueError(f"distributed.strategy must be ddp or fsdp2 (got {strategy!r})")
+
+
+def check_fsdp2_placement(param_device_type: str, comm_device_type: str) -> None:
+    """FSDP2 shards and gathers parameters over the process group's device: the mesh must be where the weights are.
+    With distributed.backend=gloo on GPUs the group's tensors live on the CPU while the weights are on CUDA, and
+    FSDP2 would build a CPU mesh around CUDA parameters; refused with what to set instead."""
+    if param_device_type != comm_device_type:
+        raise ValueError(
+            f"distributed.strategy=fsdp2: the weights are on {param_device_type} but the process group communicates "
+            f"on {comm_device_type} (distributed.backend=gloo on GPUs); use distributed.backend=nccl (or auto) on "
+            "GPUs, or distributed.strategy=ddp"
+        )
 
 
 def decoder_layers(root: torch.nn.Module) -> list[torch.nn.Module]:

@@ -11,7 +11,7 @@ import torch
 from grpoflow.tasks.config import ConfigError, GRPOConfig, config_from_dict, load_config
 from grpoflow.tasks.generation.transformers_loop import TransformersGenerator
 from grpoflow.tasks.generation.types import SamplingParams
-from grpoflow.tasks.grpo.distributed import local_rows, rounds_done, row_seed
+from grpoflow.tasks.grpo.distributed import check_fsdp2_placement, local_rows, rounds_done, row_seed, wrap_root
 from grpoflow.tasks.runtime.dist import Comm, resolve_backend
 from grpoflow.tasks.runtime.launch import failure, rank_errors, torchrun_command, write_rank_error
 from grpoflow.tasks.runtime.stage import USER_ERRORS
@@ -276,3 +276,15 @@ def test_a_launched_child_dies_with_its_parent(tmp_path):
     else:
         os.kill(child, signal.SIGKILL)
         raise AssertionError("the child outlived its parent")
+
+
+def test_fsdp2_refuses_a_mesh_on_another_device_than_the_weights():
+    """gloo on GPUs: the group's device is the CPU, the weights are on CUDA; FSDP2 would shard across the two.
+    Checked before any mesh is built (a model on the meta device stands in for one on a GPU)."""
+    check_fsdp2_placement("cuda", "cuda")
+    check_fsdp2_placement("cpu", "cpu")
+    with pytest.raises(ValueError, match="distributed.backend=nccl"):
+        check_fsdp2_placement("cuda", "cpu")
+    root = torch.nn.Sequential(torch.nn.Linear(2, 2, device="meta"))
+    with pytest.raises(ValueError, match="weights are on meta but the process group communicates on cpu"):
+        wrap_root(root, Comm(rank=0, world=2), "fsdp2")
