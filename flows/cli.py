@@ -240,6 +240,7 @@ def print_summary(result: dict, seconds: float) -> None:
     if "local_copy" in result:
         table.add_row("local copy", result["local_copy"])
     table.add_row("MLflow run", result["mlflow_run_id"])
+    table.add_row("MLflow UI", result.get("mlflow_url", ""))  # the model-training view (?workflowType=...)
     g = result["grpo"]
     table.add_row("GRPO", f"{g['steps']} steps, reward {g['first_reward']:.3f} -> {g['final_reward']:.3f}")
     if "eval" in result:

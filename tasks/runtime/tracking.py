@@ -174,6 +174,16 @@ def start_pipeline_run(cfg: PipelineConfig, tags: dict[str, Any] | None = None) 
     return parent
 
 
+def run_url(client: MlflowClient, run_id: str, base: str | None = None) -> str:
+    """The run's page in the MLflow UI's model-training view (``?workflowType=machine_learning``: 3.x opens its GenAI
+    view otherwise). ``base``: the UI's address; default the tracking server's, or 127.0.0.1:5000 (``mlflow ui``)
+    for a local store."""
+    uri = client.tracking_uri
+    base = base or (uri.rstrip("/") if uri.startswith(("http://", "https://")) else "http://127.0.0.1:5000")
+    exp = client.get_run(run_id).info.experiment_id
+    return f"{base}/#/experiments/{exp}/runs/{run_id}?workflowType=machine_learning"
+
+
 def end_run(logger: RunLogger, ok: bool) -> None:
     logger.client.set_terminated(logger.run_id, "FINISHED" if ok else "FAILED")
 
