@@ -288,6 +288,7 @@ def print_summary(result: dict, seconds: float) -> None:
     if "local_copy" in result:
         table.add_row("local copy", result["local_copy"])
     table.add_row("MLflow run", result["mlflow_run_id"])
+    table.add_row("MLflow UI", result.get("mlflow_url", ""))  # the model-training view (?workflowType=...)
     g = result["grpo"]
     reward = f"{_num(g.get('first_reward'), '.3f')} -> {_num(g.get('final_reward'), '.3f')}"
     table.add_row("GRPO", f"{g.get('steps')} steps, reward {reward}")

@@ -22,7 +22,8 @@ from prefect import flow, runtime
 from grpoflow.tasks.config import config_from_dict
 from grpoflow.tasks.runtime.registry import register_pipeline_model
 from grpoflow.tasks.runtime.resume import open_pipeline_run
-from grpoflow.tasks.runtime.tracking import end_run
+from grpoflow.tasks.runtime.run_meta import describe
+from grpoflow.tasks.runtime.tracking import NOTE, end_run, run_url
 from grpoflow.tasks.runtime.workspace import Workspace
 from grpoflow.tasks.stages.data import data_task
 from grpoflow.tasks.stages.evaluate import eval_task
@@ -49,6 +50,7 @@ def grpo_pipeline(config: dict, workspace: str, init_model: str | None = None) -
         sft = sft_task(*args) if cfg.sft.enabled and init_model is None else None
         grpo = grpo_task(*args, init_model=sft["model_path"] if sft else init_model)
         result = {"workspace": ws.location, "mlflow_run_id": parent.run_id, "data": data, "sft": sft, "grpo": grpo}
+        result["mlflow_url"] = run_url(parent.client, parent.run_id)
         if ws.uri is not None:
             result["local_copy"] = str(ws.root)
         if cfg.eval.enabled:
@@ -65,6 +67,7 @@ def grpo_pipeline(config: dict, workspace: str, init_model: str | None = None) -
         registered = register_pipeline_model(parent.client, cfg, parent.run_id, result)
         if registered is not None:
             result["registry"] = registered.__dict__
+        parent.set_tags({NOTE: describe(cfg, "pipeline", result.get("eval"))})
         ok = True
         return result
     finally:

@@ -80,6 +80,8 @@ def champion_model(cfg: PipelineConfig, dest: Path) -> tuple[str, dict] | None:
     # the version's own artifact location (a models:/ URI would resolve against the default registry, not ``uri``)
     source = client.get_model_version_download_uri(name, version.version)
     local = Path(download_artifacts(artifact_uri=source, dst_path=str(dest), tracking_uri=uri))
+    if (local / "MLmodel").is_file():  # an MLflow transformers model: the HF folder (weights, tokenizer) in model/
+        local = local / "model"
     if (local / "adapter_config.json").is_file():
         local = _merge_adapter(local, dest / "merged", cfg)
     if not (local / "config.json").is_file():

@@ -1,8 +1,9 @@
 """The MLflow model registry: every finished run registers its model; the best one carries an alias.
 
-After export, the run's model (the merged weights when exported, else the adapter; the artifact folder
-of the export stage run) becomes a new version of ``tracking.registered_model``. The version is tagged
-with the run's held-out accuracy after GRPO; it takes the alias ``tracking.champion_alias`` when
+After export, the run's model becomes a new version of ``tracking.registered_model``: the merged weights as an
+MLflow transformers model (a LoggedModel of the export run, tasks/runtime/model_registry.py; loadable with
+``mlflow.pyfunc.load_model("models:/NAME@champion")``), else the adapter folder of the export run's artifacts.
+The version is tagged with the run's held-out accuracy after GRPO; it takes the alias ``tracking.champion_alias`` when
 
     there is no champion yet, or accuracy(new) > accuracy(champion)
 
@@ -17,6 +18,8 @@ from dataclasses import dataclass
 
 from mlflow.exceptions import MlflowException
 from mlflow.tracking import MlflowClient
+
+from grpoflow.tasks.runtime.model_registry import log_merged_model
 
 log = logging.getLogger(__name__)
 ACCURACY_TAG = "accuracy_after"
@@ -49,6 +52,7 @@ def register_run_model(
     run_id: str,
     accuracy: float | None,
     parent_run_id: str | None = None,
+    model_id: str | None = None,
 ) -> Registration:
     """Register ``source`` (an artifact URI of ``run_id``) as a new version of ``name``; move ``alias`` to it
     when ``champion_decision`` says so. Tags the version (accuracy, decision) and the parent run."""
@@ -57,7 +61,7 @@ def register_run_model(
     except MlflowException:
         client.create_registered_model(name, description="GRPO fine-tuned models of grpoflow runs")
     tags = {ACCURACY_TAG: f"{accuracy:.6f}"} if accuracy is not None else {}
-    version = client.create_model_version(name, source, run_id=run_id, tags=tags).version
+    version = client.create_model_version(name, source, run_id=run_id, tags=tags, model_id=model_id).version
     try:
         current = client.get_model_version_by_alias(name, alias)
         champion = float(current.tags[ACCURACY_TAG]) if ACCURACY_TAG in current.tags else None
@@ -90,12 +94,28 @@ def register_pipeline_model(client: MlflowClient, cfg, parent_run_id: str, resul
     export_run = export["mlflow_run_id"]
     if client.get_run(parent_run_id).data.tags.get("registered_export_run") == export_run:
         return None
-    source = f"{client.get_run(export_run).info.artifact_uri}/{folder}"
     accuracy = result.get("eval", {}).get("accuracy_after")
     name = t.registered_model or registered_model_name(cfg.model.name)
-    reg = register_run_model(client, name, t.champion_alias, source, export_run, accuracy, parent_run_id)
+    source, model_id = f"{client.get_run(export_run).info.artifact_uri}/{folder}", None
+    if folder == "merged":  # an MLflow transformers model (pyfunc-loadable); an adapter stays a plain folder
+        example = first_question(result["data"]["eval_path"]) or "What is 2 + 3?"
+        max_new = cfg.eval.max_new_tokens or cfg.grpo.max_completion_length
+        logged = log_merged_model(client, export_run, export["merged_path"], name, example, max_new)
+        source, model_id = logged.source, logged.model_id
+    reg = register_run_model(client, name, t.champion_alias, source, export_run, accuracy, parent_run_id, model_id)
     client.set_tag(parent_run_id, "registered_export_run", export_run)
     return reg
+
+
+def first_question(eval_path: str) -> str | None:
+    """The first held-out question (the registered model's input example)."""
+    import datasets
+
+    try:
+        ds = datasets.load_from_disk(eval_path)
+    except (OSError, ValueError):
+        return None
+    return ds[0]["question"] if len(ds) else None
 
 
 def registered_model_name(model_name: str) -> str:

@@ -1,7 +1,9 @@
 """The one shell every Prefect stage task uses: config dict + workspace URI in, summary dict out.
 
 Stages are plain functions ``fn(cfg, ws, tracker, **inputs) -> dict`` that know nothing of
-Prefect; this wraps one in its nested MLflow run and logs the summary it returns.
+Prefect; this wraps one in its nested MLflow run (named, tagged, with its settings as params and its datasets as
+inputs: tasks/runtime/run_info.py), samples system metrics around the training stages, and logs the summary it
+returns (results, description, the trained model as a logged model output).
 
 Resume: a stage whose manifest holds the stage's current key (tasks/runtime/resume.py) is complete: its
 stored summary is returned and nothing runs or is logged. Otherwise its manifest and every later
@@ -23,8 +25,10 @@ import torch
 
 from grpoflow.tasks.config import PipelineConfig, config_from_dict
 from grpoflow.tasks.runtime.errors import StageError
+from grpoflow.tasks.runtime.mlflow_entities import system_metrics
 from grpoflow.tasks.runtime.resume import stage_keys
-from grpoflow.tasks.runtime.tracking import stage_run
+from grpoflow.tasks.runtime.run_info import TRAINING_STAGES, finish_run, prepare_run
+from grpoflow.tasks.runtime.tracking import stage_run, tracking_uri
 from grpoflow.tasks.runtime.workspace import STAGES, Workspace, stages_from
 
 StageFn = Callable[..., dict[str, Any]]
@@ -65,12 +69,10 @@ def run_stage(
         torch.set_num_threads(cfg.run.torch_threads)
     try:
         with stage_run(cfg, parent_run_id, name) as tracker:
-            summary = fn(cfg, ws, tracker, **inputs)
-            tracker.log_dict(summary, "summary.json")
-            numeric = {
-                f"summary/{k}": v for k, v in summary.items() if isinstance(v, (int, float)) and not isinstance(v, bool)
-            }
-            tracker.log_metrics(numeric)
+            prepare_run(tracker, cfg, ws, name)
+            with system_metrics(tracker.run_id if name in TRAINING_STAGES else None, tracking_uri(cfg)):
+                summary = fn(cfg, ws, tracker, **inputs)
+            finish_run(tracker, cfg, ws, name, summary)
             summary["mlflow_run_id"] = tracker.run_id
             ws.seal_manifest(name, key, summary)
             return summary

@@ -24,6 +24,8 @@ from mlflow.entities import Metric, Param, RunTag
 from mlflow.tracking import MlflowClient
 
 from grpoflow.tasks.config import PipelineConfig
+from grpoflow.tasks.runtime import run_meta
+from grpoflow.tasks.runtime.run_meta import omitted
 from grpoflow.tasks.runtime.workspace import local_dir
 
 log = logging.getLogger(__name__)
@@ -74,6 +76,13 @@ class RunLogger:
     def __init__(self, client: MlflowClient | None, run_id: str | None):
         self.client = client
         self.run_id = run_id
+        self.constant: dict[str, str] = {}  # metric name (or 'prefix/') -> why it cannot move: not logged
+        self._params: dict[str, str] = {}
+
+    def omit_constant(self, constant: dict[str, str]) -> None:
+        """Log none of ``constant``'s metrics from now on; a ``metric_omitted.<name>`` tag says why, once."""
+        self.constant.update(constant)
+        self.set_tags({f"metric_omitted.{k.rstrip('/')}": why for k, why in constant.items()})
 
     @classmethod
     def disabled(cls) -> RunLogger:
@@ -86,14 +95,22 @@ class RunLogger:
         if self.client is None:
             return
         ts = int(time.time() * 1000)
-        items = [Metric(k, float(v), ts, step or 0) for k, v in metrics.items() if v is not None and v == v]
+        keep = {k: v for k, v in metrics.items() if not (self.constant and omitted(k, self.constant))}
+        items = [Metric(k, float(v), ts, step or 0) for k, v in keep.items() if v is not None and v == v]
         for i in range(0, len(items), 500):
             self.client.log_batch(self.run_id, metrics=items[i : i + 500])
 
     def log_params(self, params: dict[str, Any]) -> None:
         if self.client is None:
             return
-        items = [Param(k, str(v)[:6000]) for k, v in flatten(params).items()]
+        new = {}
+        for k, v in flatten(params).items():  # a param is written once: the same value again is skipped
+            value = str(v)[:6000]
+            if k in self._params and self._params[k] != value:
+                log.warning("run %s: param %s already %r, %r not logged", self.run_id, k, self._params[k], value)
+            elif k not in self._params:
+                new[k] = self._params[k] = value
+        items = [Param(k, v) for k, v in new.items()]
         for i in range(0, len(items), 100):
             self.client.log_batch(self.run_id, params=items[i : i + 100])
 
@@ -129,20 +146,26 @@ class RunLogger:
             self.client.log_artifact(self.run_id, str(path), artifact_path)
 
 
+EXPERIMENT_KIND = {"mlflow.experimentKind": "custom_model_development"}  # model training, for UIs that read it
+NOTE = "mlflow.note.content"  # the run's description in the UI
+
+
 def start_pipeline_run(cfg: PipelineConfig, tags: dict[str, Any] | None = None) -> RunLogger:
-    """Create the parent run, log the resolved config (params + config.yaml artifact)."""
+    """Create the parent run (named by run_meta.parent_name), log the resolved config (params + config.yaml
+    artifact) and the filter tags."""
     import yaml
 
     client = MlflowClient(tracking_uri(cfg))
     exp = experiment_id(client, cfg)
-    run = client.create_run(exp, run_name=cfg.run.name)
+    if client.get_experiment(exp).tags.get("mlflow.experimentKind") is None:
+        client.set_experiment_tag(exp, *next(iter(EXPERIMENT_KIND.items())))
+    name = run_meta.parent_name(cfg, time.strftime("%Y-%m-%d %H:%M"))
+    run = client.create_run(exp, run_name=name)
     parent = RunLogger(client, run.info.run_id)
     parent.set_tags(
         {
-            "git_commit": git_commit(),
-            "model": cfg.model.name,
-            "dataset": cfg.data.source,
-            "grpoflow.stage": "pipeline",
+            **run_meta.filter_tags(cfg, "pipeline", name, git_commit()),
+            NOTE: run_meta.describe(cfg, "pipeline", None),
             **(tags or {}),
         }
     )
@@ -151,23 +174,36 @@ def start_pipeline_run(cfg: PipelineConfig, tags: dict[str, Any] | None = None) 
     return parent
 
 
+def run_url(client: MlflowClient, run_id: str, base: str | None = None) -> str:
+    """The run's page in the MLflow UI's model-training view (``?workflowType=machine_learning``: 3.x opens its GenAI
+    view otherwise). ``base``: the UI's address; default the tracking server's, or 127.0.0.1:5000 (``mlflow ui``)
+    for a local store."""
+    uri = client.tracking_uri
+    base = base or (uri.rstrip("/") if uri.startswith(("http://", "https://")) else "http://127.0.0.1:5000")
+    exp = client.get_run(run_id).info.experiment_id
+    return f"{base}/#/experiments/{exp}/runs/{run_id}?workflowType=machine_learning"
+
+
 def end_run(logger: RunLogger, ok: bool) -> None:
     logger.client.set_terminated(logger.run_id, "FINISHED" if ok else "FAILED")
 
 
 @contextlib.contextmanager
 def stage_run(cfg: PipelineConfig, parent_run_id: str | None, stage: str) -> Iterator[RunLogger]:
-    """A nested MLflow run for one stage; a disabled logger when there is no parent run."""
+    """A nested MLflow run for one stage, named and tagged by run_meta; a disabled logger when there is no parent
+    run. The description (what the stage did) is set here, its result by the caller at the end."""
     if parent_run_id is None:
         yield RunLogger.disabled()
         return
     client = MlflowClient(tracking_uri(cfg))
     parent = client.get_run(parent_run_id)
-    run = client.create_run(
-        parent.info.experiment_id,
-        run_name=stage,
-        tags={PARENT_TAG: parent_run_id, "grpoflow.stage": stage},
-    )
+    pipeline = parent.info.run_name
+    tags = {
+        PARENT_TAG: parent_run_id,
+        **run_meta.filter_tags(cfg, stage, pipeline, parent.data.tags.get("git_commit")),
+        NOTE: run_meta.describe(cfg, stage, None),
+    }
+    run = client.create_run(parent.info.experiment_id, run_name=run_meta.stage_name(cfg, stage), tags=tags)
     logger = RunLogger(client, run.info.run_id)
     ok = False
     try:

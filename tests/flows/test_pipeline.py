@@ -112,7 +112,11 @@ def test_mlflow_layout(finished_run):
     assert {"adapter", "merged"} <= export_art
     # the merged model is registered (the local SQLite store has a registry too) and, the first, is champion
     champion = client.get_model_version_by_alias("grpoflow-tiny", "champion")
-    assert champion.run_id == children["export"].info.run_id and champion.source.endswith("/merged")
+    assert champion.run_id == children["export"].info.run_id
+    # as an MLflow transformers model: a LoggedModel output of the export run, with its MLmodel file
+    (output,) = children["export"].outputs.model_outputs
+    assert champion.source == client.get_logged_model(output.model_id).artifact_location
+    assert (Path(champion.source.removeprefix("file://")) / "MLmodel").is_file()
     assert parent.data.tags["registered_model"] == f"grpoflow-tiny/{champion.version}"
 
 

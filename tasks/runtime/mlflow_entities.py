@@ -1,0 +1,126 @@
+"""MLflow entities of a stage run beyond params and metrics: dataset inputs, logged model outputs, system metrics.
+
+datasets        the prepared splits a stage reads, as ``mlflow.data.from_pandas`` datasets logged with
+                ``MlflowClient.log_inputs`` (by run id: ``mlflow.log_input`` would start an unrelated run when
+                no run is active): name, source (the split's folder), digest, row count (the profile), and the
+                ``mlflow.data.context`` tag (training / evaluation)
+logged model    the model a training stage wrote, as a LoggedModel of the run's experiment, linked to the run as
+                an output (``log_outputs``): the UI lists the run as a training run, also in its GenAI view. The
+                weights stay in the workspace (and, for the export stage, in the run's artifacts); the model's
+                ``workspace_path`` tag says where
+system metrics  MLflow's SystemMetricsMonitor (CPU, memory, disk, network; GPU with nvidia-ml-py on a GPU worker)
+                on the run, sampled every max(1, min(15, elapsed / 30)) seconds: about 30 samples over the
+                first minutes of any stage, and a last sample when the stage ends, so even a short stage has one
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import time
+import warnings
+from collections.abc import Iterator
+from typing import Any
+
+from mlflow.tracking import MlflowClient
+
+log = logging.getLogger(__name__)
+CONTEXTS = {"train": "training", "eval": "evaluation"}
+STAGE_SPLITS = {"sft": ("train",), "grpo": ("train",), "eval": ("eval",)}
+
+
+def split_dataset(path: str, name: str):
+    """The saved split at ``path`` (a ``Dataset.save_to_disk`` folder) as an MLflow PandasDataset."""
+    import datasets
+    import mlflow.data
+
+    df = datasets.load_from_disk(path).to_pandas()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the source resolver's notes about which source type it chose
+        return mlflow.data.from_pandas(df, source=path, name=name)
+
+
+def log_datasets(client: MlflowClient, run_id: str, splits: dict[str, Any]) -> None:
+    """Log {split: PandasDataset} as inputs of ``run_id``, each with its context tag."""
+    from mlflow.entities import DatasetInput, InputTag
+
+    inputs = [
+        DatasetInput(
+            dataset=ds._to_mlflow_entity(),
+            tags=[InputTag("mlflow.data.context", CONTEXTS.get(split, split)), InputTag("split", split)],
+        )
+        for split, ds in splits.items()
+    ]
+    if inputs:
+        client.log_inputs(run_id, datasets=inputs)
+
+
+def log_model_output(
+    client: MlflowClient, run_id: str, name: str, path: str, params: dict[str, Any], step: int = 0
+) -> str:
+    """A READY LoggedModel ``name`` of the run's experiment, produced by ``run_id`` (its output at ``step``)."""
+    from mlflow.entities import LoggedModelOutput
+
+    exp = client.get_run(run_id).info.experiment_id
+    model = client.create_logged_model(
+        exp,
+        name=name,
+        source_run_id=run_id,
+        params={k: str(v)[:6000] for k, v in params.items() if v is not None},
+        tags={"workspace_path": path},
+        model_type="transformers",
+    )
+    client.finalize_logged_model(model.model_id, "READY")
+    client.log_outputs(run_id, [LoggedModelOutput(model.model_id, step)])
+    return model.model_id
+
+
+def adaptive_interval(elapsed: float) -> float:
+    """Seconds to the next system-metrics sample: max(1, min(15, elapsed / 30))."""
+    return max(1.0, min(15.0, elapsed / 30.0))
+
+
+def _monitor_class():
+    from mlflow.system_metrics.system_metrics_monitor import SystemMetricsMonitor
+
+    class AdaptiveMonitor(SystemMetricsMonitor):
+        """SystemMetricsMonitor whose sampling interval grows with the run's age (:func:`adaptive_interval`)."""
+
+        _t0 = time.monotonic()
+
+        @property
+        def sampling_interval(self) -> float:
+            return adaptive_interval(time.monotonic() - self._t0)
+
+        @sampling_interval.setter
+        def sampling_interval(self, value) -> None:  # the base class sets its fixed interval: ignored
+            self._t0 = time.monotonic()
+
+    return AdaptiveMonitor
+
+
+@contextlib.contextmanager
+def system_metrics(run_id: str | None, tracking_uri: str) -> Iterator[None]:
+    """System metrics on ``run_id`` while the block runs; stopped and flushed (with a last sample) before it
+    returns, so before the run ends. Nothing for a disabled logger (``run_id`` None)."""
+    if run_id is None:
+        yield
+        return
+    monitor = None
+    try:
+        monitor = _monitor_class()(run_id, samples_before_logging=1, tracking_uri=tracking_uri)
+        monitor.start()
+    except Exception as e:  # system metrics are a nicety: never fail a stage over them
+        log.warning("system metrics off for run %s: %s", run_id, e)
+        monitor = None
+    try:
+        yield
+    finally:
+        if monitor is not None:
+            try:
+                monitor.finish()
+                monitor.collect_metrics()
+                monitor.publish_metrics(monitor.aggregate_metrics())  # the stage's last state
+                monitor.mlflow_logger.flush()
+            except Exception as e:
+                log.warning("system metrics of run %s: %s", run_id, e)
