@@ -318,16 +318,18 @@ def compare(args, sampler: str, folder: str, tmp: Path, peak: dict) -> dict:
     runs: list[protocol.SideRun] = []
     for r in range(args.rounds):
         for side in ("ours", "trl"):
-            argv = [sys.executable, __file__, "--side", side, "--folder", folder, "--out", str(tmp / f"{sampler}{side}{r}")]
-            argv += ["--sampler", sampler, "--steps", str(args.steps), "--threads", str(args.threads)]
+            argv = [sys.executable, __file__, "--side", side, "--folder", folder]
+            argv += ["--out", str(tmp / f"{sampler}{side}{r}"), "--sampler", sampler, "--steps", str(args.steps)]
+            argv += ["--threads", str(args.threads)]
             argv += ["--gen-threads", str(args.gen_threads), "--completion-len", str(args.completion_len)]
             run = protocol.spawn(side, r, argv, args)
             if not run.error:
                 run.result |= derived(run.result, peak)
             runs.append(run)
             d = run.result
-            print(f"[{sampler}] round {r} {side}: " + (f"FAILED {run.error.splitlines()[-1][:300]}" if run.error else
-                  f"{d['tokens']:.0f} tokens, loop {d['loop_s']:.1f} s, {d['tok_s']:.1f} tok/s"), flush=True)  # fmt: skip
+            line = f"FAILED {run.error.splitlines()[-1][:300]}" if run.error else (
+                f"{d['tokens']:.0f} tokens, loop {d['loop_s']:.1f} s, {d['tok_s']:.1f} tok/s")  # fmt: skip
+            print(f"[{sampler}] round {r} {side}: {line}", flush=True)
             if run.error and side == "trl":
                 print(f"[{sampler}] TRL's error (stderr tail):\n{run.error}", flush=True)
     return report(args, sampler, runs, peak)
@@ -341,10 +343,12 @@ def report(args, sampler: str, runs: list[protocol.SideRun], peak: dict) -> dict
     named = {side: {r.result["sampler"] for r in ok if r.side == side} for side in ("ours", "trl")}
     for side, names in named.items():
         print(f"  {side} sampler: {', '.join(names) or 'did not run'}")
-    print("  difference: " + ("same engine family, different drivers (see the names)" if sampler == "vllm" else
-          "our own decoding loop against transformers generate (both transformers models)"))  # fmt: skip
+    diff = "the same vLLM engine, driven differently (see the names)" if sampler == "vllm" else (
+        "our own decoding loop against transformers generate (the same transformers model)")  # fmt: skip
+    print(f"  difference: {diff}")
     head = (f"{'rnd':>3} {'side':5} {'tok/s':>7} {'first s':>7} {'loop s':>7} {'proc s':>7} {'start s':>7} "
-            f"{'gen %':>5} {'TFLOP/s':>8} {'MFU':>6} {'dec tok/s':>9} {'bound':>9} {'of bnd':>6} {'RSS MiB':>8}")  # fmt: skip
+            f"{'gen %':>5} {'TFLOP/s':>8} {'MFU':>6} {'dec tok/s':>9} {'bound':>9} {'of bnd':>6} "
+            f"{'RSS MiB':>8}")  # fmt: skip
     print(head)
     for r in ok:
         d = r.result
