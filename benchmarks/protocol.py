@@ -183,7 +183,8 @@ def spawn(side: str, rnd: int, argv: list[str], args: argparse.Namespace, env: d
     if lines:
         run.result = json.loads(lines[-1][len(RESULT_PREFIX) :])
     if code != 0 or not lines or run.result.get("error"):
-        run.error = run.result.get("error") or f"exit {code}: " + stderr.strip()[-3000:]
+        head = run.result.get("error") or f"exit {code}"
+        run.error = f"{stderr.strip()[-3000:]}\n{head}"  # the traceback's tail, then the one-line cause
     return run
 
 
