@@ -305,7 +305,11 @@ def derived(r: dict, peak: dict) -> dict:
 
 def measure_peak(args) -> dict:
     if args.peak_json:
-        return json.loads(args.peak_json.read_text())
+        peak = json.loads(args.peak_json.read_text())
+        if peak.get("threads") != args.threads:
+            raise SystemExit(f"--peak-json {args.peak_json}: measured at {peak.get('threads')} threads, not --threads "
+                             f"{args.threads}; the MFU needs the peak at the training thread count")  # fmt: skip
+        return peak
     script = str(Path(__file__).resolve().parent / "bench_matmul_peak.py")
     run = protocol.spawn("peak", 0, [sys.executable, script, "--emit", "--threads", str(args.threads)], args)
     if run.error:
