@@ -1,21 +1,36 @@
-"""GRPO training throughput: our trainer vs TRL 1.16's GRPOTrainer, same model folder, prompts and settings.
+"""GRPO training throughput: our trainer vs TRL 1.16's GRPOTrainer, like with like, under the benchmark protocol
+(benchmarks/protocol.py, docs/benchmarks.md).
 
 Both train LoRA (r=16, alpha=32, all linear layers) on the same folder, float32, gradient checkpointing off,
 16 prompts x 8 generations per optimizer step (per-device batch 32 x 4 accumulation steps, one generation
 round per optimizer step in both), up to --completion-len new tokens at temperature 1, the dapo loss, beta 0,
-the `correctness` reward on arithmetic prompts with the XML system prompt, and the same torch thread count.
-They run in alternating rounds (ours, TRL, ours, TRL, ...; each round a fresh trainer of --steps / --rounds
-optimizer steps from the same start), so a load burst on a shared host hits both. For each it prints
+the `correctness` reward on arithmetic prompts with the XML system prompt, and --threads torch threads in
+training for both. Samplers, like with like (--sampler):
 
-    tok/s     completion tokens generated per second of the training loop (trainer.train(): generation,
-              scoring, log-probs, backward, optimizer), summed over its rounds
-    s/step    seconds per optimizer step
+    transformers   ours: the KV-cached transformers loop (LoRA merged, --gen-threads threads)
+                   TRL:  transformers generate on the PEFT model (--threads threads)
+    vllm           ours: vLLM's CPU engine in-process (tasks/generation/vllm_engine.py, enforce_eager)
+                   TRL:  its own vLLM colocate mode on the same engine (use_vllm=True, vllm_mode="colocate");
+                         when it cannot run, its error is printed and the comparison carries on without it
 
-and the ratio ours / TRL. Model loading and engine start-up are outside the timed loop for both.
+Every side of every round is a fresh process (ours, TRL, ours, TRL, ...; --rounds >= 2), gated on a quiet
+machine. Per side and round it reports
 
-    python benchmarks/bench_trl_throughput.py --model tiny                      # the default tiny model
-    python benchmarks/bench_trl_throughput.py --model smollm2-135m-instruct     # the real model (fetched once)
-    python benchmarks/bench_trl_throughput.py --model PATH --steps 50 --rounds 2 --ours-backend vllm
+    tok/s       completion tokens per second of the training loop (trainer.train())
+    first s     process start -> first optimizer step done (imports, loading, engine start, the first step)
+    loop s      the training loop; process s: the whole process, spawn to exit (start-up = process - loop)
+    gen share   the sampler's share of the loop (decoding, for vLLM with the weight sync)
+    train TFLOP/s, MFU   the training half's model FLOPs (tasks/grpo/flops.py) over the loop less generation,
+                over this machine's measured float32 matmul peak at --threads (bench_matmul_peak.py)
+    dec tok/s, bound   decoding's completion tokens/s against the memory-bandwidth bound: copy bandwidth /
+                weight bytes x rows decoded per step (every weight read once per decode step)
+    max RSS     the process's peak resident memory
+
+then the per-round ratios ours / TRL of tok/s, their spread, and a row for benchmarks/RESULTS.md.
+
+    python benchmarks/bench_trl_throughput.py --model tiny                      # both samplers
+    python benchmarks/bench_trl_throughput.py --model smollm2-135m-instruct --sampler vllm
+    python benchmarks/bench_trl_throughput.py --model tiny --steps 2 --rounds 2 --allow-contended   # smoke run
 """
 
 from __future__ import annotations
@@ -24,11 +39,25 @@ import argparse
 import json
 import logging
 import random
+import sys
 import tempfile
 import time
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import protocol  # noqa: E402
+
 SYSTEM = "Respond in the following format:\n<reasoning>\n...\n</reasoning>\n<answer>\n...\n</answer>"
+SAMPLERS = {
+    "transformers": {
+        "ours": "grpoflow transformers KV-cached loop (LoRA merged, {gen_threads} decode threads)",
+        "trl": "transformers generate on the PEFT model ({threads} threads)",
+    },
+    "vllm": {
+        "ours": "vLLM CPU engine in-process (grpoflow VLLMGenerator, enforce_eager, merged LoRA sync)",
+        "trl": "vLLM CPU engine, TRL colocate (external_launcher, vLLM's default compilation, max 4096 batched tokens)",
+    },
+}
 
 
 def arithmetic_rows(n: int, seed: int = 0) -> list[dict]:
@@ -73,39 +102,6 @@ def lora_config():
     return LoraConfig(r=16, lora_alpha=32, lora_dropout=0.0, target_modules="all-linear", task_type="CAUSAL_LM")
 
 
-def run_ours(folder: str, rows: list[dict], steps: int, args, out: Path) -> dict:
-    import torch
-
-    from grpoflow.tasks.config import GenerationConfig, GRPOConfig, ModelConfig
-    from grpoflow.tasks.generation.backend import make_generator
-    from grpoflow.tasks.grpo.trainer import GRPOTrainer
-    from grpoflow.tasks.model.loading import add_lora, load_causal_lm, load_tokenizer, prompt_ids
-    from grpoflow.tasks.rewards import resolve_reward_funcs
-    from grpoflow.tasks.runtime.tracking import RunLogger
-
-    torch.manual_seed(0)
-    mcfg = ModelConfig(name=folder, lora={"r": 16, "alpha": 32, "target_modules": "all-linear"})
-    tok = load_tokenizer(folder, mcfg)
-    model = add_lora(load_causal_lm(folder, mcfg), mcfg.lora)
-    g = GRPOConfig(**grpo_settings(args, steps))
-    gen_cfg = GenerationConfig(backend=args.ours_backend, batch_size=128, torch_threads=args.gen_threads)
-    prompts = [prompt_ids(tok, r["prompt"]) for r in rows]
-    max_len = max(map(len, prompts)) + g.max_completion_length
-    gen = make_generator(gen_cfg, model, tok, model_path=folder, max_model_len=max_len, seed=0)
-    trainer = GRPOTrainer(
-        g, model, tok, rows, prompts, resolve_reward_funcs(["correctness"]), gen, RunLogger.disabled(), out,
-        seed=0, is_correction=g.vllm_importance_sampling_correction and gen.separate_engine,
-    )  # fmt: skip
-    t = time.perf_counter()
-    trainer.train()
-    seconds = time.perf_counter() - t
-    if hasattr(gen, "close"):
-        gen.close()
-    n = g.batching().generation_batch_size
-    tokens = sum(h["completions/mean_length"] * n for h in trainer.history)
-    return {"seconds": seconds, "tokens": tokens, "steps": steps}
-
-
 def grpo_settings(args, steps: int) -> dict:
     """The GRPO keys both trainers get, by their shared (TRL) names."""
     return dict(
@@ -123,39 +119,101 @@ def grpo_settings(args, steps: int) -> dict:
     )
 
 
-def run_trl(folder: str, rows: list[dict], steps: int, args, out: Path) -> dict:
+# ------------------------------------------------------------------ the sides (each in its own process)
+def side_ours(args, rows: list[dict]) -> dict:
+    import torch
+
+    from grpoflow.tasks.config import GenerationConfig, GRPOConfig, ModelConfig
+    from grpoflow.tasks.generation.backend import make_generator
+    from grpoflow.tasks.grpo.flops import model_shape
+    from grpoflow.tasks.grpo.trainer import GRPOTrainer
+    from grpoflow.tasks.model.loading import add_lora, load_causal_lm, load_tokenizer, prompt_ids
+    from grpoflow.tasks.rewards import resolve_reward_funcs
+    from grpoflow.tasks.runtime.tracking import RunLogger
+
+    imports_s = protocol.since_process_start()
+    torch.manual_seed(0)
+    folder = args.folder
+    mcfg = ModelConfig(name=folder, lora={"r": 16, "alpha": 32, "target_modules": "all-linear"})
+    tok = load_tokenizer(folder, mcfg)
+    model = add_lora(load_causal_lm(folder, mcfg), mcfg.lora)
+    g = GRPOConfig(**grpo_settings(args, args.steps))
+    gen_cfg = GenerationConfig(backend=args.sampler, batch_size=128, torch_threads=args.gen_threads)
+    prompts = [prompt_ids(tok, r["prompt"]) for r in rows]
+    max_len = max(map(len, prompts)) + g.max_completion_length
+    t = time.perf_counter()
+    gen = make_generator(gen_cfg, model, tok, model_path=folder, max_model_len=max_len, seed=0)
+    engine_s = time.perf_counter() - t
+    trainer = GRPOTrainer(
+        g, model, tok, rows, prompts, resolve_reward_funcs(["correctness"]), gen, RunLogger.disabled(),
+        Path(args.out), seed=0, is_correction=g.vllm_importance_sampling_correction and gen.separate_engine,
+    )  # fmt: skip
+    torch.set_num_threads(args.threads)
+    loop_start = protocol.since_process_start()
+    t = time.perf_counter()
+    trainer.train()
+    loop_s = time.perf_counter() - t
+    if hasattr(gen, "close"):
+        gen.close()
+    h = trainer.history
+    n = g.batching().generation_batch_size
+    decode_rows = min(n, gen_cfg.batch_size if args.sampler == "transformers" else gen_cfg.vllm_max_num_seqs)
+    return {
+        "imports_s": imports_s,
+        "engine_start_s": engine_s,
+        "first_step_s": loop_start + h[0]["step_time"],
+        "loop_s": loop_s,
+        "steps": len(h),
+        "tokens": sum(x["completions/mean_length"] * n for x in h),
+        "gen_s": sum(x["generation_time"] for x in h),
+        "train_flops": sum(x["perf/train_flops"] for x in h),
+        "train_s": sum(x["perf/train_seconds"] for x in h),
+        "decode_rows": decode_rows,
+        "weight_bytes": model_shape(model).matmul_params * 4,
+        "threads": {"train": args.threads, "decode": args.gen_threads if args.sampler == "transformers" else None},
+        "reward": sum(x["reward"] for x in h) / len(h),
+    }
+
+
+def side_trl(args, rows: list[dict]) -> dict:
     import torch
     from datasets import Dataset
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
 
+    from grpoflow.tasks.grpo.flops import forward_flops, model_shape, train_flops
     from grpoflow.tasks.rewards import correctness
 
-    counted = {"tokens": 0}
+    imports_s = protocol.since_process_start()
+    torch.set_num_threads(args.threads)
+    tok = AutoTokenizer.from_pretrained(args.folder)
+    prompt_len = {
+        r["question"]: len(tok.apply_chat_template(r["prompt"], add_generation_prompt=True, tokenize=True))
+        for r in rows
+    }
+    counted = {"tokens": 0, "lens": [], "rewards": []}
 
-    def correctness_counting(prompts, completions, completion_ids, **kwargs):
+    def correctness_counting(prompts, completions, completion_ids, question, **kwargs):
         counted["tokens"] += sum(len(c) for c in completion_ids)
-        return correctness(prompts, completions, **kwargs)
+        counted["lens"] += [prompt_len[q] + len(c) for q, c in zip(question, completion_ids, strict=True)]
+        scores = correctness(prompts, completions, question=question, **kwargs)
+        counted["rewards"] += [s for s in scores if s is not None]
+        return scores
 
     torch.manual_seed(0)
-    tok = AutoTokenizer.from_pretrained(folder)
-    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
-    s = grpo_settings(args, steps)
+    model = AutoModelForCausalLM.from_pretrained(args.folder, dtype=torch.float32)
+    s = grpo_settings(args, args.steps)
     s.pop("max_prompt_length")  # TRL 1.16 has no prompt truncation key; our prompts are far shorter anyway
     s.pop("save_steps")
+    vllm = {}
+    if args.sampler == "vllm":
+        max_len = max(prompt_len.values()) + args.completion_len
+        vllm = dict(use_vllm=True, vllm_mode="colocate", vllm_max_model_length=max_len, vllm_enable_sleep_mode=False)
     cfg = GRPOConfig(
-        output_dir=str(out),
-        **s,
-        use_cpu=True,
-        bf16=False,
-        gradient_checkpointing=False,
-        report_to=[],
-        save_strategy="no",
-        logging_steps=10**6,
-        disable_tqdm=True,
-        seed=0,
-        dataloader_num_workers=0,
-    )
+        output_dir=args.out, **s, **vllm, use_cpu=True, bf16=False, gradient_checkpointing=False, report_to=[],
+        save_strategy="no", logging_steps=10**6, disable_tqdm=True, seed=0, dataloader_num_workers=0,
+    )  # fmt: skip
+    t = time.perf_counter()
     trainer = GRPOTrainer(
         model=model,
         reward_funcs=[correctness_counting],
@@ -164,56 +222,189 @@ def run_trl(folder: str, rows: list[dict], steps: int, args, out: Path) -> dict:
         processing_class=tok,
         peft_config=lora_config(),
     )
+    engine_s = time.perf_counter() - t if args.sampler == "vllm" else None  # the trainer builds TRL's engine
+    gen = {"s": 0.0}
+    generate = trainer._generate_single_turn  # TRL's sampling call (vLLM: with its weight sync)
+
+    def timed_generate(*a, **k):
+        t = time.perf_counter()
+        try:
+            return generate(*a, **k)
+        finally:
+            gen["s"] += time.perf_counter() - t
+
+    trainer._generate_single_turn = timed_generate
+    first = {}
+
+    class FirstStep(TrainerCallback):
+        def on_step_end(self, *a, **k):
+            first.setdefault("s", protocol.since_process_start())
+
+    trainer.add_callback(FirstStep())
+    torch.set_num_threads(args.threads)
     t = time.perf_counter()
     trainer.train()
-    return {"seconds": time.perf_counter() - t, "tokens": counted["tokens"], "steps": steps}
+    loop_s = time.perf_counter() - t
+    shape = model_shape(trainer.model)
+    # TRL's passes: the loss pass (forward + backward) over every completion; with vLLM's importance-sampling
+    # correction (on by default) also a forward for the old log-probs of each round
+    flops = train_flops(shape, counted["lens"])
+    if args.sampler == "vllm" and cfg.vllm_importance_sampling_correction:
+        flops += forward_flops(shape, counted["lens"])
+    n = cfg.per_device_train_batch_size * cfg.gradient_accumulation_steps
+    return {
+        "imports_s": imports_s,
+        "engine_start_s": engine_s,
+        "first_step_s": first.get("s"),
+        "loop_s": loop_s,
+        "steps": args.steps,
+        "tokens": counted["tokens"],
+        "gen_s": gen["s"],
+        "train_flops": flops,
+        "train_s": max(loop_s - gen["s"], 0.0),
+        "decode_rows": n if args.sampler == "transformers" else min(n, cfg.vllm_max_num_seqs or n),
+        "weight_bytes": shape.matmul_params * 4,
+        "threads": {"train": args.threads, "decode": args.threads if args.sampler == "transformers" else None},
+        "reward": sum(counted["rewards"]) / max(len(counted["rewards"]), 1),
+    }
+
+
+def run_side(args) -> None:
+    """The child process: one trainer, one round; its result (or its error) as the protocol's JSON line."""
+    logging.basicConfig(level=logging.WARNING)
+    logging.getLogger("vllm").setLevel(logging.ERROR)
+    rows = arithmetic_rows(400)
+    try:
+        res = (side_ours if args.side == "ours" else side_trl)(args, rows)
+    except Exception as e:  # the parent prints it and carries on without this side
+        import traceback
+
+        traceback.print_exc()
+        protocol.emit({"error": f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}"})
+        raise SystemExit(1) from None
+    protocol.emit(res | {"sampler": SAMPLERS[args.sampler][args.side].format(**vars(args))})
+
+
+# ------------------------------------------------------------------ the parent
+def derived(r: dict, peak: dict) -> dict:
+    """Rates of one side's round: tok/s, generation share, TFLOP/s, MFU, decoding against its bound."""
+    loop, gen = r["loop_s"], r["gen_s"]
+    train_tflops = r["train_flops"] / r["train_s"] / 1e12 if r["train_s"] > 0 else 0.0
+    bound = peak["copy_gbs"] * 1e9 / r["weight_bytes"] * r["decode_rows"] if peak.get("copy_gbs") else 0.0
+    dec = r["tokens"] / gen if gen > 0 else 0.0
+    return {
+        "tok_s": r["tokens"] / loop if loop > 0 else 0.0,
+        "gen_share": gen / loop if loop > 0 else 0.0,
+        "train_tflops": train_tflops,
+        "mfu": train_tflops / peak["fp32_tflops"] if peak.get("fp32_tflops") else float("nan"),
+        "decode_tok_s": dec,
+        "decode_bound_tok_s": bound,
+        "decode_of_bound": dec / bound if bound else float("nan"),
+    }
+
+
+def measure_peak(args) -> dict:
+    if args.peak_json:
+        peak = json.loads(args.peak_json.read_text())
+        if peak.get("threads") != args.threads:
+            raise SystemExit(f"--peak-json {args.peak_json}: measured at {peak.get('threads')} threads, not --threads "
+                             f"{args.threads}; the MFU needs the peak at the training thread count")  # fmt: skip
+        return peak
+    script = str(Path(__file__).resolve().parent / "bench_matmul_peak.py")
+    run = protocol.spawn("peak", 0, [sys.executable, script, "--emit", "--threads", str(args.threads)], args)
+    if run.error:
+        print(f"matmul peak: failed ({run.error.splitlines()[-1]}); MFU not computed")
+        return {}
+    return run.result | {"contended": run.contended}
+
+
+def compare(args, sampler: str, folder: str, tmp: Path, peak: dict) -> dict:
+    runs: list[protocol.SideRun] = []
+    for r in range(args.rounds):
+        for side in ("ours", "trl"):
+            argv = [sys.executable, __file__, "--side", side, "--folder", folder]
+            argv += ["--out", str(tmp / f"{sampler}{side}{r}"), "--sampler", sampler, "--steps", str(args.steps)]
+            argv += ["--threads", str(args.threads)]
+            argv += ["--gen-threads", str(args.gen_threads), "--completion-len", str(args.completion_len)]
+            run = protocol.spawn(side, r, argv, args)
+            if not run.error:
+                run.result |= derived(run.result, peak)
+            runs.append(run)
+            d = run.result
+            line = f"FAILED {run.error.splitlines()[-1][:300]}" if run.error else (
+                f"{d['tokens']:.0f} tokens, loop {d['loop_s']:.1f} s, {d['tok_s']:.1f} tok/s")  # fmt: skip
+            print(f"[{sampler}] round {r} {side}: {line}", flush=True)
+            if run.error and side == "trl":
+                print(f"[{sampler}] TRL's error (stderr tail):\n{run.error}", flush=True)
+    return report(args, sampler, runs, peak)
+
+
+def report(args, sampler: str, runs: list[protocol.SideRun], peak: dict) -> dict:
+    ok = [r for r in runs if not r.error]
+    print(f"\n== sampler {sampler}: model {args.model}, {args.steps} steps a round, {args.rounds} alternating rounds, "
+          f"{args.threads} training threads, peak float32 {peak.get('fp32_tflops', float('nan')) * 1e3:.1f} GFLOP/s "
+          f"and copy {peak.get('copy_gbs', float('nan'))} GB/s at {args.threads} threads")  # fmt: skip
+    named = {side: {r.result["sampler"] for r in ok if r.side == side} for side in ("ours", "trl")}
+    for side, names in named.items():
+        print(f"  {side} sampler: {', '.join(names) or 'did not run'}")
+    diff = "the same vLLM engine, driven differently (see the names)" if sampler == "vllm" else (
+        "our own decoding loop against transformers generate (the same transformers model)")  # fmt: skip
+    print(f"  difference: {diff}")
+    head = (f"{'rnd':>3} {'side':5} {'tok/s':>7} {'first s':>7} {'loop s':>7} {'proc s':>7} {'start s':>7} "
+            f"{'gen %':>5} {'TFLOP/s':>8} {'MFU':>6} {'dec tok/s':>9} {'bound':>9} {'of bnd':>6} "
+            f"{'RSS MiB':>8}")  # fmt: skip
+    print(head)
+    for r in ok:
+        d = r.result
+        print(f"{r.round:3d} {r.side:5} {d['tok_s']:7.1f} {d['first_step_s'] or float('nan'):7.1f} {d['loop_s']:7.1f} "
+              f"{r.process_wall_s:7.1f} {r.process_wall_s - d['loop_s']:7.1f} {100 * d['gen_share']:5.1f} "
+              f"{d['train_tflops']:8.4f} {d['mfu']:6.1%} {d['decode_tok_s']:9.0f} {d['decode_bound_tok_s']:9.0f} "
+              f"{d['decode_of_bound']:6.1%} {r.max_rss_mib:8.0f}")  # fmt: skip
+    protocol.print_rounds(runs)
+    by_round = {(r.round, r.side): r.result["tok_s"] for r in ok}
+    both = [k for k in range(args.rounds) if (k, "ours") in by_round and (k, "trl") in by_round]
+    ratio = protocol.ratios([by_round[k, "ours"] for k in both], [by_round[k, "trl"] for k in both])
+    if both:
+        print(f"ratio ours/TRL (tok/s) per round: {ratio['per_round']}; median {ratio['median']:.2f}x, "
+              f"min {ratio['min']:.2f}x, max {ratio['max']:.2f}x, spread {ratio['spread']:.1%}")  # fmt: skip
+        result = f"{args.model} {sampler}: ours/TRL tok/s {ratio['median']:.2f}x"
+    else:
+        result = f"{args.model} {sampler}: no ratio (a side failed)"
+    threads = f"{args.threads}/{args.gen_threads if sampler == 'transformers' else 'engine'}"
+    row = protocol.results_row(runs, threads, result, ratio)
+    print("RESULTS.md row:\n" + row)
+    return {"sampler": sampler, "runs": protocol.to_json(runs), "ratio": ratio, "row": row, "samplers": named}
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="tiny", help="tiny, smollm2-135m-instruct, a .gguf file or a model folder")
     ap.add_argument("--cache-dir", default="~/.cache/grpoflow/models")
-    ap.add_argument("--steps", type=int, default=50, help="optimizer steps of each trainer, over all its rounds")
-    ap.add_argument("--rounds", type=int, default=2, help="alternating rounds per trainer")
-    ap.add_argument("--completion-len", type=int, default=64)
+    ap.add_argument("--steps", type=int, default=25, help="optimizer steps of each trainer in each round")
+    ap.add_argument("--sampler", default="both", choices=["transformers", "vllm", "both"])
+    ap.add_argument("--completion-len", type=int, default=32)
     ap.add_argument("--threads", type=int, default=2, help="torch threads of both training loops")
     ap.add_argument("--gen-threads", type=int, default=1, help="our transformers decoding loop's threads")
-    ap.add_argument("--ours-backend", default="transformers", choices=["transformers", "vllm"])
+    ap.add_argument("--peak-json", type=Path, help="a bench_matmul_peak.py --json result to reuse (same threads)")
     ap.add_argument("--json", type=Path, help="write the results here too")
+    protocol.add_protocol_args(ap)
+    for hidden in ("--side", "--folder", "--out"):
+        ap.add_argument(hidden, help=argparse.SUPPRESS)
     args = ap.parse_args()
+    if args.side:
+        return run_side(args)
+    protocol.check_rounds(args)
     logging.basicConfig(level=logging.WARNING)
-    logging.getLogger("vllm").setLevel(logging.ERROR)
-    import torch
-
-    torch.set_num_threads(args.threads)
-    rows = arithmetic_rows(400)
-    per_round = max(1, args.steps // args.rounds)
-    res: dict[str, list[dict]] = {"ours": [], "trl": []}
+    print(f"machine now: {protocol.quiet_now()}, {protocol.cores()} cores")
+    peak = measure_peak(args)
+    results = []
     with tempfile.TemporaryDirectory() as tmp:
-        folder = model_folder(args.model, args.cache_dir, rows, Path(tmp))
-        for r in range(args.rounds):
-            for name, fn in (("ours", run_ours), ("trl", run_trl)):
-                out = Path(tmp) / f"{name}{r}"
-                res[name].append(fn(folder, rows, per_round, args, out))
-                torch.set_num_threads(args.threads)  # whatever either trainer changed
-                d = res[name][-1]
-                print(f"round {r} {name}: {d['tokens']:.0f} tokens, {d['seconds']:.1f} s", flush=True)
-    summary = {}
-    for name, rounds in res.items():
-        sec = sum(d["seconds"] for d in rounds)
-        summary[name] = {
-            "tok_s": sum(d["tokens"] for d in rounds) / sec,
-            "s_per_step": sec / sum(d["steps"] for d in rounds),
-        }
-    ratio = summary["ours"]["tok_s"] / summary["trl"]["tok_s"]
-    print(f"\nmodel {args.model}, {per_round * args.rounds} steps each, {args.rounds} alternating rounds")
-    print(f"{'trainer':8} {'tok/s':>8} {'s/step':>8}")
-    for name, d in summary.items():
-        print(f"{name:8} {d['tok_s']:8.1f} {d['s_per_step']:8.2f}")
-    print(f"ratio ours/TRL (tok/s): {ratio:.2f}x")
+        folder = model_folder(args.model, args.cache_dir, arithmetic_rows(400), Path(tmp))
+        for sampler in ("transformers", "vllm") if args.sampler == "both" else (args.sampler,):
+            results.append(compare(args, sampler, folder, Path(tmp), peak))
     if args.json:
-        args.json.write_text(json.dumps({"args": vars(args) | {"json": str(args.json)}, "rounds": res,
-                                         "summary": summary, "ratio": ratio}, indent=2))  # fmt: skip
+        args.json.write_text(json.dumps({"args": {k: str(v) for k, v in vars(args).items()}, "peak": peak,
+                                         "results": results}, indent=2, default=str))  # fmt: skip
 
 
 if __name__ == "__main__":

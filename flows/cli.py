@@ -30,7 +30,7 @@ from grpoflow.tasks.config import (
     load_run_config,
 )
 from grpoflow.tasks.config.trl_keys import TRLKeyWarning
-from grpoflow.tasks.runtime import s3
+from grpoflow.tasks.runtime import s3, timeline
 from grpoflow.tasks.runtime.errors import StageError
 from grpoflow.tasks.runtime.workspace import join_location, local_dir
 
@@ -230,6 +230,7 @@ def preflight(cfg: PipelineConfig) -> None:
 
 
 def _run_pipeline(cfg: PipelineConfig, before=None) -> int:
+    timeline.mark("config_loaded")
     preflight(cfg)
     _setup_env(cfg)
     if s3.is_s3_uri(cfg.run.output_dir):
@@ -243,12 +244,15 @@ def _run_pipeline(cfg: PipelineConfig, before=None) -> int:
             raise ConfigError(f"generation.backend=vllm: {problem}")
     from grpoflow.flows.pipeline import grpo_pipeline  # heavy imports only after the config is valid
 
+    timeline.mark("imports_done")
+
     quiet_stage_errors()
     if before is not None:
         before()
     workspace = join_location(cfg.run.output_dir, cfg.run.name)
     t0 = time.perf_counter()
     with embedded_server():  # its own session: Ctrl-C reaches the CLI, which stops the server last
+        timeline.mark("prefect_server_up")
         result = grpo_pipeline(config=cfg.to_dict(), workspace=str(workspace))
     print_summary(result, time.perf_counter() - t0)
     return 0
@@ -309,7 +313,26 @@ def print_summary(result: dict, seconds: float) -> None:
             table.add_row(f"gguf {kind}", path)
         for kind, why in x.get("gguf_skipped", {}).items():
             table.add_row(f"gguf {kind}", f"skipped: {why}")
+    for label, text in timeline_rows(result.get("timeline")):
+        table.add_row(label, text)
     console.print(table)
+
+
+def timeline_rows(t: dict | None) -> list[tuple[str, str]]:
+    """The summary's rows on time outside the training loops (tasks/runtime/timeline.py; up to the flow's end)."""
+    if not t:
+        return []
+    s = lambda k: f"{t[k]:.1f} s" if k in t else "-"  # noqa: E731
+    return [
+        ("outside loops", f"{t['run/wall_s'] - t['run/loop_s']:.1f} s of {t['run/wall_s']:.1f} s "
+         f"({t['run/outside_loop_share']:.0%}; training loops {t['run/loop_s']:.1f} s)"),
+        ("start-up", f"config {s('startup/config_s')}, imports {s('startup/imports_s')}, Prefect server "
+         f"{s('startup/prefect_server_s')}, flow {s('startup/flow_start_s')}, MLflow run {s('startup/parent_run_s')}; "
+         f"first SFT step after {s('startup/to_first_sft_loop_s')}"),
+        ("stage overhead", f"sft {s('stage_overhead/sft_s')}, grpo {s('stage_overhead/grpo_s')} (generator "
+         f"{s('startup/generator_s')}); data {s('stage/data_s')}, eval {s('stage/eval_s')}, export "
+         f"{s('stage/export_s')}"),
+    ]  # fmt: skip
 
 
 def cmd_deploy(args) -> int:

@@ -15,11 +15,13 @@ current key (tasks/runtime/stage.py) and continues the parent run named in <work
 from __future__ import annotations
 
 import logging
+import time
 
 import yaml
 from prefect import flow, runtime
 
 from grpoflow.tasks.config import config_from_dict
+from grpoflow.tasks.runtime import timeline
 from grpoflow.tasks.runtime.registry import register_pipeline_model
 from grpoflow.tasks.runtime.resume import open_pipeline_run
 from grpoflow.tasks.runtime.run_meta import describe
@@ -34,40 +36,72 @@ from grpoflow.tasks.stages.sft import sft_task
 log = logging.getLogger(__name__)
 
 
+def _timed(name: str, task, *args, **kwargs):
+    """Run a stage task between its timeline marks (tasks/runtime/timeline.py: stage/<name>_s)."""
+    timeline.mark(f"stage_start/{name}")
+    out = task(*args, **kwargs)
+    timeline.mark(f"stage_end/{name}")
+    return out
+
+
+def log_timeline(parent, result: dict) -> dict[str, float]:
+    """The run's time outside the training loops so far, as metrics on the parent run (startup/*, stage/*,
+    stage_overhead/*, run/*); a loop counts only when it ran in this process (a skipped stage's did not)."""
+    m = timeline.marks()
+    loops = {s: result[s]["seconds"] for s in ("sft", "grpo") if result.get(s) and f"{s}/loop_start" in m}
+    metrics = timeline.timeline_metrics(m, timeline.process_start_time(), time.time(), loops)
+    parent.log_metrics(metrics)
+    return metrics
+
+
 @flow(name="grpo-pipeline")
 def grpo_pipeline(config: dict, workspace: str, init_model: str | None = None) -> dict:
     """Run the DAG on ``config`` (a resolved config dict) in ``workspace``. ``init_model`` (a local model folder,
     e.g. the registry champion the continuous flow warm-starts from) replaces the SFT stage: GRPO starts from it
     and evaluation measures it as the "before" model."""
+    timeline.mark("flow_start")
     cfg = config_from_dict(config)
     ws = Workspace(workspace, cfg.storage)
     ws.write_text("config.yaml", yaml.safe_dump(config, sort_keys=False))
     parent = open_pipeline_run(cfg, ws, tags={"prefect_flow_run_id": runtime.flow_run.id, "workspace": ws.location})
+    timeline.mark("parent_run_open")
     args = (config, ws.location, parent.run_id)
     ok = False
     try:
-        data = data_task(*args)
-        sft = sft_task(*args) if cfg.sft.enabled and init_model is None else None
-        grpo = grpo_task(*args, init_model=sft["model_path"] if sft else init_model)
+        data = _timed("data", data_task, *args)
+        sft = _timed("sft", sft_task, *args) if cfg.sft.enabled and init_model is None else None
+        grpo = _timed("grpo", grpo_task, *args, init_model=sft["model_path"] if sft else init_model)
         result = {"workspace": ws.location, "mlflow_run_id": parent.run_id, "data": data, "sft": sft, "grpo": grpo}
         result["mlflow_url"] = run_url(parent.client, parent.run_id)
         if ws.uri is not None:
             result["local_copy"] = str(ws.root)
         if cfg.eval.enabled:
-            result["eval"] = eval_task(
-                *args, before_model=grpo["base_model"], after_model=grpo["model_path"], after_is_adapter=grpo["adapter"]
+            result["eval"] = _timed(
+                "eval",
+                eval_task,
+                *args,
+                before_model=grpo["base_model"],
+                after_model=grpo["model_path"],
+                after_is_adapter=grpo["adapter"],
             )
             accuracy = {k: result["eval"][k] for k in ("accuracy_before", "accuracy_after")}
-            if parent.client.get_run(parent.run_id).data.metrics != accuracy:  # a skipped eval logs nothing new
+            logged = parent.client.get_run(parent.run_id).data.metrics
+            if {k: logged.get(k) for k in accuracy} != accuracy:  # a skipped eval logs nothing new
                 parent.log_metrics(accuracy)
         if cfg.export.enabled:
-            result["export"] = export_task(
-                *args, base_model=grpo["base_model"], trained_model=grpo["model_path"], is_adapter=grpo["adapter"]
+            result["export"] = _timed(
+                "export",
+                export_task,
+                *args,
+                base_model=grpo["base_model"],
+                trained_model=grpo["model_path"],
+                is_adapter=grpo["adapter"],
             )
         registered = register_pipeline_model(parent.client, cfg, parent.run_id, result)
         if registered is not None:
             result["registry"] = registered.__dict__
         parent.set_tags({NOTE: describe(cfg, "pipeline", result.get("eval"))})
+        result["timeline"] = log_timeline(parent, result)
         ok = True
         return result
     finally:

@@ -44,6 +44,7 @@ from grpoflow.tasks.grpo.distributed import (
     row_seed,
 )
 from grpoflow.tasks.grpo.dynamic import Drawn, fill_round, with_overlong_penalty
+from grpoflow.tasks.grpo.flops import StepFlops
 from grpoflow.tasks.grpo.loss import (
     LossSettings,
     correction_parts,
@@ -168,6 +169,7 @@ class GRPOTrainer:
         self.num_tokens = 0
         self.history: list[dict] = []
         self.unscored_rounds = UnscoredRounds()  # per reward: rounds it scored nothing
+        self.flops = StepFlops(model)  # perf/train_tflops: the training half's model FLOPs per second (flops.py)
 
     # ---------------------------------------------------------------- generation round
     def draw(self, n_prompts: int) -> Drawn:
@@ -344,6 +346,7 @@ class GRPOTrainer:
             while self.step < g.max_steps:
                 if self.round is None:
                     self.round = self.new_round()
+                    self.flops.add_round(self.round)
                 r = self.round
                 it, idx = micro_batch_rows(b, r.position, r.order)
                 self._micro_step(r, idx, it, window)
@@ -367,6 +370,7 @@ class GRPOTrainer:
                         "learning_rate": self.scheduler.get_last_lr()[0],
                         "step_time": now - step_start,
                         "tokens_per_second": self.num_tokens / max(now - t_start, 1e-9),
+                        **self.flops.take(now - step_start),
                     }
                 )
                 step_start = now
@@ -436,6 +440,7 @@ class GRPOTrainer:
         with gradient_sync(self.root, is_optimizer_step(self.micro_step + 1, self.batching)):
             loss, extras, mb, logp, entropy = self.micro_loss(r, idx)
             loss.backward()
+        self.flops.add_micro(mb)
         old = r.old_logp[idx] if r.old_logp is not None else None
         self.micro_step += 1
         base = old if old is not None else logp.detach()

@@ -34,6 +34,7 @@ from grpoflow.tasks.model.loading import (
     train_dtypes,
 )
 from grpoflow.tasks.rewards import resolve_reward_funcs
+from grpoflow.tasks.runtime import timeline
 from grpoflow.tasks.runtime.dist import Comm
 from grpoflow.tasks.runtime.launch import run_torchrun, torchrun_command
 from grpoflow.tasks.runtime.plots import plot_learning_curves
@@ -108,6 +109,7 @@ def train_grpo(
     fed = max(map(len, prompts), default=0)  # the context of a model downloaded or converted in this stage:
     if problem := context_problem(cfg, config_context(model.config), start, sft=False, prompt_tokens=fed):
         raise ValueError(problem)
+    timeline.mark("grpo/generator_start")
     generator = make_generator(  # on several processes: one engine per rank (vLLM's starts are collective)
         cfg.generation,
         model,
@@ -118,6 +120,7 @@ def train_grpo(
         max_model_len=max(len(p) for p in prompts) + g.max_completion_length,
         seed=cfg.run.seed,
     )
+    timeline.mark("grpo/generator_up")
     b = g.batching(comm.world)
     tracker.log_params(
         {
@@ -167,6 +170,7 @@ def train_grpo(
     if g.resume == "auto" and checkpoints:
         trainer.load_checkpoint(checkpoints[-1])
     t0 = time.perf_counter()
+    timeline.mark("grpo/loop_start")
     try:
         result = trainer.train()  # a vLLM generator syncs the trained weights before each generation round
     finally:

@@ -34,6 +34,7 @@ from grpoflow.tasks.model.loading import (
 )
 from grpoflow.tasks.model.optim import build_optimizer, build_scheduler, clip_and_step
 from grpoflow.tasks.model.save import merge_into_16bit_base
+from grpoflow.tasks.runtime import timeline
 from grpoflow.tasks.runtime.progress import progress_bar
 from grpoflow.tasks.runtime.stage import run_stage
 from grpoflow.tasks.runtime.tracking import RunLogger
@@ -105,6 +106,7 @@ def run_sft(cfg: PipelineConfig, ws: Workspace, tracker: RunLogger) -> dict:
     rng = random.Random(cfg.run.seed)
     order: list[int] = []
     loss_val, t0, tokens = float("nan"), time.perf_counter(), 0
+    timeline.mark("sft/loop_start")
     with progress_bar("sft", total_steps) as advance:
         for step in range(1, total_steps + 1):
             micro = []

@@ -62,6 +62,12 @@ def test_mlflow_layout(finished_run):
     assert parent.data.tags["prefect_flow_run_id"]
     assert parent.data.params["grpo.loss_type"] == "dapo"
     assert "accuracy_after" in parent.data.metrics
+    # the time outside the training loops (tasks/runtime/timeline.py), measured by the run itself
+    t = parent.data.metrics
+    for key in ("startup/imports_s", "startup/prefect_server_s", "startup/to_first_sft_loop_s", "stage/data_s"):
+        assert t[key] > 0, key
+    assert 0 < t["stage_overhead/sft_s"] < t["stage/sft_s"] and 0 < t["stage_overhead/grpo_s"] < t["stage/grpo_s"]
+    assert 0 < t["run/loop_s"] < t["run/wall_s"] and 0 < t["run/outside_loop_share"] < 1
     children = {
         r.data.tags["grpoflow.stage"]: r for r in runs if r.data.tags.get("mlflow.parentRunId") == parent.info.run_id
     }

@@ -1,0 +1,79 @@
+"""Where a `grpoflow run` spends its time outside the training loops: named instants of this process, and the
+``startup/*``, ``stage/*``, ``stage_overhead/*`` and ``run/*`` seconds derived from them.
+
+The CLI, the flow and the stages call :func:`mark` at fixed points (config loaded, heavy imports done, Prefect
+server up, flow started, each stage's start and end, the SFT and GRPO loops' start, the generator built); the
+flow turns them into metrics on the parent MLflow run (:func:`timeline_metrics`) and the CLI prints them.
+Stages run in the flow's process (Prefect's thread runner), so their marks land here too; a GRPO stage launched
+on several processes (torchrun) leaves its inner marks in those processes, and its loop start is then missing.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+
+_marks: dict[str, float] = {}
+
+
+def process_start_time() -> float:
+    """This process's start as epoch seconds (Linux: /proc/self/stat's starttime after boot; elsewhere: the
+    first call's time)."""
+    try:
+        with open("/proc/self/stat") as f:
+            start_ticks = int(f.read().rsplit(")", 1)[1].split()[19])  # field 22, after "pid (comm)"
+        with open("/proc/stat") as f:
+            btime = next(int(line.split()[1]) for line in f if line.startswith("btime "))
+        return btime + start_ticks / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError, StopIteration):
+        return _marks.setdefault("_first_call", time.time())
+
+
+def mark(name: str) -> None:
+    """Record ``name`` at the current time (the first time only: a resumed or repeated stage keeps its first)."""
+    _marks.setdefault(name, time.time())
+
+
+def marks() -> dict[str, float]:
+    return dict(_marks)
+
+
+def reset() -> None:
+    _marks.clear()
+
+
+# (metric, from mark, to mark): "start" is the process start
+SPANS = (
+    ("startup/config_s", "start", "config_loaded"),  # interpreter, light imports, config validation
+    ("startup/imports_s", "config_loaded", "imports_done"),  # the pipeline's heavy imports (torch, prefect, mlflow)
+    ("startup/prefect_server_s", "imports_done", "prefect_server_up"),
+    ("startup/flow_start_s", "prefect_server_up", "flow_start"),  # Prefect's flow-run creation
+    ("startup/parent_run_s", "flow_start", "parent_run_open"),  # the workspace's config, the MLflow parent run
+    ("startup/to_first_sft_loop_s", "start", "sft/loop_start"),
+    ("startup/to_first_grpo_loop_s", "start", "grpo/loop_start"),
+    ("startup/generator_s", "grpo/generator_start", "grpo/generator_up"),  # vLLM: the engine start
+)
+STAGES = ("data", "sft", "grpo", "eval", "export")
+
+
+def timeline_metrics(m: dict[str, float], start: float, end: float, loops: dict[str, float]) -> dict[str, float]:
+    """Seconds between marks ``m`` (epoch times, "start" = ``start``), up to ``end``:
+
+    startup/<span>_s          SPANS, where both marks exist
+    stage/<s>_s               stage <s>'s wall time (its end mark - its start mark)
+    stage_overhead/<s>_s      stage/<s>_s - loops[<s>] for the stages with a training loop (sft, grpo)
+    run/wall_s                end - start
+    run/loop_s                sum of ``loops`` (each training loop's seconds)
+    run/outside_loop_share    1 - run/loop_s / run/wall_s
+    """
+    at = {"start": start, **m}
+    out = {k: at[b] - at[a] for k, a, b in SPANS if a in at and b in at}
+    for s in STAGES:
+        if f"stage_start/{s}" in at and f"stage_end/{s}" in at:
+            out[f"stage/{s}_s"] = at[f"stage_end/{s}"] - at[f"stage_start/{s}"]
+            if s in loops:
+                out[f"stage_overhead/{s}_s"] = out[f"stage/{s}_s"] - loops[s]
+    wall = end - start
+    loop = sum(loops.values())
+    out.update({"run/wall_s": wall, "run/loop_s": loop, "run/outside_loop_share": 1 - loop / wall if wall > 0 else 0})
+    return {k: round(v, 3) for k, v in out.items()}
