@@ -180,8 +180,12 @@ def describe(cfg: PipelineConfig, stage: str, summary: dict[str, Any] | None) ->
         ]
         if kept:
             result = "Wrote " + ", ".join(kept) + "."
-            if "verify_prompts" in s:
-                result += f" Merged model = trained model on {s['verify_matches']}/{s['verify_prompts']} prompts."
+            if s.get("verify_max_logprob_gap") is not None:
+                result += (
+                    f" Merged vs trained: log-prob gap {s['verify_max_logprob_gap']:.2g} (tolerance "
+                    f"{s['verify_tolerance']:.2g}) on {s['verify_prompts']} prompts, greedy agreement "
+                    f"{s['verify_greedy_agreement']:.0%}."
+                )
     elif stage == "pipeline" and s.get("accuracy_after") is not None:
         result = f"Held-out accuracy {s['accuracy_before']:.1%} -> {s['accuracy_after']:.1%}."
     if s.get("seconds") is not None:

@@ -91,3 +91,17 @@ def test_run_logger_skips_constant_metrics_and_keeps_the_first_param(logger):
     assert run.data.params == {"generation_batch_size": "8", "num_iterations": "1"}
     assert "0 by construction" in run.data.tags["metric_omitted.clip_ratio"]
     assert "beta = 0" in run.data.tags["metric_omitted.kl"]
+
+
+def test_export_description_reports_the_verification_figures():
+    summary = {
+        "merged_path": "/x/merged",
+        "verify_prompts": 8,
+        "verify_max_logprob_gap": 0.0008,
+        "verify_tolerance": 0.0625,
+        "verify_greedy_agreement": 1.0,
+        "seconds": 2.0,
+    }
+    text = m.describe(cfg(), "export", summary)
+    assert "log-prob gap 0.0008 (tolerance 0.062) on 8 prompts, greedy agreement 100%" in text
+    assert "Wrote merged." in m.describe(cfg(), "export", {"merged_path": "/x/merged"})
