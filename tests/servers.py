@@ -113,39 +113,50 @@ def weed_mini_command(data_dir: Path, identities: Path, s3_port: int) -> list[st
     ]  # fmt: skip
 
 
-@contextlib.contextmanager
-def seaweedfs(root: Path, bucket: str = "grpoflow-test", timeout: float = 120) -> Iterator[S3Server]:
-    """A SeaweedFS S3 server with one identity and ``bucket`` created; killed on exit."""
-    root.mkdir(parents=True, exist_ok=True)
-    (root / "data").mkdir(exist_ok=True)
-    access_key, secret_key = "grpoflowtest", "s3cr3t-" + os.urandom(12).hex()
-    identities = root / "identities.json"
-    identities.write_text(
-        json.dumps(
-            {
-                "identities": [
-                    {
-                        "name": "test",
-                        "credentials": [{"accessKey": access_key, "secretKey": secret_key}],
-                        "actions": ["Admin", "Read", "List", "Tagging", "Write"],
-                    }
-                ]
-            }
+class SeaweedMini:
+    """One `weed mini` on fixed ports and a fixed data folder: :meth:`start` it, :meth:`kill` it (SIGKILL, as a
+    crash does) and start it again on the same ports and data, so its clients see an outage and then the same
+    bucket. ``server`` is how to reach it (the same across restarts)."""
+
+    def __init__(self, root: Path, bucket: str = "grpoflow-test", timeout: float = 120):
+        root.mkdir(parents=True, exist_ok=True)
+        (root / "data").mkdir(exist_ok=True)
+        access_key, secret_key = "grpoflowtest", "s3cr3t-" + os.urandom(12).hex()
+        identities = root / "identities.json"
+        identities.write_text(
+            json.dumps(
+                {
+                    "identities": [
+                        {
+                            "name": "test",
+                            "credentials": [{"accessKey": access_key, "secretKey": secret_key}],
+                            "actions": ["Admin", "Read", "List", "Tagging", "Write"],
+                        }
+                    ]
+                }
+            )
         )
-    )
-    port = free_port()
-    log = root / "weed.log"
-    with log.open("w") as out:
-        proc = subprocess.Popen(
-            weed_mini_command(root / "data", identities, port),
-            cwd=root,
-            stdout=out,
-            stderr=subprocess.STDOUT,
-            stdin=subprocess.DEVNULL,
-            start_new_session=True,
-        )
-    server = S3Server(f"http://127.0.0.1:{port}", access_key, secret_key, bucket)
-    try:
+        port = free_port()
+        self.root, self.timeout = root, timeout
+        self.command = weed_mini_command(root / "data", identities, port)
+        self.server = S3Server(f"http://127.0.0.1:{port}", access_key, secret_key, bucket)
+        self.proc: subprocess.Popen | None = None
+        self.starts = 0
+
+    def start(self) -> S3Server:
+        """Start the server (again) and wait until it answers and holds the bucket."""
+        self.starts += 1
+        log = self.root / f"weed-{self.starts}.log"
+        with log.open("w") as out:
+            self.proc = proc = subprocess.Popen(
+                self.command,
+                cwd=self.root,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                start_new_session=True,
+            )
+        server, bucket = self.server, self.server.bucket
         client = server.client()
 
         def ready() -> bool:
@@ -155,21 +166,43 @@ def seaweedfs(root: Path, bucket: str = "grpoflow-test", timeout: float = 120) -
             except Exception:  # not listening yet, or S3 not wired to the filer yet
                 return False
 
-        _wait_until(ready, proc, log, "weed mini", timeout)
+        _wait_until(ready, proc, log, "weed mini", self.timeout)
         deadline = time.time() + 30
         while True:  # the filer may still be starting: retry the first write briefly
             try:
                 client.create_bucket(Bucket=bucket)
                 break
             except Exception as e:
-                if getattr(e, "response", {}).get("Error", {}).get("Code") == "BucketAlreadyOwnedByYou":
+                if getattr(e, "response", {}).get("Error", {}).get("Code") in (
+                    "BucketAlreadyOwnedByYou",
+                    "BucketAlreadyExists",
+                ):
                     break  # a reused data folder
                 if time.time() > deadline:
                     raise
                 time.sleep(0.5)
-        yield server
+        return server
+
+    def kill(self) -> None:
+        """SIGKILL the server's process group (no clean shutdown) and wait for it to be gone."""
+        if self.proc is not None and self.proc.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait(timeout=30)
+
+    def stop(self) -> None:
+        if self.proc is not None:
+            _stop(self.proc)
+
+
+@contextlib.contextmanager
+def seaweedfs(root: Path, bucket: str = "grpoflow-test", timeout: float = 120) -> Iterator[S3Server]:
+    """A SeaweedFS S3 server with one identity and ``bucket`` created; killed on exit."""
+    mini = SeaweedMini(root, bucket, timeout)
+    try:
+        yield mini.start()
     finally:
-        _stop(proc)
+        mini.stop()
 
 
 # ------------------------------------------------------------------------------------- MLflow

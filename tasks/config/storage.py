@@ -26,3 +26,16 @@ class StorageConfig(BaseModel):
     multipart_threshold_mb: int = Field(64, ge=5, description="Files at least this large are uploaded in parts.")
     multipart_chunksize_mb: int = Field(16, ge=5, description="Part size of multipart uploads (S3's minimum: 5).")
     max_attempts: int = Field(5, ge=1, description="Attempts per request, with exponential backoff in between.")
+    outage_budget_s: float = Field(
+        300.0,
+        gt=0,
+        description="How long checkpoint and artifact uploads to an s3:// run.output_dir keep retrying (exponential "
+        "backoff, in the background while training goes on) before the stage fails; counted from the first failed "
+        "attempt of an outage (docs/storage.md).",
+    )
+    max_pending_uploads: int = Field(
+        2,
+        ge=1,
+        description="Checkpoints at most waiting for their upload to S3 (kept locally meanwhile); when this many "
+        "are queued, training waits for the oldest to be on S3.",
+    )

@@ -8,17 +8,22 @@
         trainer_state.json      step counters, sampler position, config hash, history, python and numpy RNG states,
                                 the round's metadata; its presence marks the folder complete (list_checkpoints)
 
-Written into checkpoint-N.tmp and renamed, so a half-written checkpoint is never picked up.
+Written into checkpoint-N.tmp and renamed, so a half-written checkpoint is never picked up. A write that runs out
+of disk space (:func:`out_of_space`) removes checkpoint-N.tmp and raises :class:`CheckpointDiskFull`, naming the
+folder and the bytes free and needed; the checkpoints already there are untouched.
 """
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import json
 import logging
 import os
 import random
 import re
 import shutil
+from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -29,10 +34,66 @@ from grpoflow.tasks.grpo.rounds import Round
 log = logging.getLogger(__name__)
 
 
+MiB = 1024 * 1024
+FULL_BELOW = MiB  # a write that fails with less free than this on its device ran out of space (torch.save says
+# only "unexpected pos" or "file write failed" then)
+
+
+class CheckpointDiskFull(OSError):
+    """A checkpoint could not be written for lack of disk space; the previous checkpoints are intact."""
+
+
+def folder_bytes(path: Path) -> int:
+    return sum(p.stat().st_size for p in path.rglob("*") if p.is_file()) if path.is_dir() else 0
+
+
+def out_of_space(exc: BaseException, folder: Path) -> bool:
+    """Whether a failed write into ``folder`` ran out of space: ENOSPC (EDQUOT), a message saying so (safetensors'
+    "os error 28"), or under :data:`FULL_BELOW` bytes left on its device."""
+    if isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT):
+        return True
+    if "No space left on device" in str(exc) or "os error 28" in str(exc):
+        return True
+    try:
+        return shutil.disk_usage(folder).free < FULL_BELOW
+    except OSError:
+        return False
+
+
+@contextlib.contextmanager
+def disk_full_guard(tmp: Path, final: Path) -> Iterator[None]:
+    """Around the writes of checkpoint ``final`` into ``tmp``: when they run out of space, remove ``tmp`` and raise
+    :class:`CheckpointDiskFull` naming the folder, the bytes free and, from the newest complete checkpoint, about the
+    bytes needed."""
+    try:
+        yield
+    except Exception as e:
+        if not out_of_space(e, tmp.parent):
+            raise
+        written = folder_bytes(tmp)
+        shutil.rmtree(tmp, ignore_errors=True)
+        free = shutil.disk_usage(tmp.parent).free
+        previous = [p for p in list_checkpoints(final.parent) if p != final]
+        need = folder_bytes(previous[-1]) if previous else None
+        needed = f"about {need / MiB:.1f} MiB needed (the size of {previous[-1].name})" if need else "needed: unknown"
+        kept = f"{previous[-1].name} is intact" if previous else "no earlier checkpoint exists"
+        raise CheckpointDiskFull(
+            errno.ENOSPC,
+            f"no space left on the device of {final.parent} for {final.name}: {free / MiB:.1f} MiB free after "
+            f"removing the partial {tmp.name} ({written / MiB:.1f} MiB written), {needed}; {kept}. Free space "
+            "there, or point run.output_dir (storage.cache_dir for an S3 workspace) at a larger disk, and resume",
+        ) from e
+
+
 def save(t, final: Path) -> None:
     """Write ``t``'s (a GRPOTrainer) state to ``final`` through ``final``.tmp."""
     tmp = final.with_name(final.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
+    with disk_full_guard(tmp, final):
+        _write(t, tmp, final)
+
+
+def _write(t, tmp: Path, final: Path) -> None:
     tmp.mkdir(parents=True)
     t.model.save_pretrained(tmp)
     trainable = {n: p.detach().cpu().clone() for n, p in t.model.named_parameters() if p.requires_grad}

@@ -53,23 +53,25 @@ def save(trainer, final: Path) -> None:
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
     comm.barrier()
-    dcp.save(_state_dicts(trainer), checkpoint_id=str(tmp / "dcp"))
     round_tensors, round_meta = trainer.round.to_state() if trainer.round is not None else (None, None)
-    torch.save(
-        {
-            "scheduler": trainer.scheduler.state_dict(),
-            "torch_rng": torch.get_rng_state(),
-            "cuda_rng": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
-            "perm_rng": trainer.perm_rng.get_state(),
-            "round": round_tensors,
-            **checkpoint.reference_state(trainer),
-        },
-        tmp / f"rank{comm.rank}.pt",
-    )
+    with checkpoint.disk_full_guard(tmp, final):  # the rank out of space fails; torchrun stops the others
+        dcp.save(_state_dicts(trainer), checkpoint_id=str(tmp / "dcp"))
+        torch.save(
+            {
+                "scheduler": trainer.scheduler.state_dict(),
+                "torch_rng": torch.get_rng_state(),
+                "cuda_rng": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
+                "perm_rng": trainer.perm_rng.get_state(),
+                "round": round_tensors,
+                **checkpoint.reference_state(trainer),
+            },
+            tmp / f"rank{comm.rank}.pt",
+        )
     comm.barrier()  # every rank's files are written
     if comm.is_main:
         state = {**checkpoint.shared_state(trainer, round_meta), "world_size": comm.world}
-        (tmp / "trainer_state.json").write_text(json.dumps(state))
+        with checkpoint.disk_full_guard(tmp, final):
+            (tmp / "trainer_state.json").write_text(json.dumps(state))
         shutil.rmtree(final, ignore_errors=True)
         os.replace(tmp, final)
 

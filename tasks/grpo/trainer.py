@@ -21,7 +21,7 @@ import math
 import shutil
 import time
 from collections import defaultdict
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from contextlib import nullcontext
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -121,6 +121,7 @@ class GRPOTrainer:
         root: torch.nn.Module | None = None,
         row_seeded: bool = False,
         node_push: Callable[[Path], None] | None = None,
+        pinned: Callable[[], Collection[str]] | None = None,
     ):
         self.cfg = cfg
         self.model = model
@@ -136,6 +137,7 @@ class GRPOTrainer:
         self.is_correction = is_correction  # the sampler is a separate engine: correct for its drift
         self.on_checkpoint = on_checkpoint  # called after each save (an S3 workspace uploads the checkpoints)
         self.node_push = node_push  # nodes with their own disks: each other node uploads its shards (dist_checkpoint)
+        self.pinned = pinned  # names of checkpoints never pruned yet (still queued for their upload to S3)
         self.device = model_device(model)  # rounds, log-probs, loss and optimizer state live beside the model
         check_logprob_impl(cfg.logprob_impl, self.device)
         self.autocast_dtype = autocast_dtype  # full fine-tuning in bf16: float32 weights, bf16 forward passes
@@ -480,8 +482,10 @@ class GRPOTrainer:
         return final
 
     def _after_save(self, final: Path) -> None:
+        pinned = set(self.pinned()) if self.pinned is not None else set()
         for stale in list_checkpoints(self.checkpoint_dir)[:-2]:
-            shutil.rmtree(stale, ignore_errors=True)
+            if stale.name not in pinned:
+                shutil.rmtree(stale, ignore_errors=True)
         if self.on_checkpoint is not None:
             self.on_checkpoint(final)
 

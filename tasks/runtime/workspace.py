@@ -168,6 +168,30 @@ class Workspace:
                 others.append(name)
         self.s3.upload_dir(local, prefix, delete=True, markers=MARKERS, exclude=(MANIFEST, *others))
 
+    def push_checkpoint(self, stage: str, sub: str, name: str, keep: int = 2, merged: bool = False) -> None:
+        """Upload checkpoint folder <stage>/<sub>/<name> to S3, its marker last, then remove the checkpoint folders
+        on S3 below it but the newest ``keep`` complete ones (each marker first), as the trainer prunes locally.
+        ``merged``: files on S3 in that folder but absent here are kept (a TrainJob's other nodes' shards).
+        A no-op for a local workspace; uploads of several checkpoints must run in their order."""
+        if self.uri is None:
+            return
+        prefix = self._remote(stage, sub) + "/"
+        self.s3.upload_dir(self.root / stage / sub / name, prefix + name, delete=not merged, markers=MARKERS)
+        folders: dict[int, list[str]] = {}
+        complete = set()
+        for obj in self.s3.list_objects(prefix):
+            found = re.fullmatch(r"checkpoint-(\d+)/(.+)", obj["uri"][len(prefix) :])
+            if found:
+                folders.setdefault(int(found[1]), []).append(obj["uri"])
+                if found[2] in MARKERS:
+                    complete.add(int(found[1]))
+        step = int(name.rsplit("-", 1)[1])
+        kept = set(sorted(n for n in complete if n <= step)[-keep:])
+        stale = [uri for n, uris in folders.items() if n < step and n not in kept for uri in uris]
+        stale.sort(key=lambda u: u.rsplit("/", 1)[-1] not in MARKERS)  # markers first
+        if stale:
+            self.s3.delete_objects(stale)
+
     def pull(self, stage: str, sub: str = "") -> None:
         """Download <stage>/<sub> from S3 now, making the local copy match (a no-op for a local workspace): the
         files another machine pushed (a TrainJob's node 0)."""

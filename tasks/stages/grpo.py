@@ -11,8 +11,10 @@ this stage's MLflow run and writes the summary this process reads back and publi
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
+import shutil
 import time
 
 import torch
@@ -40,6 +42,7 @@ from grpoflow.tasks.runtime.launch import run_torchrun, torchrun_command
 from grpoflow.tasks.runtime.plots import plot_learning_curves
 from grpoflow.tasks.runtime.stage import run_stage
 from grpoflow.tasks.runtime.tracking import RunLogger
+from grpoflow.tasks.runtime.uploads import UploadQueue, retry_outage
 from grpoflow.tasks.runtime.workspace import Workspace
 from grpoflow.tasks.stages.common import base_model_path
 from grpoflow.tasks.stages.grpo_launch import WORKER, launch_spec
@@ -58,7 +61,11 @@ def run_grpo(cfg: PipelineConfig, ws: Workspace, tracker: RunLogger, init_model:
         summary = launch_grpo(cfg, ws, tracker, init_model)
     else:
         summary = train_grpo(cfg, ws, tracker, init_model)
-    ws.write_manifest("grpo", summary)
+    if ws.uri is None:
+        ws.write_manifest("grpo", summary)
+    else:  # the final model and history go up (within the outage budget) before the manifest, written last
+        st = ws.s3.settings
+        retry_outage(lambda: ws.write_manifest("grpo", summary), ws.s3.where, "publishing grpo", st.outage_budget_s)
     return summary
 
 
@@ -145,7 +152,13 @@ def train_grpo(
         g.max_steps,
     )
     out_dir = ws.stage_dir("grpo")
-    push = ws.push_merged if node_mirrors else ws.push  # a TrainJob's node 0 keeps the other nodes' shards on S3
+    uploads = checkpoint_uploads(ws, out_dir / "checkpoints") if comm.is_main else None  # S3: in the background
+
+    def on_checkpoint(final):  # S3: a killed stage resumes from there (a TrainJob's node 0 keeps others' shards)
+        if uploads is not None:
+            push = functools.partial(ws.push_checkpoint, "grpo", "checkpoints", final.name, merged=node_mirrors)
+            uploads.submit(final.name, push)
+
     trainer = GRPOTrainer(
         g,
         model,
@@ -159,12 +172,13 @@ def train_grpo(
         seed=cfg.run.seed,
         ref_model=ref_model,
         is_correction=g.vllm_importance_sampling_correction and generator.separate_engine,
-        on_checkpoint=lambda _: push("grpo", "checkpoints"),  # S3: a killed stage resumes from there
+        on_checkpoint=on_checkpoint,
         autocast_dtype=autocast_dtype,
         comm=comm,
         root=root,
         row_seeded=cfg.distributed.row_seeded,
         node_push=(lambda final: ws.push_added("grpo", f"checkpoints/{final.name}")) if node_mirrors else None,
+        pinned=uploads.pending if uploads is not None else None,  # never pruned before they are on S3
     )
     checkpoints = list_checkpoints(trainer.checkpoint_dir)
     if g.resume == "auto" and checkpoints:
@@ -188,6 +202,8 @@ def train_grpo(
         tracker.log_artifact(history_path)
         if trainer.history:
             tracker.log_artifact(plot_learning_curves(trainer.history, out_dir / "learning_curves.png"))
+    if uploads is not None:
+        finish_uploads(uploads, trainer.checkpoint_dir)
     final = result["final"]
     summary = {
         "model_path": str(final_dir),
@@ -204,6 +220,27 @@ def train_grpo(
     if comm.world > 1:
         summary["world_size"] = comm.world
     return summary
+
+
+def checkpoint_uploads(ws: Workspace, folder) -> UploadQueue | None:
+    """The background queue of checkpoint uploads of an S3 workspace (None for a local one), bounded by
+    storage.outage_budget_s and storage.max_pending_uploads."""
+    if ws.uri is None:
+        return None
+    st = ws.s3.settings
+    cap = min(30.0, max(1.0, st.outage_budget_s / 5))  # several attempts fit in a small budget
+    done = [p.name for p in list_checkpoints(folder)]  # pulled from S3 when the stage began
+    return UploadQueue(ws.s3.where, st.outage_budget_s, st.max_pending_uploads, backoff_cap_s=cap, done=done)
+
+
+def finish_uploads(uploads: UploadQueue, folder) -> None:
+    """At the stage's end: wait for the queued checkpoint uploads (each within the budget), then prune the
+    checkpoints kept locally while they were queued (the newest two stay, as on S3)."""
+    if pending := uploads.pending():
+        log.info("GRPO: waiting for %d checkpoint upload(s) to %s: %s", len(pending), uploads.where, pending)
+    uploads.drain()
+    for stale in list_checkpoints(folder)[:-2]:
+        shutil.rmtree(stale, ignore_errors=True)
 
 
 def reference_dtype(cfg: PipelineConfig) -> torch.dtype | None:

@@ -45,6 +45,23 @@ def die_on_rank_1(prompts, completions, **columns):
     return [float(len(c[0]["content"])) for c in completions]
 """
 
+KILL_AFTER_CHECKPOINT = """
+import os, signal, time
+from pathlib import Path
+
+calls = 0
+
+
+def die_on_rank_1_in_round_3(prompts, completions, **columns):
+    global calls
+    calls += 1
+    killed = Path(os.environ["KILLED_AT"])
+    if calls == 3 and os.environ["RANK"] == "1" and not killed.exists():  # after checkpoint-2 (grpo.save_steps=2)
+        killed.write_text(str(time.time()))
+        os.kill(os.getpid(), signal.SIGKILL)
+    return [float(len(c[0]["content"])) for c in completions]
+"""
+
 
 def _grpo_stage_error(tmp_path: Path, monkeypatch, reward: str, *overrides: str) -> StageError:
     """The StageError of the GRPO stage of micro.yaml on 2 processes (the data stage prepared first; no Prefect,
@@ -130,6 +147,34 @@ def test_a_rank_killed_mid_grpo_fails_the_stage_and_its_group(tmp_path, monkeypa
     spec = str(tmp_path / "bad" / "grpo" / "launch" / "spec.json")
     assert not [p for p in Path("/proc").glob("[0-9]*") if spec in _cmdline(p)]
     assert "Root Cause" in Path(err.log_path).read_text()
+
+
+@pytest.mark.faults
+@pytest.mark.slow
+def test_after_a_killed_rank_resume_continues_from_the_last_sharded_checkpoint(tmp_path, monkeypatch, caplog):
+    """kill -9 of rank 1 (as the OOM killer does) after checkpoint-2 was written by both ranks: the stage fails within
+    seconds naming the rank; run again, it continues from checkpoint-2 (the sharded one) and finishes step 3."""
+    (tmp_path / "kill_after.py").write_text(KILL_AFTER_CHECKPOINT)
+    err = _grpo_stage_error(tmp_path, monkeypatch, "kill_after:die_on_rank_1_in_round_3", "distributed.timeout_s=60")
+    assert time.time() - float((tmp_path / "killed_at").read_text()) < 20
+    assert "rank 1 (local_rank: 1), exitcode -9" in err.message, err.message
+    checkpoints = tmp_path / "bad" / "grpo" / "checkpoints"
+    assert (checkpoints / "checkpoint-2" / "dcp").is_dir() and (checkpoints / "checkpoint-2" / "rank1.pt").is_file()
+    cfg = load_config(
+        MICRO,
+        [
+            f"run.output_dir={tmp_path}",
+            "run.name=bad",
+            "distributed.nproc_per_node=2",
+            "sft.enabled=false",
+            "grpo.reward_funcs=[kill_after:die_on_rank_1_in_round_3]",
+            "distributed.timeout_s=60",
+        ],
+    )
+    with caplog.at_level("INFO", "grpoflow.tasks.runtime.launch"):
+        summary = run_stage("grpo", run_grpo, cfg.to_dict(), str(tmp_path / "bad"), None, init_model=None)
+    assert summary["steps"] == 3 and summary["world_size"] == 2
+    assert f"resumed GRPO from {checkpoints / 'checkpoint-2'} (step 2, written by 2 processes)" in caplog.text
 
 
 def _cmdline(proc: Path) -> str:

@@ -1,0 +1,207 @@
+"""Uploads to S3 that outlive an outage of the endpoint: retried with exponential backoff for a bounded time.
+
+:func:`retry_outage` runs one upload in the calling thread, retrying a failed attempt (an :class:`~s3.S3Error`
+other than refused credentials) after 1, 2, 4, ... seconds (at most ``backoff_cap_s``) until it succeeds or
+``budget_s`` seconds have passed since its first failure; then it raises :class:`StorageOutage`, naming the
+endpoint, the time waited and the last error.
+
+:class:`UploadQueue` runs such uploads in order on one background thread, so training goes on during an outage:
+``submit`` queues a job (a checkpoint's upload) and returns at once while fewer than ``max_pending`` are waiting,
+else it waits for the oldest (and logs that it does). The first job whose outage outlasts the budget stops the
+queue; the next ``submit`` or ``drain`` in the training thread raises its :class:`StorageOutage`, which also
+names the last job that finished (the last checkpoint safely on S3). While the endpoint does not answer a
+warning says so every ``warn_every_s`` ("S3 endpoint X unreachable for 12 s, 2 checkpoint(s) queued"), and
+another when it is back.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+
+from grpoflow.tasks.runtime.s3 import S3AccessError, S3Error
+
+log = logging.getLogger(__name__)
+
+
+class StorageOutage(S3Error):
+    """An upload to S3 kept failing for longer than storage.outage_budget_s."""
+
+
+def backoff_s(attempt: int, cap_s: float) -> float:
+    """Seconds to wait after failed attempt ``attempt`` (1, 2, ...): min(2 ** (attempt - 1), cap_s)."""
+    return min(2.0 ** (attempt - 1), cap_s)
+
+
+def retryable(exc: BaseException) -> bool:
+    """Whether an upload failure may pass with time: any S3 error but refused or missing credentials."""
+    return isinstance(exc, S3Error) and not isinstance(exc, (S3AccessError, StorageOutage))
+
+
+class _Outage:
+    """One outage of the endpoint as seen by the retries of one job: when it began, warnings, the budget."""
+
+    def __init__(self, where: str, what: str, budget_s: float, warn_every_s: float, queued: Callable[[], int]):
+        self.where, self.what, self.budget_s = where, what, budget_s
+        self.warn_every_s, self.queued = warn_every_s, queued
+        self.since: float | None = None
+        self.warned = 0.0
+
+    def failed(self, exc: BaseException, attempt: int) -> None:
+        now = time.monotonic()
+        if self.since is None:
+            self.since = self.warned = now
+            log.warning(
+                "S3 endpoint %s unreachable (%s); retrying %s for up to %.0f s (storage.outage_budget_s), "
+                "%d checkpoint(s) queued; training goes on",
+                self.where,
+                exc,
+                self.what,
+                self.budget_s,
+                self.queued(),
+            )
+        elif now - self.warned >= self.warn_every_s:
+            self.warned = now
+            log.warning(
+                "S3 endpoint %s unreachable for %.0f s, %d checkpoint(s) queued", self.where, self.waited, self.queued()
+            )
+        if self.waited >= self.budget_s:
+            raise StorageOutage(
+                f"S3 endpoint {self.where} unreachable for {self.waited:.0f} s (storage.outage_budget_s="
+                f"{self.budget_s:g}), after {attempt} attempt(s) of {self.what}; last error: {exc}"
+            ) from None
+
+    @property
+    def waited(self) -> float:
+        return 0.0 if self.since is None else time.monotonic() - self.since
+
+    def over(self) -> None:
+        if self.since is not None:
+            waited, queued = self.waited, self.queued()
+            msg = "S3 endpoint %s answers again after %.0f s; %d checkpoint(s) queued"
+            log.warning(msg, self.where, waited, queued)
+
+
+def retry_outage(
+    fn: Callable[[], None],
+    where: str,
+    what: str,
+    budget_s: float,
+    *,
+    backoff_cap_s: float = 30.0,
+    warn_every_s: float = 10.0,
+    queued: Callable[[], int] = lambda: 0,
+    sleep: Callable[[float], None] = time.sleep,
+) -> None:
+    """Run ``fn`` (an upload to the endpoint ``where``; ``what`` names it in messages), retried with exponential
+    backoff while it fails with a :func:`retryable` error, until ``budget_s`` seconds have passed since its first
+    failure: then :class:`StorageOutage`."""
+    outage = _Outage(where, what, budget_s, warn_every_s, queued)
+    attempt = 0
+    while True:
+        attempt += 1
+        try:
+            fn()
+        except Exception as e:
+            if not retryable(e):
+                raise
+            outage.failed(e, attempt)
+            sleep(min(backoff_s(attempt, backoff_cap_s), max(budget_s - outage.waited, 0.0) + 0.01))
+            continue
+        outage.over()
+        return
+
+
+class UploadQueue:
+    """Jobs (uploads) run in submission order on one background thread, each under :func:`retry_outage`."""
+
+    def __init__(
+        self,
+        where: str,
+        budget_s: float,
+        max_pending: int,
+        *,
+        backoff_cap_s: float = 30.0,
+        done: list[str] | None = None,
+    ):
+        """``done``: what is already on S3 (the checkpoints a resumed stage started with), oldest first."""
+        self.where, self.budget_s, self.max_pending, self.backoff_cap_s = where, budget_s, max_pending, backoff_cap_s
+        self._jobs: deque[tuple[str, Callable[[], None]]] = deque()
+        self._running: str | None = None
+        self._cond = threading.Condition()
+        self._error: BaseException | None = None
+        self.done: list[str] = list(done or [])  # names of the jobs that finished, in order
+        self._thread = threading.Thread(target=self._work, name="s3-uploads", daemon=True)
+        self._thread.start()
+
+    def pending(self) -> list[str]:
+        """Names of the jobs queued or running, oldest first."""
+        with self._cond:
+            return ([self._running] if self._running else []) + [name for name, _ in self._jobs]
+
+    def submit(self, name: str, job: Callable[[], None]) -> None:
+        """Queue ``job``; wait first while ``max_pending`` jobs are pending (a log line says so). Raises the
+        queue's :class:`StorageOutage` (or another upload error) once a job failed."""
+        with self._cond:
+            self._raise()
+            if len(self.pending_locked()) >= self.max_pending:
+                log.warning(
+                    "%d checkpoint upload(s) to %s pending (storage.max_pending_uploads=%d): training waits for %s "
+                    "to reach S3 before queuing %s",
+                    len(self.pending_locked()),
+                    self.where,
+                    self.max_pending,
+                    self.pending_locked()[0],
+                    name,
+                )
+                self._cond.wait_for(lambda: self._error is not None or len(self.pending_locked()) < self.max_pending)
+                self._raise()
+            self._jobs.append((name, job))
+            self._cond.notify_all()
+
+    def drain(self) -> None:
+        """Wait until every queued job finished (each within the budget); raise the first failure."""
+        with self._cond:
+            self._cond.wait_for(lambda: self._error is not None or not self.pending_locked())
+            self._raise()
+
+    def pending_locked(self) -> list[str]:
+        return ([self._running] if self._running else []) + [name for name, _ in self._jobs]
+
+    def _raise(self) -> None:
+        if self._error is not None:
+            raise self._error
+
+    def _work(self) -> None:
+        while True:
+            with self._cond:
+                self._cond.wait_for(lambda: bool(self._jobs))
+                name, job = self._jobs.popleft()
+                self._running = name
+            try:
+                retry_outage(
+                    job,
+                    self.where,
+                    f"the upload of {name}",
+                    self.budget_s,
+                    backoff_cap_s=self.backoff_cap_s,
+                    queued=lambda: len(self.pending()),
+                )
+            except BaseException as e:  # noqa: BLE001 - handed to the training thread, which raises it
+                with self._cond:
+                    last = self.done[-1] if self.done else "none"
+                    if isinstance(e, StorageOutage):
+                        left = ", ".join(self.pending_locked())
+                        e = StorageOutage(f"{e}; last checkpoint safely on S3: {last}; not uploaded: {left}")
+                    self._error = e
+                    self._running = None
+                    self._jobs.clear()
+                    self._cond.notify_all()
+                return
+            with self._cond:
+                self.done.append(name)
+                self._running = None
+                self._cond.notify_all()
