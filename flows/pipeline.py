@@ -23,7 +23,7 @@ from grpoflow.tasks.config import config_from_dict
 from grpoflow.tasks.runtime.registry import register_pipeline_model
 from grpoflow.tasks.runtime.resume import open_pipeline_run
 from grpoflow.tasks.runtime.run_meta import describe
-from grpoflow.tasks.runtime.tracking import NOTE, end_run, run_url
+from grpoflow.tasks.runtime.tracking import NOTE, end_run, run_url, unsent
 from grpoflow.tasks.runtime.workspace import Workspace
 from grpoflow.tasks.stages.data import data_task
 from grpoflow.tasks.stages.evaluate import eval_task
@@ -44,29 +44,36 @@ def grpo_pipeline(config: dict, workspace: str, init_model: str | None = None) -
     ws.write_text("config.yaml", yaml.safe_dump(config, sort_keys=False))
     parent = open_pipeline_run(cfg, ws, tags={"prefect_flow_run_id": runtime.flow_run.id, "workspace": ws.location})
     args = (config, ws.location, parent.run_id)
+    url = run_url(parent.client, parent.run_id)  # now: the server answered the run's creation a moment ago
     ok = False
     try:
         data = data_task(*args)
         sft = sft_task(*args) if cfg.sft.enabled and init_model is None else None
         grpo = grpo_task(*args, init_model=sft["model_path"] if sft else init_model)
         result = {"workspace": ws.location, "mlflow_run_id": parent.run_id, "data": data, "sft": sft, "grpo": grpo}
-        result["mlflow_url"] = run_url(parent.client, parent.run_id)
+        result["mlflow_url"] = url
         if ws.uri is not None:
             result["local_copy"] = str(ws.root)
         if cfg.eval.enabled:
             result["eval"] = eval_task(
                 *args, before_model=grpo["base_model"], after_model=grpo["model_path"], after_is_adapter=grpo["adapter"]
             )
-            accuracy = {k: result["eval"][k] for k in ("accuracy_before", "accuracy_after")}
-            if parent.client.get_run(parent.run_id).data.metrics != accuracy:  # a skipped eval logs nothing new
-                parent.log_metrics(accuracy)
         if cfg.export.enabled:
             result["export"] = export_task(
                 *args, base_model=grpo["base_model"], trained_model=grpo["model_path"], is_adapter=grpo["adapter"]
             )
-        registered = register_pipeline_model(parent.client, cfg, parent.run_id, result)
-        if registered is not None:
-            result["registry"] = registered.__dict__
+        # the calls below need the server's answers and the stages' artifacts on it (nothing left in a journal)
+        answering = parent.flush() and not unsent(ws.root)
+        if "eval" in result:
+            accuracy = {k: result["eval"][k] for k in ("accuracy_before", "accuracy_after")}
+            if not answering or parent.client.get_run(parent.run_id).data.metrics != accuracy:  # a skipped eval
+                parent.log_metrics(accuracy)  # logs nothing new
+        if answering:
+            registered = register_pipeline_model(parent.client, cfg, parent.run_id, result)
+            if registered is not None:
+                result["registry"] = registered.__dict__
+        elif cfg.tracking.register_model and cfg.export.enabled:
+            log.warning("MLflow tracking does not answer: the model is not registered; `grpoflow resume` does it")
         parent.set_tags({NOTE: describe(cfg, "pipeline", result.get("eval"))})
         ok = True
         return result
