@@ -180,7 +180,7 @@ def describe(cfg: PipelineConfig, stage: str, summary: dict[str, Any] | None) ->
         ]
         if kept:
             result = "Wrote " + ", ".join(kept) + "."
-            if "verify_prompts" in s:
+            if "verify_matches" in s:  # export reports log-prob gaps now (no greedy match count)
                 result += f" Merged model = trained model on {s['verify_matches']}/{s['verify_prompts']} prompts."
     elif stage == "pipeline" and s.get("accuracy_after") is not None:
         result = f"Held-out accuracy {s['accuracy_before']:.1%} -> {s['accuracy_after']:.1%}."
