@@ -1,5 +1,6 @@
 """Command line: ``grpoflow run [CONFIG] [key=value ...]``, ``grpoflow validate`` and
-``grpoflow resume RUN_DIR [--from-stage STAGE] [key=value ...]`` and ``grpoflow compare RUN_A RUN_B``. RUN_DIR
+``grpoflow resume RUN_DIR [--from-stage STAGE] [key=value ...]``, ``grpoflow sync RUN_DIR`` (sends what an
+unreachable MLflow server missed: docs/tracking.md) and ``grpoflow compare RUN_A RUN_B``. RUN_DIR
 may be an s3:// workspace (its config.yaml is read with $AWS_ENDPOINT_URL or a storage.endpoint_url override).
 ``grpoflow deploy`` and ``grpoflow data-landed PATH`` talk to a Prefect server (flows/operations.py).
 
@@ -335,6 +336,33 @@ def timeline_rows(t: dict | None) -> list[tuple[str, str]]:
     ]  # fmt: skip
 
 
+def cmd_sync(args) -> int:
+    """Send what RUN_DIR's tracking journal holds unsent (a tracking server that was down when the run ended)."""
+    from grpoflow.tasks.runtime.journal import JOURNAL_DIR
+    from grpoflow.tasks.runtime.preflight import tracking_problem
+    from grpoflow.tasks.runtime.sender import replay
+    from grpoflow.tasks.runtime.tracking import tracking_uri
+
+    run_dir = Path(args.run_dir).resolve()
+    if not (run_dir / "config.yaml").is_file():
+        raise ConfigError(
+            f"{args.run_dir}: no config.yaml; RUN_DIR must be a local run workspace (<output_dir>/<name>)"
+        )
+    cfg = load_config(str(run_dir / "config.yaml"), [])
+    cfg = cfg.model_copy(
+        update={"run": cfg.run.model_copy(update={"name": run_dir.name, "output_dir": str(run_dir.parent)})}
+    )
+    uri = args.tracking_uri or tracking_uri(cfg)
+    if problem := tracking_problem(uri):
+        raise ConfigError(problem)
+    left = replay(run_dir / JOURNAL_DIR, uri, args.timeout, cfg.tracking.request_timeout_s)
+    for name, n in left.items():
+        print(f"{name}: {'sent' if n == 0 else f'{n} records still unsent'}")
+    if not left:
+        print(f"{run_dir / JOURNAL_DIR}: nothing unsent")
+    return 1 if any(left.values()) else 0
+
+
 def cmd_deploy(args) -> int:
     """Work pools (created when missing) and the deployments of infra/prefect.yaml (flows/operations.py)."""
     from grpoflow.flows.operations import deploy
@@ -380,6 +408,15 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument("overrides", nargs="*", help="key=value overrides of the run's config.yaml")
     p.set_defaults(fn=cmd_resume)
+    p = sub.add_parser("sync", help="send a run's tracking journal (what an unreachable MLflow server missed)")
+    p.add_argument("run_dir")
+    p.add_argument(
+        "--tracking-uri",
+        default=None,
+        help="default: the run's tracking.uri, $MLFLOW_TRACKING_URI, else <RUN_DIR>/../mlflow.db",
+    )
+    p.add_argument("--timeout", type=float, default=300.0, help="seconds to keep trying (default 300)")
+    p.set_defaults(fn=cmd_sync)
     p = sub.add_parser("compare", help="two runs side by side from MLflow: accuracy, reward, step time, config diff")
     for name in ("run_a", "run_b"):
         p.add_argument(name, metavar=name.upper(), help="a run workspace folder (holds run.json) or an MLflow run id")

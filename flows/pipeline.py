@@ -25,7 +25,7 @@ from grpoflow.tasks.runtime import timeline
 from grpoflow.tasks.runtime.registry import register_pipeline_model
 from grpoflow.tasks.runtime.resume import open_pipeline_run
 from grpoflow.tasks.runtime.run_meta import describe
-from grpoflow.tasks.runtime.tracking import NOTE, end_run, run_url
+from grpoflow.tasks.runtime.tracking import NOTE, end_run, run_url, unsent
 from grpoflow.tasks.runtime.workspace import Workspace
 from grpoflow.tasks.stages.data import data_task
 from grpoflow.tasks.stages.evaluate import eval_task
@@ -66,13 +66,14 @@ def grpo_pipeline(config: dict, workspace: str, init_model: str | None = None) -
     parent = open_pipeline_run(cfg, ws, tags={"prefect_flow_run_id": runtime.flow_run.id, "workspace": ws.location})
     timeline.mark("parent_run_open")
     args = (config, ws.location, parent.run_id)
+    url = run_url(parent.client, parent.run_id)  # now: the server answered the run's creation a moment ago
     ok = False
     try:
         data = _timed("data", data_task, *args)
         sft = _timed("sft", sft_task, *args) if cfg.sft.enabled and init_model is None else None
         grpo = _timed("grpo", grpo_task, *args, init_model=sft["model_path"] if sft else init_model)
         result = {"workspace": ws.location, "mlflow_run_id": parent.run_id, "data": data, "sft": sft, "grpo": grpo}
-        result["mlflow_url"] = run_url(parent.client, parent.run_id)
+        result["mlflow_url"] = url
         if ws.uri is not None:
             result["local_copy"] = str(ws.root)
         if cfg.eval.enabled:
@@ -84,10 +85,6 @@ def grpo_pipeline(config: dict, workspace: str, init_model: str | None = None) -
                 after_model=grpo["model_path"],
                 after_is_adapter=grpo["adapter"],
             )
-            accuracy = {k: result["eval"][k] for k in ("accuracy_before", "accuracy_after")}
-            logged = parent.client.get_run(parent.run_id).data.metrics
-            if {k: logged.get(k) for k in accuracy} != accuracy:  # a skipped eval logs nothing new
-                parent.log_metrics(accuracy)
         if cfg.export.enabled:
             result["export"] = _timed(
                 "export",
@@ -97,9 +94,19 @@ def grpo_pipeline(config: dict, workspace: str, init_model: str | None = None) -
                 trained_model=grpo["model_path"],
                 is_adapter=grpo["adapter"],
             )
-        registered = register_pipeline_model(parent.client, cfg, parent.run_id, result)
-        if registered is not None:
-            result["registry"] = registered.__dict__
+        # the calls below need the server's answers and the stages' artifacts on it (nothing left in a journal)
+        answering = parent.flush() and not unsent(ws.root)
+        if "eval" in result:
+            accuracy = {k: result["eval"][k] for k in ("accuracy_before", "accuracy_after")}
+            logged = parent.client.get_run(parent.run_id).data.metrics if answering else {}
+            if {k: logged.get(k) for k in accuracy} != accuracy:  # a skipped eval logs nothing new
+                parent.log_metrics(accuracy)
+        if answering:
+            registered = register_pipeline_model(parent.client, cfg, parent.run_id, result)
+            if registered is not None:
+                result["registry"] = registered.__dict__
+        elif cfg.tracking.register_model and cfg.export.enabled:
+            log.warning("MLflow tracking does not answer: the model is not registered; `grpoflow resume` does it")
         parent.set_tags({NOTE: describe(cfg, "pipeline", result.get("eval"))})
         result["timeline"] = log_timeline(parent, result)
         ok = True

@@ -297,6 +297,19 @@ class TrackingConfig(_Section):
     champion_alias: str = Field(
         "champion", description="Alias moved to a new version whose held-out accuracy beats the current holder's."
     )
+    flush_timeout_s: float = Field(
+        60.0,
+        ge=0,
+        description="At the end of each stage (and of the pipeline), how long to wait for buffered metrics, params "
+        "and artifacts to reach the tracking server. What a server that still does not answer misses stays in "
+        "<workspace>/tracking-journal; `grpoflow sync RUN_DIR` or `grpoflow resume` sends it (docs/tracking.md).",
+    )
+    request_timeout_s: float = Field(
+        10.0,
+        gt=0,
+        description="Timeout of one request of the background sender to an http(s) tracking server; it makes one "
+        "try per request and backs off itself (1, 2, 4 ... 30 s) while the server does not answer.",
+    )
 
 
 class PipelineConfig(_Section):

@@ -99,19 +99,43 @@ def _monitor_class():
     return AdaptiveMonitor
 
 
+class _ToLogger:
+    """What SystemMetricsMonitor calls on its ``mlflow_logger``, handed to a RunLogger (its journal and sender):
+    a tracking outage neither blocks the monitor nor loses its samples."""
+
+    total_training_time = total_log_batch_time = 0.0
+    data: list = []
+
+    def __init__(self, tracker):
+        self.tracker = tracker
+
+    def record_metrics(self, metrics: dict[str, float], step: int) -> None:
+        self.tracker.log_metrics(metrics, step=step)
+
+    def flush(self) -> None:
+        pass
+
+
 @contextlib.contextmanager
-def system_metrics(run_id: str | None, tracking_uri: str) -> Iterator[None]:
-    """System metrics on ``run_id`` while the block runs; stopped and flushed (with a last sample) before it
-    returns, so before the run ends. Nothing for a disabled logger (``run_id`` None)."""
-    if run_id is None:
+def system_metrics(tracker) -> Iterator[None]:
+    """System metrics on ``tracker``'s run (a RunLogger) while the block runs, logged through the logger; stopped
+    (with a last sample) before it returns, so before the run ends. Nothing for None or a disabled logger. A
+    reopened run continues the steps it holds (``resume_logging``)."""
+    if tracker is None or not tracker:
         yield
         return
     monitor = None
     try:
-        monitor = _monitor_class()(run_id, samples_before_logging=1, tracking_uri=tracking_uri)
+        monitor = _monitor_class()(
+            tracker.run_id,
+            samples_before_logging=1,
+            tracking_uri=tracker.client.tracking_uri,
+            resume_logging=bool(tracker.skip),
+        )
+        monitor.mlflow_logger = _ToLogger(tracker)
         monitor.start()
     except Exception as e:  # system metrics are a nicety: never fail a stage over them
-        log.warning("system metrics off for run %s: %s", run_id, e)
+        log.warning("system metrics off for run %s: %s", tracker.run_id, e)
         monitor = None
     try:
         yield
@@ -121,6 +145,5 @@ def system_metrics(run_id: str | None, tracking_uri: str) -> Iterator[None]:
                 monitor.finish()
                 monitor.collect_metrics()
                 monitor.publish_metrics(monitor.aggregate_metrics())  # the stage's last state
-                monitor.mlflow_logger.flush()
             except Exception as e:
-                log.warning("system metrics of run %s: %s", run_id, e)
+                log.warning("system metrics of run %s: %s", tracker.run_id, e)

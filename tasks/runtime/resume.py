@@ -34,7 +34,7 @@ import yaml
 
 from grpoflow.tasks.config import PipelineConfig
 from grpoflow.tasks.config.distributed import DistributedConfig
-from grpoflow.tasks.runtime.tracking import RunLogger, flatten, start_pipeline_run, tracking_uri
+from grpoflow.tasks.runtime.tracking import RunLogger, flatten, logger_for, start_pipeline_run, tracking_uri
 from grpoflow.tasks.runtime.workspace import STAGES, Workspace
 
 log = logging.getLogger(__name__)
@@ -118,12 +118,15 @@ def stage_keys(cfg: dict[str, Any]) -> dict[str, str]:
 def open_pipeline_run(cfg: PipelineConfig, ws: Workspace, tags: dict[str, Any]) -> RunLogger:
     """The parent MLflow run of the workspace: the one <ws>/run.json names, reopened, or a new one.
 
-    On reopening, stage runs left RUNNING by a killed attempt are ended as KILLED; config values that
+    First, what an earlier process left in the workspace's tracking journal is sent (tasks/runtime/sender.py
+    ``replay``, within tracking.flush_timeout_s). On reopening, stage runs left RUNNING by a killed attempt are
+    ended as KILLED (the stage shell sets its own run RUNNING again when it reruns); config values that
     differ from the logged params (MLflow params cannot change) are tagged ``config_changed.<key>``."""
     from mlflow.exceptions import MlflowException
     from mlflow.tracking import MlflowClient
 
     uri = tracking_uri(cfg)
+    replay_journal(cfg, ws.root, uri)
     prev = json.loads(ws.read_text(RUN_FILE) or "{}")
     if prev.get("tracking_uri") == uri and prev.get("mlflow_run_id"):
         client = MlflowClient(uri)
@@ -137,7 +140,8 @@ def open_pipeline_run(cfg: PipelineConfig, ws: Workspace, tags: dict[str, Any]) 
             running = f"tags.mlflow.parentRunId = '{rid}' and attributes.status = 'RUNNING'"
             for child in client.search_runs([run.info.experiment_id], running):
                 client.set_terminated(child.info.run_id, "KILLED")
-            parent = RunLogger(client, rid)
+            parent = logger_for(cfg, client, rid, ws.root)
+            parent.reopened_params(run.data.params)
             flat = {k: str(v)[:6000] for k, v in flatten(cfg.to_dict()).items()}
             params = run.data.params
             parent.log_params({k: v for k, v in flat.items() if k not in params})
@@ -147,6 +151,17 @@ def open_pipeline_run(cfg: PipelineConfig, ws: Workspace, tags: dict[str, Any]) 
             parent.log_text(yaml.safe_dump(cfg.to_dict(), sort_keys=False), "config.yaml")
             log.info("continuing MLflow run %s (resume %d)", rid, resumes)
             return parent
-    parent = start_pipeline_run(cfg, tags)
+    parent = start_pipeline_run(cfg, tags, ws.root)
     ws.write_text(RUN_FILE, json.dumps({"mlflow_run_id": parent.run_id, "tracking_uri": uri}, indent=2))
     return parent
+
+
+def replay_journal(cfg: PipelineConfig, root, uri: str) -> dict[str, int]:
+    """Send what the journals in <root>/tracking-journal hold unsent; {journal: records still unsent}."""
+    from grpoflow.tasks.runtime.journal import JOURNAL_DIR
+    from grpoflow.tasks.runtime.sender import replay
+
+    left = replay(root / JOURNAL_DIR, uri, cfg.tracking.flush_timeout_s, cfg.tracking.request_timeout_s)
+    if any(left.values()):
+        log.warning("tracking journal: %d records still unsent to %s (it does not answer)", sum(left.values()), uri)
+    return left

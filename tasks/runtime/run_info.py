@@ -17,7 +17,7 @@ import torch
 
 from grpoflow.tasks.config import PipelineConfig
 from grpoflow.tasks.runtime import run_meta
-from grpoflow.tasks.runtime.mlflow_entities import STAGE_SPLITS, log_datasets, log_model_output, split_dataset
+from grpoflow.tasks.runtime.mlflow_entities import STAGE_SPLITS, log_datasets, split_dataset
 from grpoflow.tasks.runtime.tracking import NOTE, RunLogger
 from grpoflow.tasks.runtime.workspace import Workspace
 
@@ -65,14 +65,11 @@ def finish_run(tracker: RunLogger, cfg: PipelineConfig, ws: Workspace, stage: st
         tracker.log_params({"dataset_digest": train.digest if train is not None else None})
     tracker.set_tags({NOTE: run_meta.describe(cfg, stage, summary)})
     if stage in TRAINING_STAGES and summary.get("model_path") and Path(summary["model_path"]).exists():
-        params = tracker.client.get_run(tracker.run_id).data.params
+        params = tracker.params
         name = f"{stage}-{run_meta.short_model(cfg.model.name)}"
-        model_id = log_model_output(
-            tracker.client,
-            tracker.run_id,
+        tracker.log_model(  # through the run's journal: a server down at the stage's end gets it later
             name,
             summary["model_path"],
             {k: params[k] for k in MODEL_PARAMS if k in params},
             step=int(summary.get("steps") or 0),
         )
-        summary["mlflow_model_id"] = model_id

@@ -28,7 +28,7 @@ from grpoflow.tasks.runtime.errors import StageError
 from grpoflow.tasks.runtime.mlflow_entities import system_metrics
 from grpoflow.tasks.runtime.resume import stage_keys
 from grpoflow.tasks.runtime.run_info import TRAINING_STAGES, finish_run, prepare_run
-from grpoflow.tasks.runtime.tracking import stage_run, tracking_uri
+from grpoflow.tasks.runtime.tracking import stage_run
 from grpoflow.tasks.runtime.workspace import STAGES, Workspace, stages_from
 
 StageFn = Callable[..., dict[str, Any]]
@@ -68,9 +68,9 @@ def run_stage(
     if cfg.run.torch_threads:
         torch.set_num_threads(cfg.run.torch_threads)
     try:
-        with stage_run(cfg, parent_run_id, name) as tracker:
+        with stage_run(cfg, parent_run_id, name, ws.root, key) as tracker:
             prepare_run(tracker, cfg, ws, name)
-            with system_metrics(tracker.run_id if name in TRAINING_STAGES else None, tracking_uri(cfg)):
+            with system_metrics(tracker if name in TRAINING_STAGES else None):
                 summary = fn(cfg, ws, tracker, **inputs)
             finish_run(tracker, cfg, ws, name, summary)
             summary["mlflow_run_id"] = tracker.run_id

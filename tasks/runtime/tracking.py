@@ -12,12 +12,14 @@ s3://...``).
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 import os
+import shutil
 import subprocess
 import time
 from collections.abc import Iterator
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 from typing import Any
 
 from mlflow.entities import Metric, Param, RunTag
@@ -26,7 +28,7 @@ from mlflow.tracking import MlflowClient
 from grpoflow.tasks.config import PipelineConfig
 from grpoflow.tasks.runtime import run_meta
 from grpoflow.tasks.runtime.run_meta import omitted
-from grpoflow.tasks.runtime.workspace import local_dir
+from grpoflow.tasks.runtime.workspace import join_location, local_dir
 
 log = logging.getLogger(__name__)
 PARENT_TAG = "mlflow.parentRunId"
@@ -71,13 +73,36 @@ def git_commit() -> str | None:
 
 
 class RunLogger:
-    """Logs to one MLflow run by id; ``RunLogger.disabled()`` logs nothing (plain function use, tests)."""
+    """Logs to one MLflow run by id; ``RunLogger.disabled()`` logs nothing (plain function use, tests).
 
-    def __init__(self, client: MlflowClient | None, run_id: str | None):
+    With a ``journal`` folder (every pipeline and stage run) nothing here waits on the network: each call appends
+    to the run's journal and a background thread sends it (tasks/runtime/journal.py, sender.py); :meth:`end`
+    sends the run's status and waits at most ``flush_timeout_s`` for the rest. Without one, calls go straight to
+    the client. ``skip``: {metric key: last step the run holds} of a reopened run: points at those steps or
+    before are not logged again (a resumed stage redoes the steps after its checkpoint)."""
+
+    def __init__(
+        self,
+        client: MlflowClient | None,
+        run_id: str | None,
+        journal: Path | None = None,
+        name: str | None = None,
+        flush_timeout_s: float = 60.0,
+        request_timeout_s: float = 10.0,
+    ):
         self.client = client
         self.run_id = run_id
         self.constant: dict[str, str] = {}  # metric name (or 'prefix/') -> why it cannot move: not logged
         self._params: dict[str, str] = {}
+        self.skip: dict[str, int] = {}
+        self.flush_timeout_s = flush_timeout_s
+        self.journal = self.sender = None
+        if client is not None and journal is not None:
+            from grpoflow.tasks.runtime.journal import Journal
+            from grpoflow.tasks.runtime.sender import Sender
+
+            self.journal = Journal(journal, run_id, name)
+            self.sender = Sender(self.journal, client.tracking_uri, request_timeout_s)
 
     def omit_constant(self, constant: dict[str, str]) -> None:
         """Log none of ``constant``'s metrics from now on; a ``metric_omitted.<name>`` tag says why, once."""
@@ -91,14 +116,49 @@ class RunLogger:
     def __bool__(self) -> bool:
         return self.client is not None
 
+    @property
+    def params(self) -> dict[str, str]:
+        """The params this run holds (logged here, or found on a reopened run)."""
+        return dict(self._params)
+
+    @property
+    def reachable(self) -> bool:
+        """False while the background sender cannot reach the store."""
+        return self.sender is None or self.sender.reachable
+
+    def reopened_params(self, params: dict[str, str]) -> None:
+        self._params.update(params)
+
+    def reopened(self, run) -> None:
+        """Take over a run an earlier attempt logged to: its params, and the last step of each metric (skipped)."""
+        self._params.update(run.data.params)
+        for key in run.data.metrics:
+            steps = [m.step for m in self.client.get_metric_history(self.run_id, key)]
+            if steps:
+                self.skip[key] = max(steps)
+
+    def _batch(self, metrics=(), params=(), tags=()) -> None:
+        if self.journal is not None:
+            self.journal.append({"op": "batch", "m": metrics, "p": params, "t": tags})
+            self.sender.wake()
+            return
+        self.client.log_batch(
+            self.run_id,
+            metrics=[Metric(k, v, ts, st) for k, v, ts, st in metrics],
+            params=[Param(k, v) for k, v in params],
+            tags=[RunTag(k, v) for k, v in tags],
+        )
+
     def log_metrics(self, metrics: dict[str, float], step: int | None = None) -> None:
         if self.client is None:
             return
-        ts = int(time.time() * 1000)
+        ts, step = int(time.time() * 1000), int(step or 0)
         keep = {k: v for k, v in metrics.items() if not (self.constant and omitted(k, self.constant))}
-        items = [Metric(k, float(v), ts, step or 0) for k, v in keep.items() if v is not None and v == v]
-        for i in range(0, len(items), 500):
-            self.client.log_batch(self.run_id, metrics=items[i : i + 500])
+        items = [
+            [k, float(v), ts, step] for k, v in keep.items() if v is not None and v == v and step > self.skip.get(k, -1)
+        ]
+        for i in range(0, len(items), 1000):
+            self._batch(metrics=items[i : i + 1000])
 
     def log_params(self, params: dict[str, Any]) -> None:
         if self.client is None:
@@ -110,49 +170,142 @@ class RunLogger:
                 log.warning("run %s: param %s already %r, %r not logged", self.run_id, k, self._params[k], value)
             elif k not in self._params:
                 new[k] = self._params[k] = value
-        items = [Param(k, v) for k, v in new.items()]
+        items = [[k, v] for k, v in new.items()]
         for i in range(0, len(items), 100):
-            self.client.log_batch(self.run_id, params=items[i : i + 100])
+            self._batch(params=items[i : i + 100])
 
     def set_tags(self, tags: dict[str, Any]) -> None:
         if self.client is None:
             return
-        items = [RunTag(k, str(v)) for k, v in tags.items() if v is not None]
-        if items:
-            self.client.log_batch(self.run_id, tags=items)
+        items = [[k, str(v)] for k, v in tags.items() if v is not None]
+        for i in range(0, len(items), 100):
+            self._batch(tags=items[i : i + 100])
+
+    def set_status(self, status: str, end_time: int | None = None) -> None:
+        """RUNNING (a reopened run), or FINISHED / FAILED / KILLED with the end time (now when None)."""
+        if self.client is None:
+            return
+        if status != "RUNNING":
+            end_time = end_time or int(time.time() * 1000)
+        if self.journal is None:
+            self.client.update_run(self.run_id, status=status) if end_time is None else self.client.set_terminated(
+                self.run_id, status, end_time
+            )
+            return
+        self.journal.append({"op": "status", "status": status, "end_time": end_time})
+        self.sender.wake()
+
+    def _artifact(self, path: Path, artifact_path: str | None) -> None:
+        self.journal.append({"op": "artifact", "path": str(Path(path).absolute()), "dir": artifact_path})
+        self.sender.wake()
+
+    def _blob(self, data: bytes, artifact_file: str) -> None:
+        folder = str(PurePosixPath(artifact_file).parent)
+        self._artifact(self.journal.blob(artifact_file, data), None if folder == "." else folder)
 
     def log_dict(self, obj: Any, artifact_file: str) -> None:
         if self.client is None:
             return
-        self.client.log_dict(self.run_id, obj, artifact_file)
+        if self.journal is None:
+            return self.client.log_dict(self.run_id, obj, artifact_file)
+        if artifact_file.endswith((".yaml", ".yml")):
+            import yaml
+
+            text = yaml.safe_dump(obj, default_flow_style=False)
+        else:
+            text = json.dumps(obj, indent=2, default=str)
+        self._blob(text.encode(), artifact_file)
 
     def log_text(self, text: str, artifact_file: str) -> None:
         if self.client is None:
             return
-        self.client.log_text(self.run_id, text, artifact_file)
+        if self.journal is None:
+            return self.client.log_text(self.run_id, text, artifact_file)
+        self._blob(text.encode(), artifact_file)
 
     def log_table(self, data: dict[str, list], artifact_file: str) -> None:
         if self.client is None:
             return
-        self.client.log_table(self.run_id, data=data, artifact_file=artifact_file)
+        if self.journal is None:
+            return self.client.log_table(self.run_id, data=data, artifact_file=artifact_file)
+        path = self.journal.blob(artifact_file, json.dumps(data, default=str).encode())
+        self.journal.append({"op": "table", "path": str(path), "file": artifact_file})
+        self.sender.wake()
 
     def log_artifact(self, path: str | Path, artifact_path: str | None = None) -> None:
         if self.client is None:
             return
         path = Path(path)
+        if self.journal is not None:
+            return self._artifact(path, artifact_path)
         if path.is_dir():
             self.client.log_artifacts(self.run_id, str(path), artifact_path)
         else:
             self.client.log_artifact(self.run_id, str(path), artifact_path)
+
+    def log_model(self, name: str, path: str, params: dict[str, Any], step: int) -> None:
+        """The trained model at ``path`` as a LoggedModel output of this run (mlflow_entities.log_model_output)."""
+        if self.client is None:
+            return
+        if self.journal is None:
+            from grpoflow.tasks.runtime.mlflow_entities import log_model_output
+
+            log_model_output(self.client, self.run_id, name, path, params, step)
+            return
+        params = {k: str(v) for k, v in params.items()}
+        self.journal.append({"op": "model", "name": name, "path": path, "params": params, "step": step})
+        self.sender.wake()
+
+    def flush(self, timeout: float | None = None) -> bool:
+        """Wait (at most ``timeout`` s, default tracking.flush_timeout_s) until what was logged is sent."""
+        if self.sender is None:
+            return True
+        return self.sender.flush(self.flush_timeout_s if timeout is None else timeout)
+
+    def end(self, ok: bool) -> bool:
+        """Set the run FINISHED (or FAILED) and send the rest within tracking.flush_timeout_s; what a server that
+        still does not answer misses stays in the journal (one line says so). True when all was sent."""
+        if self.client is None:
+            return True
+        self.set_status("FINISHED" if ok else "FAILED")
+        return self.close()
+
+    def close(self) -> bool:
+        if self.sender is None:
+            return True
+        sent = self.sender.close(self.flush_timeout_s)
+        if sent and self.journal.files.is_dir():
+            shutil.rmtree(self.journal.files, ignore_errors=True)  # the artifacts' copies: on the server now
+        return sent
 
 
 EXPERIMENT_KIND = {"mlflow.experimentKind": "custom_model_development"}  # model training, for UIs that read it
 NOTE = "mlflow.note.content"  # the run's description in the UI
 
 
-def start_pipeline_run(cfg: PipelineConfig, tags: dict[str, Any] | None = None) -> RunLogger:
+def workspace_dir(cfg: PipelineConfig) -> Path:
+    """The run's local folder (the mirror of an s3:// workspace): <output_dir>/<run.name>."""
+    location = join_location(cfg.run.output_dir, cfg.run.name) if cfg.run.name else cfg.run.output_dir
+    return local_dir(location, cfg.storage.cache_dir)
+
+
+def logger_for(
+    cfg: PipelineConfig, client: MlflowClient, run_id: str, root: Path | None = None, name: str | None = None
+) -> RunLogger:
+    """The journaled logger of ``run_id``: journal <workspace>/tracking-journal/<name or run_id>.jsonl (another
+    process logging to the same run, rank 0 of a launch, uses its own name), timeouts from tracking.*."""
+    from grpoflow.tasks.runtime.journal import JOURNAL_DIR
+
+    t = cfg.tracking
+    folder = (root or workspace_dir(cfg)) / JOURNAL_DIR
+    return RunLogger(
+        client, run_id, folder, name, flush_timeout_s=t.flush_timeout_s, request_timeout_s=t.request_timeout_s
+    )
+
+
+def start_pipeline_run(cfg: PipelineConfig, tags: dict[str, Any] | None = None, root: Path | None = None) -> RunLogger:
     """Create the parent run (named by run_meta.parent_name), log the resolved config (params + config.yaml
-    artifact) and the filter tags."""
+    artifact) and the filter tags. ``root``: the workspace's local folder (its tracking journal)."""
     import yaml
 
     client = MlflowClient(tracking_uri(cfg))
@@ -161,7 +314,7 @@ def start_pipeline_run(cfg: PipelineConfig, tags: dict[str, Any] | None = None) 
         client.set_experiment_tag(exp, *next(iter(EXPERIMENT_KIND.items())))
     name = run_meta.parent_name(cfg, time.strftime("%Y-%m-%d %H:%M"))
     run = client.create_run(exp, run_name=name)
-    parent = RunLogger(client, run.info.run_id)
+    parent = logger_for(cfg, client, run.info.run_id, root)
     parent.set_tags(
         {
             **run_meta.filter_tags(cfg, "pipeline", name, git_commit()),
@@ -184,27 +337,96 @@ def run_url(client: MlflowClient, run_id: str, base: str | None = None) -> str:
     return f"{base}/#/experiments/{exp}/runs/{run_id}?workflowType=machine_learning"
 
 
-def end_run(logger: RunLogger, ok: bool) -> None:
-    logger.client.set_terminated(logger.run_id, "FINISHED" if ok else "FAILED")
+def unsent(root: Path) -> int:
+    """Records the journals of the workspace at ``root`` still hold unsent."""
+    from grpoflow.tasks.runtime.journal import JOURNAL_DIR, Journal
+
+    paths = sorted((root / JOURNAL_DIR).glob("*.jsonl"))
+    return sum(Journal(p.parent, Journal.run_of(p), p.stem).pending_count() for p in paths)
+
+
+def end_run(logger: RunLogger, ok: bool) -> bool:
+    """FINISHED (FAILED unless ``ok``), sent within tracking.flush_timeout_s; True when nothing stays unsent."""
+    return logger.end(ok)
+
+
+STAGE_RUNS = "stage_runs.json"  # in the workspace: {stage: {"run_id", "key", "tracking_uri"}} (resume reopens)
+
+
+def recorded_stage_run(root: Path, stage: str) -> dict[str, str]:
+    try:
+        return json.loads((root / STAGE_RUNS).read_text()).get(stage, {})
+    except (OSError, ValueError):
+        return {}
+
+
+def record_stage_run(root: Path, stage: str, entry: dict[str, str]) -> None:
+    path = root / STAGE_RUNS
+    try:
+        runs = json.loads(path.read_text())
+    except (OSError, ValueError):
+        runs = {}
+    runs[stage] = entry
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(runs, indent=2, sort_keys=True))
+    os.replace(tmp, path)
+
+
+def reopen_stage_run(client: MlflowClient, root: Path, stage: str, key: str | None):
+    """The MLflow run of ``stage``'s earlier attempt with the same key (its files kept: GRPO goes on from its last
+    checkpoint) when it still exists in this store; None otherwise."""
+    from mlflow.exceptions import MlflowException
+
+    prev = recorded_stage_run(root, stage)
+    if key is None or prev.get("key") != key or prev.get("tracking_uri") != client.tracking_uri:
+        return None
+    try:
+        run = client.get_run(prev["run_id"])
+    except MlflowException:
+        return None
+    return run if run.info.lifecycle_stage == "active" else None
 
 
 @contextlib.contextmanager
-def stage_run(cfg: PipelineConfig, parent_run_id: str | None, stage: str) -> Iterator[RunLogger]:
+def stage_run(
+    cfg: PipelineConfig, parent_run_id: str | None, stage: str, root: Path | None = None, key: str | None = None
+) -> Iterator[RunLogger]:
     """A nested MLflow run for one stage, named and tagged by run_meta; a disabled logger when there is no parent
-    run. The description (what the stage did) is set here, its result by the caller at the end."""
+    run. The description (what the stage did) is set here, its result by the caller at the end.
+
+    One run per stage: an attempt with the stage's ``key`` recorded in <workspace>/stage_runs.json reopens that
+    run (RUNNING again; the metric steps it holds are not logged again); another key starts a new run."""
     if parent_run_id is None:
         yield RunLogger.disabled()
         return
-    client = MlflowClient(tracking_uri(cfg))
-    parent = client.get_run(parent_run_id)
-    pipeline = parent.info.run_name
-    tags = {
-        PARENT_TAG: parent_run_id,
-        **run_meta.filter_tags(cfg, stage, pipeline, parent.data.tags.get("git_commit")),
-        NOTE: run_meta.describe(cfg, stage, None),
-    }
-    run = client.create_run(parent.info.experiment_id, run_name=run_meta.stage_name(cfg, stage), tags=tags)
-    logger = RunLogger(client, run.info.run_id)
+    from grpoflow.tasks.runtime.preflight import tracking_problem
+
+    uri = tracking_uri(cfg)
+    if problem := tracking_problem(uri):  # the run must be created or reopened: seconds, not minutes of retries
+        raise ConnectionError(f"stage {stage} cannot start: {problem}")
+    root = root or workspace_dir(cfg)
+    client = MlflowClient(uri)
+    run = reopen_stage_run(client, root, stage, key)
+    if run is not None:
+        client.update_run(run.info.run_id, status="RUNNING")  # now: system metrics sample only a RUNNING run
+        logger = logger_for(cfg, client, run.info.run_id, root)
+        logger.reopened(run)
+        resumes = int(run.data.tags.get("grpoflow.stage_resumes", "0")) + 1
+        last = max((logger.skip[k] for k in logger.skip if not k.startswith("system/")), default=0)
+        logger.set_tags({"grpoflow.stage_resumes": resumes, "grpoflow.steps_logged_before_resume": last})
+        log.info("stage %s: continuing MLflow run %s (steps up to %d already logged)", stage, run.info.run_id, last)
+    else:
+        parent = client.get_run(parent_run_id)
+        pipeline = parent.info.run_name
+        tags = {
+            PARENT_TAG: parent_run_id,
+            **run_meta.filter_tags(cfg, stage, pipeline, parent.data.tags.get("git_commit")),
+            NOTE: run_meta.describe(cfg, stage, None),
+        }
+        run = client.create_run(parent.info.experiment_id, run_name=run_meta.stage_name(cfg, stage), tags=tags)
+        logger = logger_for(cfg, client, run.info.run_id, root)
+        record_stage_run(root, stage, {"run_id": run.info.run_id, "key": key or "", "tracking_uri": uri})
     ok = False
     try:
         yield logger

@@ -32,7 +32,7 @@ from grpoflow.tasks.runtime import s3
 from grpoflow.tasks.runtime.dist import launched_world_size, process_group
 from grpoflow.tasks.runtime.launch import write_rank_error
 from grpoflow.tasks.runtime.stage import USER_ERRORS
-from grpoflow.tasks.runtime.tracking import RunLogger
+from grpoflow.tasks.runtime.tracking import RunLogger, logger_for
 from grpoflow.tasks.runtime.workspace import Workspace, reroot
 from grpoflow.tasks.stages.grpo import train_grpo
 
@@ -92,8 +92,12 @@ def main(argv: list[str]) -> int:
             if comm.is_main and spec["run_id"]:
                 from mlflow.tracking import MlflowClient
 
-                tracker = RunLogger(MlflowClient(spec["tracking_uri"]), spec["run_id"])
-            summary = train_grpo(cfg, ws, tracker, spec["init_model"], comm, node_mirrors=remote)
+                client = MlflowClient(spec["tracking_uri"])
+                tracker = logger_for(cfg, client, spec["run_id"], ws.root, f"{spec['run_id']}.rank0")
+            try:
+                summary = train_grpo(cfg, ws, tracker, spec["init_model"], comm, node_mirrors=remote)
+            finally:
+                tracker.close()  # within tracking.flush_timeout_s; the rest stays in its journal
             if comm.is_main:
                 out = Path(spec["summary"])
                 out.parent.mkdir(parents=True, exist_ok=True)

@@ -18,9 +18,9 @@ def logged_run(out, name, overrides, rewards, accuracy):
         for step, r in enumerate(rewards, 1):
             grpo.log_metrics({"reward": r, "step_time": 1.0 + step / 10}, step=step)
     parent.log_metrics({"accuracy_before": accuracy[0], "accuracy_after": accuracy[1]})
-    parent.client.set_terminated(parent.run_id, "FINISHED")
+    parent.end(True)  # FINISHED, and what was logged sent (the logger sends in the background)
     ws = out / name
-    ws.mkdir(parents=True)
+    ws.mkdir(parents=True, exist_ok=True)  # it holds the runs' tracking journal already
     (ws / "run.json").write_text(json.dumps({"mlflow_run_id": parent.run_id, "tracking_uri": tracking_uri(cfg)}))
     return cfg, parent.run_id, ws
 
