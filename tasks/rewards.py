@@ -380,7 +380,8 @@ def reward_values(name: str, out: Any, completions: list[Any]) -> list[float]:
 class UnscoredRounds:
     """Rounds in which a reward scored no completion at all (every value None or NaN): such a reward teaches
     nothing, usually because it cannot find a column it needs. Warns naming the reward on its first such round
-    (and every 100th after), and counts them as the metric rewards/<name>/unscored_rounds."""
+    (and every 100th after), and counts them as the metric rewards/<name>/unscored_rounds, logged from a reward's
+    first such round on (a chart that stays 0 would only clutter the run)."""
 
     def __init__(self) -> None:
         self.counts: Counter[str] = Counter()
@@ -398,7 +399,7 @@ class UnscoredRounds:
                         len(values),
                         self.counts[name],
                     )
-        return {f"rewards/{name}/unscored_rounds": float(self.counts[name]) for name in names}
+        return {f"rewards/{name}/unscored_rounds": float(self.counts[name]) for name in names if self.counts[name]}
 
 
 def _sample(completions: list[Any], i: int) -> str:
