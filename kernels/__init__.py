@@ -1,26 +1,20 @@
-"""grpoflow.kernels: the Triton kernels (fused log-probabilities, the GRPO loss).
+"""grpoflow.kernels: fused per-token log-probabilities and entropy of the chosen tokens, from the hidden states and
+the lm_head, without ever holding the whole [tokens, vocabulary] logits.
 
-This folder installs as ``grpoflow.kernels``. When a process's working directory is the grpoflow checkout
-(``python -m ...`` from the repo root, or a Prefect worker whose pull step cds there), the folder is also
-reachable as the top-level name ``kernels``, which is Hugging Face's kernel-hub package that transformers and
-bitsandbytes probe. Imported under that name, this module steps aside: it loads the real ``kernels`` from the
-rest of sys.path when one is installed. Otherwise it stays an empty module without a version, which those probes
-read as "no usable kernels package" (transformers imports an unversioned package to ask for its __version__, so
-raising ImportError here would break `import transformers` itself); ``from kernels import get_kernel`` fails.
+:func:`grpoflow.kernels.logprobs.token_logprobs` is the entry point (the GRPO trainer's log-prob passes); it runs
+one of three implementations of the same math, picked by ``grpo.logprob_impl``:
+
+- Triton kernels for CUDA tensors (triton_logprobs.py; launch.py runs them on their tensors' GPU);
+- chunked torch, on CPU in float32 (chunked_logprobs.py) and on CUDA with GEMMs in the compute dtype and float32
+  accumulation (chunked_dtype.py; precision.py says which dtype);
+- a reference that builds the full logits (``token_logprobs_reference``), for tests and benchmarks.
+
+The GRPO loss itself is in grpoflow.tasks.grpo.loss, not here.
+
+The folder installs as ``grpoflow.kernels`` and this file runs no code. From the checkout's root as working
+directory (``python -m`` or ``python -c`` there puts it first on sys.path) the folder also answers to the
+top-level name ``kernels``, Hugging Face's kernel-hub package that transformers and bitsandbytes probe: they then
+find an empty module without a version and read it as "no kernels package" (tests/kernels/test_name_hazard.py).
+With Hugging Face's ``kernels`` installed, run from another folder, through the ``grpoflow`` command, or with
+``python -P`` (``PYTHONSAFEPATH=1``), which leaves the working directory off sys.path.
 """
-
-from __future__ import annotations
-
-if __name__ == "kernels":
-    import importlib.util
-    import sys
-    from importlib.machinery import PathFinder
-    from pathlib import Path
-
-    _here = Path(__file__).resolve().parent.parent
-    _rest = [p for p in sys.path if Path(p or ".").resolve() != _here]
-    _spec = PathFinder.find_spec("kernels", _rest)
-    if _spec is not None and _spec.loader is not None:
-        _real = importlib.util.module_from_spec(_spec)
-        sys.modules["kernels"] = _real  # the import statement returns what sys.modules holds once this body ends
-        _spec.loader.exec_module(_real)

@@ -125,34 +125,3 @@ def test_installed_wheel_validates_from_another_folder(wheel, tmp_path):
     )
     assert res.returncode == 2 and "config file not found: nope.yaml" in res.stderr
     assert "default.yaml" in res.stderr  # the message lists the packaged configs
-
-
-def test_checkout_kernels_folder_steps_aside_for_the_top_level_name(tmp_path):
-    """From the repo root (a worker's working directory) `import kernels` must not give our Triton folder: it is
-    Hugging Face's package name. Absent that package, transformers imports and reads "no usable kernels" and
-    `from kernels import get_kernel` fails; present (a package of that name later on sys.path), it is returned."""
-    absent = (
-        "from transformers import PreTrainedModel\n"
-        "from transformers.utils.import_utils import is_kernels_available\n"
-        "assert not is_kernels_available()\n"
-        "try:\n    from kernels import get_kernel\nexcept ImportError:\n    print('no get_kernel')\n"
-    )
-    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
-    res = subprocess.run([sys.executable, "-c", absent], cwd=REPO, env=env, capture_output=True, text=True)
-    assert res.returncode == 0 and res.stdout.strip() == "no get_kernel", res.stderr
-    other = tmp_path / "site" / "kernels"
-    other.mkdir(parents=True)
-    (other / "__init__.py").write_text("MARK = 'hub'\ndef get_kernel(name):\n    return name\n")
-    env["PYTHONPATH"] = str(tmp_path / "site")
-    probe = "from kernels import get_kernel, MARK; import kernels; print(kernels.__file__, MARK)"
-    res = subprocess.run([sys.executable, "-c", probe], cwd=REPO, env=env, capture_output=True, text=True)
-    assert res.returncode == 0, res.stderr
-    assert res.stdout.split() == [str(other / "__init__.py"), "hub"]
-    res = subprocess.run(  # and our package keeps its own name
-        [sys.executable, "-c", "import grpoflow.kernels as k; print(k.__name__)"],
-        cwd=REPO,
-        env=env,
-        capture_output=True,
-        text=True,
-    )
-    assert res.returncode == 0 and res.stdout.strip() == "grpoflow.kernels", res.stderr

@@ -59,6 +59,9 @@ class TrainJobConfig(_Section):
 
 
 class DistributedConfig(_Section):
+    """The ``distributed`` section: GRPO on several processes (torchrun on this node or several, or the nodes of a
+    Kubeflow Trainer TrainJob). One process, the default, launches nothing."""
+
     nproc_per_node: int = Field(
         1,
         ge=1,

