@@ -142,7 +142,12 @@ class TinyModelConfig(_Section):
     num_key_value_heads: int = Field(
         2, ge=1, description="Key/value heads (grouped-query attention); num_attention_heads must be divisible by it."
     )
-    max_position_embeddings: int = Field(512, ge=16, description="Context length in tokens.")
+    max_position_embeddings: int = Field(
+        1024,
+        ge=16,
+        description="Context length in tokens (RoPE: no learned positions; it bounds grpo.max_prompt_length + "
+        "grpo.max_completion_length, 512 + 256 by default).",
+    )
     tie_word_embeddings: bool = Field(True, description="Share the input embedding matrix with the output layer.")
 
     @model_validator(mode="after")
