@@ -397,7 +397,7 @@ def main(argv: list[str] | None = None) -> int:
         p.add_argument(
             "--trl-config",
             metavar="FILE",
-            help="a TRL GRPOConfig as YAML/JSON (flat keys): read as the config's trl: section (README: TRL keys)",
+            help="a TRL GRPOConfig as YAML/JSON (flat keys): read as the config's trl: section (docs/trl.md)",
         )
         if name == "validate":
             p.add_argument("--show", action="store_true", help="print the resolved config")

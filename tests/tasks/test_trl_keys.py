@@ -14,7 +14,7 @@ from grpoflow.flows.cli import main
 from grpoflow.tasks.config import ConfigError, config_from_dict, load_config
 from grpoflow.tasks.config.trl_keys import TRL_KEYS, TRLKeyWarning, markdown_table
 
-README = Path(__file__).resolve().parents[2] / "README.md"
+CONFIG_REFERENCE = Path(__file__).resolve().parents[2] / "docs" / "configuration.md"
 
 
 def trl_dump(**kwargs) -> dict:
@@ -174,4 +174,4 @@ def test_cli_reads_a_trl_config_file(tmp_path, capsys):
 
 
 def test_readme_has_the_table():
-    assert markdown_table() in README.read_text()
+    assert markdown_table() in CONFIG_REFERENCE.read_text()
