@@ -46,6 +46,15 @@ def two_runs(mlflow_server, tmp_path_factory):
     return mlflow_server, exp.experiment_id
 
 
+@pytest.fixture(autouse=True)
+def _global_tracking_uri_restored():
+    """mlflow.set_tracking_uri also sets MLFLOW_TRACKING_URI for the whole process: left set, every later test's
+    pipeline would track to this module's server after it stopped (minutes of the client's retries each)."""
+    before = os.environ.get("MLFLOW_TRACKING_URI")
+    yield
+    mlflow.set_tracking_uri(before)  # None unsets the variable and the global
+
+
 def grpo_runs(uri: str, exp: str):
     mlflow.set_tracking_uri(uri)
     return mlflow.search_runs([exp], filter_string="tags.stage = 'grpo'", order_by=["params.learning_rate DESC"])
