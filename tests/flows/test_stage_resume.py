@@ -209,9 +209,10 @@ def test_sigkill_in_grpo_then_resume(ctx):
     assert parent.info.status == "FINISHED"
     assert parent.data.tags["grpoflow.resumes"] == "1"
     stages = [(r.data.tags["grpoflow.stage"], r.info.status) for r in children]
-    assert {s for s, status in stages if status == "FINISHED"} == set(STAGES)
-    assert [s for s, status in stages if status != "FINISHED"] == ["grpo"]  # the killed attempt, ended on resume
-    assert ("grpo", "KILLED") in stages
+    # one MLflow run per stage: the resume reopened the killed grpo run and finished it (docs/tracking.md)
+    assert sorted(stages) == sorted((s, "FINISHED") for s in STAGES)
+    grpo = next(r for r in children if r.data.tags["grpoflow.stage"] == "grpo")
+    assert grpo.data.tags["grpoflow.stage_resumes"] == "1"
 
 
 @pytest.mark.slow
