@@ -85,15 +85,14 @@ def make_generator(backend, model_dir, tok, prompts):
 def grpo_steps(model, gen, tok, rows, prompts, gcfg, steps: int) -> dict:
     """Median step time over ``steps`` GRPO steps after a warm-up step; vLLM: sync time and log-prob gap."""
     from grpoflow.tasks.grpo.trainer import GRPOTrainer
+    from grpoflow.tasks.grpo.trainer_runtime import TrainerRuntime
     from grpoflow.tasks.rewards import resolve_reward_funcs
     from grpoflow.tasks.runtime.tracking import RunLogger
 
     with tempfile.TemporaryDirectory() as ckpt:
-        trainer = GRPOTrainer(
-            gcfg.model_copy(update={"max_steps": steps + 1, "save_steps": 10**6}),
-            model, tok, rows, prompts, resolve_reward_funcs(gcfg.reward_funcs), gen, RunLogger.disabled(),
-            Path(ckpt), seed=0, is_correction=gcfg.vllm_importance_sampling_correction and gen.separate_engine,
-        )  # fmt: skip
+        funcs = resolve_reward_funcs(gcfg.reward_funcs)
+        rt = TrainerRuntime(model, tok, rows, prompts, funcs, gen, RunLogger.disabled(), Path(ckpt))
+        trainer = GRPOTrainer(gcfg.model_copy(update={"max_steps": steps + 1, "save_steps": 10**6}), rt, seed=0)
         sync_before = (getattr(gen, "sync_seconds", 0.0), getattr(gen, "syncs", 0))
         trainer.train()
     res = {"step_s": statistics.median(h["step_time"] for h in trainer.history[1:])}

@@ -127,6 +127,7 @@ def side_ours(args, rows: list[dict]) -> dict:
     from grpoflow.tasks.generation.backend import make_generator
     from grpoflow.tasks.grpo.flops import model_shape
     from grpoflow.tasks.grpo.trainer import GRPOTrainer
+    from grpoflow.tasks.grpo.trainer_runtime import TrainerRuntime
     from grpoflow.tasks.model.loading import add_lora, load_causal_lm, load_tokenizer, prompt_ids
     from grpoflow.tasks.rewards import resolve_reward_funcs
     from grpoflow.tasks.runtime.tracking import RunLogger
@@ -144,10 +145,9 @@ def side_ours(args, rows: list[dict]) -> dict:
     t = time.perf_counter()
     gen = make_generator(gen_cfg, model, tok, model_path=folder, max_model_len=max_len, seed=0)
     engine_s = time.perf_counter() - t
-    trainer = GRPOTrainer(
-        g, model, tok, rows, prompts, resolve_reward_funcs(["correctness"]), gen, RunLogger.disabled(),
-        Path(args.out), seed=0, is_correction=g.vllm_importance_sampling_correction and gen.separate_engine,
-    )  # fmt: skip
+    funcs = resolve_reward_funcs(["correctness"])
+    rt = TrainerRuntime(model, tok, rows, prompts, funcs, gen, RunLogger.disabled(), Path(args.out))
+    trainer = GRPOTrainer(g, rt, seed=0)  # a vLLM sampler: corrected for its drift
     torch.set_num_threads(args.threads)
     loop_start = protocol.since_process_start()
     t = time.perf_counter()

@@ -138,14 +138,14 @@ def grpo_settings(small: bool, max_steps: int, qwen: bool = False):
 def make_trainer(kind: str, setup: Setup, device: torch.device, small: bool, max_steps: int, folder: Path):
     from grpoflow.tasks.generation.transformers_loop import TransformersGenerator
     from grpoflow.tasks.grpo.trainer import GRPOTrainer
+    from grpoflow.tasks.grpo.trainer_runtime import TrainerRuntime
     from grpoflow.tasks.rewards import resolve_reward_funcs
 
     model, autocast = build_model(kind, setup, device, small)
     cfg = grpo_settings(small, max_steps, qwen=kind == "qwen_shape_lora")
     random.seed(0)
     torch.manual_seed(0)
-    return GRPOTrainer(
-        cfg,
+    rt = TrainerRuntime(
         model,
         setup.tok,
         setup.rows,
@@ -154,9 +154,9 @@ def make_trainer(kind: str, setup: Setup, device: torch.device, small: bool, max
         TransformersGenerator(model, setup.tok),
         _Tracker(),
         folder,
-        seed=0,
         autocast_dtype=autocast,
     )
+    return GRPOTrainer(cfg, rt, seed=0)
 
 
 def _losses(trainer) -> dict[int, float]:

@@ -254,7 +254,7 @@ def _run_pipeline(cfg: PipelineConfig, before=None) -> int:
     t0 = time.perf_counter()
     with embedded_server():  # its own session: Ctrl-C reaches the CLI, which stops the server last
         timeline.mark("prefect_server_up")
-        result = grpo_pipeline(config=cfg.to_dict(), workspace=str(workspace))
+        result = grpo_pipeline(config=cfg, workspace=str(workspace))
     print_summary(result, time.perf_counter() - t0)
     return 0
 

@@ -22,7 +22,7 @@ from pathlib import Path
 
 from prefect import flow, get_run_logger, task
 
-from grpoflow.tasks.config import ConfigError, StorageConfig, load_run_config
+from grpoflow.tasks.config import ConfigError, PipelineConfig, StorageConfig, load_run_config
 from grpoflow.tasks.ops.datasource import DataFile, Ledger, list_source, state_location
 from grpoflow.tasks.runtime.s3 import is_s3_uri, join_uri, local_path
 
@@ -38,18 +38,16 @@ def join_location(base: str, *parts: str) -> str:
 
 
 @task(name="new-data-files")
-def new_files_task(source: str, ledger_path: str, storage: dict | None = None) -> list[dict]:
-    settings = StorageConfig.model_validate(storage) if storage else None  # the endpoint of an s3:// source/state
-    files = Ledger(ledger_path, settings).new_files(list_source(source, settings))
+def new_files_task(source: str, ledger_path: str, storage: StorageConfig | None = None) -> list[dict]:
+    files = Ledger(ledger_path, storage).new_files(list_source(source, storage))  # storage: an s3:// endpoint
     return [f.__dict__ for f in files]
 
 
 @task(name="champion")
-def champion_task(cfg_dict: dict, dest: str) -> tuple[str, dict] | None:
-    from grpoflow.tasks.config import config_from_dict
+def champion_task(cfg: PipelineConfig, dest: str) -> tuple[str, dict] | None:
     from grpoflow.tasks.ops.continuous import champion_model
 
-    return champion_model(config_from_dict(cfg_dict), Path(dest))
+    return champion_model(cfg, Path(dest))
 
 
 @flow(name="grpo-continuous")
@@ -74,7 +72,7 @@ def grpo_continuous(
     check_continuous_config(cfg)
     state = state_location(source, state_dir, cfg.run.output_dir)
     ledger = Ledger(join_location(state, LEDGER), cfg.storage)
-    new = [DataFile(**f) for f in new_files_task(source, ledger.location, cfg.storage.model_dump())]
+    new = [DataFile(**f) for f in new_files_task(source, ledger.location, cfg.storage)]
     if not new:
         logger.info("no new data files in %s (ledger %s): nothing to do", source, ledger.location)
         return {"consumed": [], "decision": None}
@@ -87,15 +85,13 @@ def grpo_continuous(
     incoming = (local_path(ws, cfg.storage.cache_dir) if is_s3_uri(ws) else Path(ws)) / "incoming"
     data_file, rows = gather(new, incoming / "train.jsonl", cfg.storage)
     logger.info("%d new data files (%d rows) in %s: %s", len(new), rows, source, [f.name for f in new])
-    champion = champion_task(cfg.to_dict(), str(incoming / "champion"))
+    champion = champion_task(cfg, str(incoming / "champion"))
     if champion is None:
         logger.info("no champion in the registry yet: starting from %s (SFT: %s)", cfg.model.name, cfg.sft.enabled)
     else:
         logger.info("warm start from champion %s version %s", champion[1]["name"], champion[1]["version"])
     cycle = cycle_config(cfg, name, data_file, warm_start=champion is not None)
-    result = grpo_pipeline(
-        config=cycle.to_dict(), workspace=ws, init_model=champion[0] if champion is not None else None
-    )
+    result = grpo_pipeline(config=cycle, workspace=ws, init_model=champion[0] if champion is not None else None)
     reg = result.get("registry")
     if reg is None:
         decision = "not registered (no exported model)"

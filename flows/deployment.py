@@ -31,7 +31,7 @@ def grpo_pipeline(config: str | None = None, overrides: list[str] | None = None)
     workspace = Path(cfg.run.output_dir).resolve() / cfg.run.name
     get_run_logger().info("config %s + %s: workspace %s", config or "(default)", list(overrides or []), workspace)
     # the body, not the flow object: this deployment run is the pipeline's flow run (no nested run of the same name)
-    result = pipeline.grpo_pipeline.fn(config=cfg.to_dict(), workspace=str(workspace))
+    result = pipeline.grpo_pipeline.fn(config=cfg, workspace=str(workspace))
     if "eval" in result:
         e = result["eval"]
         get_run_logger().info("accuracy %.1f%% -> %.1f%%", 100 * e["accuracy_before"], 100 * e["accuracy_after"])

@@ -2,10 +2,10 @@
 
     prepare data -> (optional) SFT -> GRPO -> evaluate -> export
 
-Each stage is a Prefect task (tasks/*) that takes the resolved config as a dict and the run
-workspace (a folder or an s3:// URI), and returns a small summary with the URIs of what it wrote; the flow passes
-those URIs on. MLflow: the flow opens the parent run (tagged with the Prefect flow-run id),
-each stage task a nested run under it.
+Each stage is a Prefect task (tasks/*) that takes the validated config (a :class:`PipelineConfig`, as the
+CLI parsed it: Prefect passes pydantic models as they are) and the run workspace (a folder or an s3:// URI),
+and returns a small summary with the URIs of what it wrote; the flow passes those URIs on. MLflow: the flow
+opens the parent run (tagged with the Prefect flow-run id), each stage task a nested run under it.
 
 Resume: running the flow again on the same workspace skips every stage whose manifest holds its
 current key (tasks/runtime/stage.py) and continues the parent run named in <workspace>/run.json
@@ -20,7 +20,7 @@ import time
 import yaml
 from prefect import flow, runtime
 
-from grpoflow.tasks.config import config_from_dict
+from grpoflow.tasks.config import PipelineConfig
 from grpoflow.tasks.runtime import timeline
 from grpoflow.tasks.runtime.registry import register_pipeline_model
 from grpoflow.tasks.runtime.resume import open_pipeline_run
@@ -55,17 +55,18 @@ def log_timeline(parent, result: dict) -> dict[str, float]:
 
 
 @flow(name="grpo-pipeline")
-def grpo_pipeline(config: dict, workspace: str, init_model: str | None = None) -> dict:
-    """Run the DAG on ``config`` (a resolved config dict) in ``workspace``. ``init_model`` (a local model folder,
+def grpo_pipeline(config: PipelineConfig, workspace: str, init_model: str | None = None) -> dict:
+    """Run the DAG on ``config`` (the validated run config, passed on to every stage task as it is) in
+    ``workspace``. ``init_model`` (a local model folder,
     e.g. the registry champion the continuous flow warm-starts from) replaces the SFT stage: GRPO starts from it
     and evaluation measures it as the "before" model."""
     timeline.mark("flow_start")
-    cfg = config_from_dict(config)
+    cfg = config
     ws = Workspace(workspace, cfg.storage)
-    ws.write_text("config.yaml", yaml.safe_dump(config, sort_keys=False))
+    ws.write_text("config.yaml", yaml.safe_dump(cfg.to_dict(), sort_keys=False))  # what `grpoflow resume` reads
     parent = open_pipeline_run(cfg, ws, tags={"prefect_flow_run_id": runtime.flow_run.id, "workspace": ws.location})
     timeline.mark("parent_run_open")
-    args = (config, ws.location, parent.run_id)
+    args = (cfg, ws.location, parent.run_id)
     url = run_url(parent.client, parent.run_id)  # now: the server answered the run's creation a moment ago
     ok = False
     try:

@@ -135,6 +135,20 @@ def config_from_dict(raw: dict[str, Any]) -> PipelineConfig:
         raise ConfigError(_format_error(err, sources)) from None
 
 
+def config_to_json(cfg: PipelineConfig) -> dict[str, Any]:
+    """The process boundary, outward: ``cfg`` as JSON data for another process to read with
+    :func:`config_from_json` (a torchrun worker's or a TrainJob pod's launch spec). Within one process the typed
+    config is passed as it is (the CLI, the flows, the Prefect stage tasks and the stage shell all take a
+    :class:`PipelineConfig`); this and :func:`config_from_json` are the only conversions on its way."""
+    return cfg.to_dict()
+
+
+def config_from_json(raw: dict[str, Any]) -> PipelineConfig:
+    """The process boundary, inward: the config another process wrote with :func:`config_to_json`, validated
+    again here (the same checks as a config file's)."""
+    return config_from_dict(raw)
+
+
 def load_config(
     path: str | Path | None = None, overrides: list[str] | None = None, trl_config: str | Path | None = None
 ) -> PipelineConfig:

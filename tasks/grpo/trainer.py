@@ -21,15 +21,13 @@ import math
 import shutil
 import time
 from collections import defaultdict
-from collections.abc import Callable, Collection
 from contextlib import nullcontext
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import torch
 
 from grpoflow.tasks.config import GRPOConfig
-from grpoflow.tasks.generation.types import Generator, SamplingParams
+from grpoflow.tasks.generation.types import SamplingParams
 from grpoflow.tasks.grpo import checkpoint, dist_checkpoint
 from grpoflow.tasks.grpo.advantages import combine_rewards, decoupled_advantages, group_advantages, nanstd
 from grpoflow.tasks.grpo.batch import PolicyLogProbs, RoundTensors, build_round, check_logprob_impl, root_logprobs
@@ -55,14 +53,12 @@ from grpoflow.tasks.grpo.loss import (
 from grpoflow.tasks.grpo.regularizers import EntropyControl, mix_reference
 from grpoflow.tasks.grpo.rounds import PromptSampler, Round
 from grpoflow.tasks.grpo.schedule import is_optimizer_step, micro_batch_rows
+from grpoflow.tasks.grpo.trainer_runtime import TrainerRuntime
 from grpoflow.tasks.model.device import model_device
 from grpoflow.tasks.model.optim import build_optimizer, build_scheduler, clip_and_step
 from grpoflow.tasks.rewards import UnscoredRounds, score_completions
 from grpoflow.tasks.runtime.dist import Comm
 from grpoflow.tasks.runtime.progress import progress_bar
-
-if TYPE_CHECKING:  # the trainer only calls log_metrics/log_table: it runs without mlflow (benchmarks/gpu_check.py)
-    from grpoflow.tasks.runtime.tracking import RunLogger
 
 log = logging.getLogger(__name__)
 
@@ -104,58 +100,43 @@ class GRPOTrainer:
     def __init__(
         self,
         cfg: GRPOConfig,
-        model,
-        tokenizer,
-        rows: list[dict],
-        prompt_ids: list[list[int]],
-        reward_funcs: list,
-        generator: Generator,
-        tracker: RunLogger,
-        checkpoint_dir: Path,
+        rt: TrainerRuntime,
+        *,
         seed: int = 42,
-        ref_model=None,
-        is_correction: bool = False,
-        on_checkpoint: Callable[[Path], None] | None = None,
-        autocast_dtype: torch.dtype | None = None,
-        comm: Comm | None = None,
-        root: torch.nn.Module | None = None,
         row_seeded: bool = False,
-        node_push: Callable[[Path], None] | None = None,
-        pinned: Callable[[], Collection[str]] | None = None,
+        is_correction: bool | None = None,
     ):
-        self.cfg = cfg
-        self.model = model
-        self.tokenizer = tokenizer
-        self.rows = rows
-        self.prompt_ids = prompt_ids
-        self.reward_funcs = reward_funcs
-        self.generator = generator
-        self.tracker = tracker
-        self.checkpoint_dir = checkpoint_dir
-        self.seed = seed
-        self.ref_model = ref_model
+        """``cfg`` the grpo section, ``rt`` the runtime objects; ``seed`` run.seed, ``row_seeded`` whether each
+        completion is seeded by its row (distributed.row_seeded); ``is_correction`` whether to correct for the
+        sampler's drift (default: grpo.vllm_importance_sampling_correction with a separate engine, e.g. vLLM)."""
+        self.cfg, self.runtime = cfg, rt
+        model, generator = rt.model, rt.generator
+        self.model, self.tokenizer, self.generator, self.tracker = model, rt.tokenizer, generator, rt.tracker
+        self.rows, self.prompt_ids, self.reward_funcs = rt.rows, rt.prompt_ids, rt.reward_funcs
+        self.checkpoint_dir, self.ref_model, self.seed = rt.checkpoint_dir, rt.ref_model, seed
+        if is_correction is None:
+            is_correction = cfg.vllm_importance_sampling_correction and generator.separate_engine
         self.is_correction = is_correction  # the sampler is a separate engine: correct for its drift
-        self.on_checkpoint = on_checkpoint  # called after each save (an S3 workspace uploads the checkpoints)
-        self.node_push = node_push  # nodes with their own disks: each other node uploads its shards (dist_checkpoint)
-        self.pinned = pinned  # names of checkpoints never pruned yet (still queued for their upload to S3)
+        hooks = rt.hooks
+        self.on_checkpoint, self.node_push, self.pinned = hooks.on_checkpoint, hooks.node_push, hooks.pinned
         self.device = model_device(model)  # rounds, log-probs, loss and optimizer state live beside the model
         check_logprob_impl(cfg.logprob_impl, self.device)
-        self.autocast_dtype = autocast_dtype  # full fine-tuning in bf16: float32 weights, bf16 forward passes
+        self.autocast_dtype = rt.autocast_dtype  # full fine-tuning in bf16: float32 weights, bf16 forward passes
         # distributed (tasks/grpo/distributed.py): this process's rank, the root module the engine wraps (the
         # log-prob path, PolicyLogProbs(model) at world size 1) and whether completions are seeded per row
-        self.comm = comm or Comm()
-        self.root = root if root is not None else PolicyLogProbs(model)
+        self.comm = rt.comm or Comm()
+        self.root = rt.root if rt.root is not None else PolicyLogProbs(model)
         self.row_seeded = row_seeded
         if self.comm.world > 1 and generator.separate_engine:  # it syncs after each optimizer step, decided
             generator.weights_key = lambda: self.step  # alike on every rank (FSDP2: the sync is collective)
         self.batching = cfg.batching(self.comm.world)
         self.settings = loss_settings(cfg, self.batching.steps_per_generation, self.comm.world)
-        self.sampler = PromptSampler(len(rows), seed, cfg.shuffle_dataset)
+        self.sampler = PromptSampler(len(rt.rows), seed, cfg.shuffle_dataset)
         self.optimizer = build_optimizer(model.parameters(), cfg)
         self.scheduler = build_scheduler(self.optimizer, cfg, cfg.max_steps)
         self.params = SamplingParams.from_grpo(cfg)
         self.weights = torch.tensor(cfg.reward_weights) if cfg.reward_weights else None
-        self.reward_names = [name for name, _ in reward_funcs]
+        self.reward_names = [name for name, _ in rt.reward_funcs]
         if cfg.overlong_buffer_length is not None:  # the column with_overlong_penalty adds, weight 1
             self.reward_names.append("overlong")
             self.weights = None if self.weights is None else torch.cat([self.weights, torch.ones(1)])

@@ -73,9 +73,10 @@ def fmt_lr(lr: float) -> str:
     return f"{mant.rstrip('0').rstrip('.')}e{int(exp)}"
 
 
-def config_hash(cfg_dict: dict[str, Any]) -> str:
-    """sha256 of the resolved config without run.name/run.output_dir (where it ran, not what), first 12 hex."""
-    body = {**cfg_dict, "run": {k: v for k, v in cfg_dict["run"].items() if k not in ("name", "output_dir")}}
+def config_hash(resolved: dict[str, Any]) -> str:
+    """sha256 of the resolved config (``cfg.to_dict()``, hashed one way) without run.name/run.output_dir (where it
+    ran, not what), first 12 hex."""
+    body = {**resolved, "run": {k: v for k, v in resolved["run"].items() if k not in ("name", "output_dir")}}
     return hashlib.sha256(json.dumps(body, sort_keys=True, default=str).encode()).hexdigest()[:12]
 
 

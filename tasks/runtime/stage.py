@@ -1,4 +1,4 @@
-"""The one shell every Prefect stage task uses: config dict + workspace URI in, summary dict out.
+"""The one shell every Prefect stage task uses: the typed run config + workspace URI in, summary dict out.
 
 Stages are plain functions ``fn(cfg, ws, tracker, **inputs) -> dict`` that know nothing of
 Prefect; this wraps one in its nested MLflow run (named, tagged, with its settings as params and its datasets as
@@ -8,8 +8,9 @@ returns (results, description, the trained model as a logged model output).
 Resume: a stage whose manifest holds the stage's current key (tasks/runtime/resume.py) is complete: its
 stored summary is returned and nothing runs or is logged. Otherwise its manifest and every later
 stage's are removed, its folder is emptied when its last attempt had another key (a same-key attempt
-that was killed keeps its files: GRPO continues from its newest checkpoint), the stage runs, and its
-manifest gets the key and the returned summary. On an S3 workspace the upstream stages' files are pulled
+that was killed keeps its files: GRPO continues from its newest checkpoint), the stage runs and returns its
+summary, and this shell publishes the stage: its manifest, written once, holds the key and the summary (stage
+bodies write no manifest). On an S3 workspace the upstream stages' files are pulled
 into the local mirror first (tasks/runtime/workspace.py), so a resume on an empty cache works.
 """
 
@@ -23,12 +24,13 @@ from typing import Any
 
 import torch
 
-from grpoflow.tasks.config import PipelineConfig, config_from_dict
+from grpoflow.tasks.config import PipelineConfig
 from grpoflow.tasks.runtime.errors import StageError
 from grpoflow.tasks.runtime.mlflow_entities import system_metrics
 from grpoflow.tasks.runtime.resume import stage_keys
 from grpoflow.tasks.runtime.run_info import TRAINING_STAGES, finish_run, prepare_run
 from grpoflow.tasks.runtime.tracking import stage_run
+from grpoflow.tasks.runtime.uploads import retry_outage
 from grpoflow.tasks.runtime.workspace import STAGES, Workspace, stages_from
 
 StageFn = Callable[..., dict[str, Any]]
@@ -47,10 +49,19 @@ def write_error_log(ws: Workspace, stage: str, exc: BaseException) -> Path:
     return path
 
 
+def publish(ws: Workspace, name: str, key: str, summary: dict[str, Any]) -> None:
+    """Write the stage's manifest (its key and summary), once; on S3 its files go up first, retried through an
+    outage within storage.outage_budget_s (a GRPO stage's final model is large), the manifest last."""
+    if ws.uri is None:
+        ws.publish(name, key, summary)
+    else:
+        where, budget = ws.s3.where, ws.s3.settings.outage_budget_s
+        retry_outage(lambda: ws.publish(name, key, summary), where, f"publishing {name}", budget)
+
+
 def run_stage(
-    name: str, fn: StageFn, cfg_dict: dict, workspace_root: str, parent_run_id: str | None, **inputs: Any
+    name: str, fn: StageFn, cfg: PipelineConfig, workspace_root: str, parent_run_id: str | None, **inputs: Any
 ) -> dict[str, Any]:
-    cfg: PipelineConfig = config_from_dict(cfg_dict)
     ws = Workspace(workspace_root, cfg.storage)
     keys = stage_keys(cfg.to_dict())
     key = keys[name]
@@ -74,7 +85,7 @@ def run_stage(
                 summary = fn(cfg, ws, tracker, **inputs)
             finish_run(tracker, cfg, ws, name, summary)
             summary["mlflow_run_id"] = tracker.run_id
-            ws.seal_manifest(name, key, summary)
+            publish(ws, name, key, summary)
             return summary
     except USER_ERRORS as e:
         path = write_error_log(ws, name, e)

@@ -7,9 +7,10 @@
             attempt.json       the key of the stage's latest attempt
             manifest.json      written last: a stage is complete iff its manifest exists
 
-The manifest is written atomically (temp file + rename) after everything else of the stage,
-so a killed stage leaves no manifest and is recomputed. Resuming (tasks/runtime/stage.py, tasks/runtime/resume.py):
-the manifest also holds the stage's ``key`` and the ``summary`` it returned, and ``attempt.json``
+The stage shell (tasks/runtime/stage.py) writes the manifest once, atomically (temp file + rename), after
+everything else of the stage (:meth:`Workspace.publish`), so a killed stage leaves no manifest and is recomputed.
+Resuming (tasks/runtime/resume.py): the manifest holds the stage's ``key`` and the ``summary`` it returned, and
+``attempt.json``
 (written when a stage starts) the key of its latest attempt, so that files an attempt with another key
 left behind (GRPO checkpoints) are removed rather than resumed. Stages only use the methods below, never
 raw paths outside their own folder.
@@ -118,14 +119,15 @@ class Workspace:
         return self.root / stage / MANIFEST
 
     # ------------------------------------------------------------------ publishing a stage
-    def write_manifest(self, stage: str, payload: dict[str, Any]) -> Path:
-        """Publish a stage: on S3 upload its files first (and the base model's, for sft/grpo), then write its
-        manifest last, atomically."""
+    def publish(self, stage: str, key: str, summary: dict[str, Any]) -> Path:
+        """Publish a finished stage, once (the stage shell, tasks/runtime/stage.py, calls it): on S3 upload its
+        files first (and the base model's, for sft/grpo), then write its manifest (the key and the summary) last,
+        atomically."""
         if self.uri is not None:
             self.push(stage)
             if stage in ("sft", "grpo") and (self.root / "base_model").is_dir():
                 self.push("base_model")
-        return self._write_manifest(stage, payload)
+        return self._write_manifest(stage, {"key": key, "summary": summary})
 
     def _write_manifest(self, stage: str, payload: dict[str, Any]) -> Path:
         body = {"stage": stage, "finished_at": time.time(), **payload, "root": str(self.root)}
@@ -217,11 +219,6 @@ class Workspace:
             return None
         old = manifest.get("root")
         return reroot(manifest["summary"], old, str(self.root)) if old else manifest["summary"]
-
-    def seal_manifest(self, stage: str, key: str, summary: dict[str, Any]) -> Path:
-        """Add the key and the returned summary to the manifest the stage wrote (atomically)."""
-        manifest = self.read_manifest(stage) or {}  # its finished_at, when there is one, is kept
-        return self._write_manifest(stage, {**manifest, "key": key, "summary": summary})
 
     def forget(self, stages: tuple[str, ...], attempts: bool = False) -> None:
         """Remove the manifests (and with ``attempts`` the attempt records) of these stages."""

@@ -15,7 +15,7 @@ before it without the <<calculator>> annotations), qa (answer field as is, empty
 
 The eval split is ``data.eval_source`` (a file, or a split name of the HF dataset) or a seeded held-out
 slice of the source. Outputs: <ws>/data/train and <ws>/data/eval (``Dataset.save_to_disk``), samples.jsonl
-(the first train rows, for humans) and, last, manifest.json. Everything here is plain Python except
+(the first train rows, for humans); the stage shell then writes manifest.json. Everything here is plain Python except
 :func:`data_task`, the thin Prefect task at the bottom.
 """
 
@@ -85,7 +85,6 @@ def _save(rows: list[dict[str, Any]], path: Path) -> None:
 def prepare_data(cfg: PipelineConfig, ws: Workspace) -> dict[str, Any]:
     """Build and save the train/eval datasets of cfg.data; returns a small summary (paths and counts)."""
     d, seed = cfg.data, cfg.run.seed
-    ws.manifest_path("data").unlink(missing_ok=True)  # a rerun that fails must not look complete
     skipped: dict[str, list[tuple[int, str]]] = {}
 
     if d.source == BUILTIN_SOURCE:
@@ -140,27 +139,19 @@ def prepare_data(cfg: PipelineConfig, ws: Workspace) -> dict[str, Any]:
         for row in train_rows[:SAMPLE_ROWS]:
             f.write(json.dumps(row) + "\n")
 
-    summary = {
+    return {
         "train_path": str(train_path),
         "eval_path": str(eval_path),
+        "samples_path": str(samples_path),
         "train_rows": len(train_rows),
         "eval_rows": len(eval_rows),
         "skipped_rows": n_skipped,
+        "skipped_row_indices": {name: [i for i, _ in s[:20]] for name, s in skipped.items() if s},
         "format": fmt,
+        "source": d.source,
+        "split": d.split,
+        "eval_source": d.eval_source,
     }
-    ws.write_manifest(
-        "data",
-        {
-            **summary,
-            "source": d.source,
-            "split": d.split,
-            "eval_source": d.eval_source,
-            "seed": seed,
-            "samples_path": str(samples_path),
-            "skipped_row_indices": {name: [i for i, _ in s[:20]] for name, s in skipped.items() if s},
-        },
-    )
-    return summary
 
 
 # --------------------------------------------------------------------------------------------
@@ -175,5 +166,5 @@ def _data_stage(cfg: PipelineConfig, ws: Workspace, tracker: RunLogger) -> dict[
 
 
 @task(name="prepare-data")
-def data_task(cfg_dict: dict, workspace_root: str, parent_run_id: str | None = None) -> dict:
-    return run_stage("data", _data_stage, cfg_dict, workspace_root, parent_run_id)
+def data_task(cfg: PipelineConfig, workspace_root: str, parent_run_id: str | None = None) -> dict:
+    return run_stage("data", _data_stage, cfg, workspace_root, parent_run_id)

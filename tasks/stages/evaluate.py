@@ -272,13 +272,12 @@ def run_eval(
         "accuracy_after": report["after"]["accuracy"],
         "seconds": time.perf_counter() - t0,
     }
-    ws.write_manifest("eval", summary)
     return summary
 
 
 @task(name="evaluate")
 def eval_task(
-    cfg_dict: dict,
+    cfg: PipelineConfig,
     workspace_root: str,
     parent_run_id: str | None,
     before_model: str,
@@ -288,7 +287,7 @@ def eval_task(
     return run_stage(
         "eval",
         run_eval,
-        cfg_dict,
+        cfg,
         workspace_root,
         parent_run_id,
         before_model=before_model,

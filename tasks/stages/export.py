@@ -156,13 +156,12 @@ def run_export(
             if skipped:
                 summary["gguf_skipped"] = skipped
     summary["seconds"] = time.perf_counter() - t0
-    ws.write_manifest("export", summary)
     return summary
 
 
 @task(name="export")
 def export_task(
-    cfg_dict: dict,
+    cfg: PipelineConfig,
     workspace_root: str,
     parent_run_id: str | None,
     base_model: str,
@@ -172,7 +171,7 @@ def export_task(
     return run_stage(
         "export",
         run_export,
-        cfg_dict,
+        cfg,
         workspace_root,
         parent_run_id,
         base_model=base_model,

@@ -26,6 +26,7 @@ from grpoflow.tasks.generation.backend import make_generator
 from grpoflow.tasks.grpo.batch import PolicyLogProbs
 from grpoflow.tasks.grpo.distributed import full_state_dict, wrap_root
 from grpoflow.tasks.grpo.trainer import GRPOTrainer, list_checkpoints
+from grpoflow.tasks.grpo.trainer_runtime import CheckpointHooks, TrainerRuntime
 from grpoflow.tasks.model.context import config_context, context_problem, tokenize_prompts
 from grpoflow.tasks.model.device import select_device
 from grpoflow.tasks.model.loading import (
@@ -42,7 +43,7 @@ from grpoflow.tasks.runtime.launch import run_torchrun, torchrun_command
 from grpoflow.tasks.runtime.plots import plot_learning_curves
 from grpoflow.tasks.runtime.stage import run_stage
 from grpoflow.tasks.runtime.tracking import RunLogger
-from grpoflow.tasks.runtime.uploads import UploadQueue, retry_outage
+from grpoflow.tasks.runtime.uploads import UploadQueue
 from grpoflow.tasks.runtime.workspace import Workspace
 from grpoflow.tasks.stages.common import base_model_path
 from grpoflow.tasks.stages.grpo_launch import WORKER, launch_spec
@@ -51,22 +52,15 @@ log = logging.getLogger(__name__)
 
 
 def run_grpo(cfg: PipelineConfig, ws: Workspace, tracker: RunLogger, init_model: str | None = None) -> dict:
-    """Train, then publish the stage (manifest); on several processes through torchrun, or on the nodes of a
-    Kubeflow TrainJob (distributed.launcher: trainjob)."""
+    """Train and return the summary (the stage shell publishes it); on several processes through torchrun, or on
+    the nodes of a Kubeflow TrainJob (distributed.launcher: trainjob)."""
     if cfg.distributed.launcher == "trainjob":
         from grpoflow.tasks.stages.grpo_trainjob import launch_trainjob  # the kubernetes client only when used
 
-        summary = launch_trainjob(cfg, ws, tracker, init_model)
-    elif cfg.distributed.world_size > 1:
-        summary = launch_grpo(cfg, ws, tracker, init_model)
-    else:
-        summary = train_grpo(cfg, ws, tracker, init_model)
-    if ws.uri is None:
-        ws.write_manifest("grpo", summary)
-    else:  # the final model and history go up (within the outage budget) before the manifest, written last
-        st = ws.s3.settings
-        retry_outage(lambda: ws.write_manifest("grpo", summary), ws.s3.where, "publishing grpo", st.outage_budget_s)
-    return summary
+        return launch_trainjob(cfg, ws, tracker, init_model)
+    if cfg.distributed.world_size > 1:
+        return launch_grpo(cfg, ws, tracker, init_model)
+    return train_grpo(cfg, ws, tracker, init_model)
 
 
 def launch_grpo(cfg: PipelineConfig, ws: Workspace, tracker: RunLogger, init_model: str | None) -> dict:
@@ -159,27 +153,16 @@ def train_grpo(
             push = functools.partial(ws.push_checkpoint, "grpo", "checkpoints", final.name, merged=node_mirrors)
             uploads.submit(final.name, push)
 
-    trainer = GRPOTrainer(
-        g,
-        model,
-        tokenizer,
-        rows,
-        prompts,
-        reward_funcs,
-        generator,
-        tracker,
-        out_dir / "checkpoints",
-        seed=cfg.run.seed,
-        ref_model=ref_model,
-        is_correction=g.vllm_importance_sampling_correction and generator.separate_engine,
+    hooks = CheckpointHooks(
         on_checkpoint=on_checkpoint,
-        autocast_dtype=autocast_dtype,
-        comm=comm,
-        root=root,
-        row_seeded=cfg.distributed.row_seeded,
         node_push=(lambda final: ws.push_added("grpo", f"checkpoints/{final.name}")) if node_mirrors else None,
         pinned=uploads.pending if uploads is not None else None,  # never pruned before they are on S3
     )
+    runtime = TrainerRuntime(
+        model, tokenizer, rows, prompts, reward_funcs, generator, tracker, out_dir / "checkpoints",
+        ref_model=ref_model, autocast_dtype=autocast_dtype, comm=comm, root=root, hooks=hooks,
+    )  # fmt: skip
+    trainer = GRPOTrainer(g, runtime, seed=cfg.run.seed, row_seeded=cfg.distributed.row_seeded)
     checkpoints = list_checkpoints(trainer.checkpoint_dir)
     if g.resume == "auto" and checkpoints:
         trainer.load_checkpoint(checkpoints[-1])
@@ -258,5 +241,5 @@ def dtype_name(model) -> str | None:
 
 
 @task(name="grpo")
-def grpo_task(cfg_dict: dict, workspace_root: str, parent_run_id: str | None, init_model: str | None) -> dict:
-    return run_stage("grpo", run_grpo, cfg_dict, workspace_root, parent_run_id, init_model=init_model)
+def grpo_task(cfg: PipelineConfig, workspace_root: str, parent_run_id: str | None, init_model: str | None) -> dict:
+    return run_stage("grpo", run_grpo, cfg, workspace_root, parent_run_id, init_model=init_model)

@@ -7,7 +7,7 @@ from __future__ import annotations
 import shutil
 from pathlib import Path
 
-from grpoflow.tasks.config import PipelineConfig
+from grpoflow.tasks.config import PipelineConfig, config_to_json
 from grpoflow.tasks.runtime.tracking import RunLogger, tracking_uri
 from grpoflow.tasks.runtime.workspace import Workspace
 from grpoflow.tasks.stages.common import base_model_path
@@ -26,7 +26,7 @@ def launch_spec(cfg: PipelineConfig, ws: Workspace, tracker: RunLogger, init_mod
         {"distributed.world_size": d.world_size, "distributed.strategy": d.strategy, "distributed.nnodes": d.nnodes}
     )
     return {
-        "config": cfg.to_dict(),
+        "config": config_to_json(cfg),  # the process boundary: the workers read it back with config_from_json
         "workspace": ws.location,
         "init_model": init_model,
         "tracking_uri": tracking_uri(cfg) if tracker else None,

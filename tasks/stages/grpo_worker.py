@@ -26,7 +26,7 @@ from pathlib import Path
 
 import torch
 
-from grpoflow.tasks.config import config_from_dict
+from grpoflow.tasks.config import config_from_json
 from grpoflow.tasks.model.device import resolve_device
 from grpoflow.tasks.runtime import s3
 from grpoflow.tasks.runtime.dist import launched_world_size, process_group
@@ -70,7 +70,7 @@ def main(argv: list[str]) -> int:
         os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")  # its engine's start-up chatter is rank 0's to log
     try:
         spec = read_spec(where)
-        cfg = config_from_dict(spec["config"])
+        cfg = config_from_json(spec["config"])  # the process boundary (grpo_launch.py wrote it)
         if launched_world_size() != cfg.distributed.world_size:
             raise ValueError(
                 f"distributed: torchrun started {launched_world_size()} processes, the config asks for "

@@ -159,10 +159,9 @@ def run_sft(cfg: PipelineConfig, ws: Workspace, tracker: RunLogger) -> dict:
         "train_examples": len(examples),
         "seconds": time.perf_counter() - t0,
     }
-    ws.write_manifest("sft", summary)
     return summary
 
 
 @task(name="sft")
-def sft_task(cfg_dict: dict, workspace_root: str, parent_run_id: str | None) -> dict:
-    return run_stage("sft", run_sft, cfg_dict, workspace_root, parent_run_id)
+def sft_task(cfg: PipelineConfig, workspace_root: str, parent_run_id: str | None) -> dict:
+    return run_stage("sft", run_sft, cfg, workspace_root, parent_run_id)

@@ -75,7 +75,7 @@ def _grpo_stage_error(tmp_path: Path, monkeypatch, reward: str, *overrides: str)
     cfg = load_config(MICRO, [*base, f"grpo.reward_funcs=[{reward}]", *overrides])
     prepare_data(cfg, Workspace(tmp_path / "bad"))
     with pytest.raises(StageError) as err:
-        run_stage("grpo", run_grpo, cfg.to_dict(), str(tmp_path / "bad"), None, init_model=None)
+        run_stage("grpo", run_grpo, cfg, str(tmp_path / "bad"), None, init_model=None)
     return err.value
 
 
@@ -172,7 +172,7 @@ def test_after_a_killed_rank_resume_continues_from_the_last_sharded_checkpoint(t
         ],
     )
     with caplog.at_level("INFO", "grpoflow.tasks.runtime.launch"):
-        summary = run_stage("grpo", run_grpo, cfg.to_dict(), str(tmp_path / "bad"), None, init_model=None)
+        summary = run_stage("grpo", run_grpo, cfg, str(tmp_path / "bad"), None, init_model=None)
     assert summary["steps"] == 3 and summary["world_size"] == 2
     assert f"resumed GRPO from {checkpoints / 'checkpoint-2'} (step 2, written by 2 processes)" in caplog.text
 

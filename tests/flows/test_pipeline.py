@@ -129,7 +129,7 @@ def test_mlflow_layout(finished_run):
 @pytest.mark.slow
 def test_export_matches_trained_model(finished_run):
 
-    manifest = json.loads((finished_run / "e2e" / "export" / "manifest.json").read_text())
+    manifest = json.loads((finished_run / "e2e" / "export" / "manifest.json").read_text())["summary"]
     assert manifest["verify_prompts"] == 2 and manifest["verify_tokens"] > 0
     assert manifest["verify_max_logprob_gap"] <= manifest["verify_tolerance"] == 0.0625  # float32 -> float16
     assert 0.0 <= manifest["verify_greedy_agreement"] <= 1.0

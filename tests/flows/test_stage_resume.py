@@ -120,8 +120,7 @@ def test_workspace_attempts_clear_files_of_another_key(tmp_path):
     (ws.stage_dir("grpo") / "checkpoints").mkdir()
     ws.begin("grpo", "k1")  # same key: a killed attempt keeps its checkpoints
     assert (tmp_path / "grpo" / "checkpoints").is_dir()
-    ws.write_manifest("grpo", {"steps": 3})
-    ws.seal_manifest("grpo", "k1", {"steps": 3, "model_path": "p"})
+    ws.publish("grpo", "k1", {"steps": 3, "model_path": "p"})
     assert ws.completed("grpo", "k1") == {"steps": 3, "model_path": "p"}
     assert ws.completed("grpo", "k2") is None
     ws.begin("grpo", "k2")

@@ -24,6 +24,7 @@ from safetensors.torch import load_file
 
 from grpoflow.tasks.config import load_config
 from grpoflow.tasks.runtime.launch import rank_errors
+from grpoflow.tasks.runtime.resume import stage_keys
 from grpoflow.tasks.runtime.tracking import RunLogger
 from grpoflow.tasks.runtime.trainjob import JobState
 from grpoflow.tasks.runtime.workspace import Workspace
@@ -77,7 +78,7 @@ def launcher(
         ],
     )
     ws = Workspace(f"{output}/{name}", cfg.storage)
-    prepare_data(cfg, ws)
+    ws.publish("data", stage_keys(cfg.to_dict())["data"], prepare_data(cfg, ws))  # what the stage shell does
     return ws, prepare_trainjob(cfg, ws, RunLogger.disabled(), init_model)
 
 

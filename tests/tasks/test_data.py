@@ -14,6 +14,8 @@ from grpoflow.tasks.dataio.rows import generate_arithmetic, parse_row
 from grpoflow.tasks.dataio.sources import file_problem, load_source
 from grpoflow.tasks.dataio.splits import corpus_text, load_split
 from grpoflow.tasks.rewards import correctness, strict_format
+from grpoflow.tasks.runtime.errors import StageError
+from grpoflow.tasks.runtime.resume import stage_keys
 from grpoflow.tasks.runtime.workspace import Workspace
 from grpoflow.tasks.stages.data import data_task, prepare_data
 
@@ -306,7 +308,7 @@ def test_invalid_rows_skipped_and_counted(tmp_path, caplog):
     assert (summary["train_rows"], summary["eval_rows"]) == (15, 2)
     assert "skipped 3 invalid rows" in caplog.text and "line 4: answer has no '####'" in caplog.text
     assert "line 12: question is empty" in caplog.text and "line 18: answer is missing" in caplog.text
-    assert ws.read_manifest("data")["skipped_row_indices"] == {str(path): [3, 11, 17]}
+    assert summary["skipped_row_indices"] == {str(path): [3, 11, 17]}
 
 
 def test_non_string_question(tmp_path):
@@ -336,13 +338,12 @@ def test_missing_column_lists_columns(tmp_path):
 
 
 # ---------------------------------------------------------------------------- outputs
-def test_manifest_outputs_and_round_trip(tmp_path):
+def test_summary_outputs_and_round_trip(tmp_path):
     summary, ws = run(tmp_path, source=str(GSM8K_SAMPLE), eval_size=4)
-    manifest = ws.read_manifest("data")
-    assert manifest is not None
-    assert {k: manifest[k] for k in summary} == summary
-    assert manifest["source"] == str(GSM8K_SAMPLE) and manifest["format"] == "gsm8k"
+    assert ws.read_manifest("data") is None  # the stage shell writes it (test_data_task_writes_the_manifest_once)
+    assert summary["source"] == str(GSM8K_SAMPLE) and summary["format"] == "gsm8k"
     assert Path(summary["train_path"]) == ws.root / "data" / "train"
+    assert Path(summary["samples_path"]) == ws.root / "data" / "samples.jsonl"
 
     train = load_split(ws, "train")
     samples = read_jsonl(ws.root / "data" / "samples.jsonl")
@@ -356,15 +357,17 @@ def test_manifest_outputs_and_round_trip(tmp_path):
 
 def test_rerun_overwrites(tmp_path):
     _, ws = run(tmp_path, source=str(GSM8K_SAMPLE), eval_size=4)
-    _, ws = run(tmp_path, source=str(GSM8K_SAMPLE), eval_size=4, max_train_rows=3)
-    assert len(load_split(ws, "train")) == 3 == ws.read_manifest("data")["train_rows"]
+    summary, ws = run(tmp_path, source=str(GSM8K_SAMPLE), eval_size=4, max_train_rows=3)
+    assert len(load_split(ws, "train")) == 3 == summary["train_rows"]
 
 
 def test_failed_rerun_leaves_no_manifest(tmp_path):
-    _, ws = run(tmp_path, source=str(GSM8K_SAMPLE), eval_size=4)
-    with pytest.raises(FileNotFoundError):
-        run(tmp_path, source=str(tmp_path / "missing.jsonl"))
-    assert ws.read_manifest("data") is None
+    where = str(tmp_path / "ws")
+    data_task.fn(make_cfg(tmp_path, source=str(GSM8K_SAMPLE), eval_size=4), where)
+    assert Workspace(where).read_manifest("data") is not None
+    with pytest.raises(StageError, match="missing.jsonl"):
+        data_task.fn(make_cfg(tmp_path, source=str(tmp_path / "missing.jsonl")), where)
+    assert Workspace(where).read_manifest("data") is None
 
 
 def test_load_split_missing(tmp_path):
@@ -374,8 +377,10 @@ def test_load_split_missing(tmp_path):
 
 def test_data_task_fn(tmp_path):
     cfg = make_cfg(tmp_path, arithmetic={"train_size": 8, "eval_size": 2})
-    summary = data_task.fn(cfg.to_dict(), str(tmp_path / "ws"))
+    summary = data_task.fn(cfg, str(tmp_path / "ws"))
     assert (summary["train_rows"], summary["eval_rows"], summary["format"]) == (8, 2, "arithmetic")
+    manifest = Workspace(tmp_path / "ws").read_manifest("data")  # written once, by the stage shell
+    assert manifest["summary"] == summary and manifest["key"] == stage_keys(cfg.to_dict())["data"]
 
 
 @pytest.mark.skipif(not (GSM8K_FULL / "train.jsonl").is_file(), reason="full GSM8K not present (../shared/data)")

@@ -280,7 +280,6 @@ def test_export_stage_writes_and_lists_gguf(models, tmp_path, monkeypatch):
     assert sorted(p.name for p in gguf_dir.iterdir()) == ["model-f16.gguf", "model-q8_0.gguf"]
     r = gguf.GGUFReader(gguf_dir / "model-f16.gguf")
     assert field(r, "general.file_type") == gguf.LlamaFileType.MOSTLY_F16 and len(r.tensors) == 2 + 2 * 12
-    assert json.loads((ws.root / "export" / "manifest.json").read_text())["gguf"] == summary["gguf"]
     assert load_config(MICRO).export.gguf == ["f16"]  # the default: one f16 GGUF of the merged model
 
 

@@ -8,6 +8,7 @@ from grpoflow.tasks.generation.transformers_loop import TransformersGenerator
 from grpoflow.tasks.generation.types import SamplingParams
 from grpoflow.tasks.grpo.batch import build_round, policy_logprobs
 from grpoflow.tasks.grpo.trainer import GRPOTrainer, PromptSampler
+from grpoflow.tasks.grpo.trainer_runtime import TrainerRuntime
 from grpoflow.tasks.model.loading import add_lora, prompt_ids
 from grpoflow.tasks.model.tiny import build_tiny_model, train_tiny_tokenizer
 from grpoflow.tasks.rewards import resolve_reward_funcs
@@ -39,23 +40,17 @@ def addition_rows(tok, n):
     return rows, [prompt_ids(tok, r["prompt"]) for r in rows]
 
 
-def make_trainer(cfg, tok, model, out_dir, funcs=None, n_rows=4, generator=None, **kwargs):
+def make_trainer(
+    cfg, tok, model, out_dir, funcs=None, n_rows=4, generator=None, row_seeded=False, is_correction=None, **runtime
+):
     """A GRPOTrainer on addition_rows, sampling with the training model itself (unless ``generator`` is given),
-    logging nowhere."""
+    logging nowhere; ``runtime``: further TrainerRuntime fields (ref_model, autocast_dtype, comm, root, hooks)."""
     rows, prompts = addition_rows(tok, n_rows)
-    return GRPOTrainer(
-        cfg,
-        model,
-        tok,
-        rows,
-        prompts,
-        funcs or [("length", length)],
-        generator or TransformersGenerator(model, tok),
-        RunLogger.disabled(),
-        out_dir,
-        seed=0,
-        **kwargs,
+    generator = generator or TransformersGenerator(model, tok)
+    rt = TrainerRuntime(
+        model, tok, rows, prompts, funcs or [("length", length)], generator, RunLogger.disabled(), out_dir, **runtime
     )
+    return GRPOTrainer(cfg, rt, seed=0, row_seeded=row_seeded, is_correction=is_correction)
 
 
 def length(prompts, completions, **columns):

@@ -222,7 +222,7 @@ def test_s3_workspace_publishes_files_then_the_manifest(env, tmp_path, monkeypat
 
     monkeypatch.setattr(s3.S3Store, "upload_file", crashing_upload)
     with pytest.raises(OSError, match="injected crash"):
-        ws2.write_manifest("grpo", summary)
+        ws2.publish("grpo", "k1", summary)
     assert ws2.read_manifest("grpo") is None and ws2.completed("grpo", "k1") is None
     assert "final/adapter.safetensors" in _keys(f"{uri}/grpo")  # the file that made it before the crash
 
@@ -232,10 +232,9 @@ def test_s3_workspace_publishes_files_then_the_manifest(env, tmp_path, monkeypat
     order.clear()
     monkeypatch.setattr(s3.S3Store, "upload_file", recorded(real_upload))
     monkeypatch.setattr(s3.S3Store, "put_bytes", recorded(real_put))
-    ws2.write_manifest("grpo", summary)
-    ws2.seal_manifest("grpo", "k1", summary)
-    # the retry uploads only what is missing, then the manifest (written, then sealed with key and summary)
-    assert order == [f"{uri}/grpo/final/config.json", f"{uri}/grpo/{MANIFEST}", f"{uri}/grpo/{MANIFEST}"]
+    ws2.publish("grpo", "k1", summary)
+    # the retry uploads only what is missing, then the manifest (with key and summary), once
+    assert order == [f"{uri}/grpo/final/config.json", f"{uri}/grpo/{MANIFEST}"]
     monkeypatch.setattr(s3.S3Store, "upload_file", real_upload)
     monkeypatch.setattr(s3.S3Store, "put_bytes", real_put)
 
@@ -290,8 +289,7 @@ def test_nodes_add_their_checkpoint_files_and_node_0_keeps_them(env, tmp_path):
 
 def test_local_workspace_summaries_follow_a_moved_folder(tmp_path):
     ws = Workspace(tmp_path / "a")
-    ws.write_manifest("sft", {})
-    ws.seal_manifest("sft", "k", {"model_path": str(ws.root / "sft" / "model"), "other": "/elsewhere/x"})
+    ws.publish("sft", "k", {"model_path": str(ws.root / "sft" / "model"), "other": "/elsewhere/x"})
     (tmp_path / "a").rename(tmp_path / "b")
     moved = Workspace(tmp_path / "b")
     assert moved.completed("sft", "k") == {"model_path": str(moved.root / "sft" / "model"), "other": "/elsewhere/x"}

@@ -28,6 +28,7 @@ from grpoflow.tasks.generation.vllm_engine import (
 )
 from grpoflow.tasks.grpo.batch import build_round, policy_logprobs
 from grpoflow.tasks.grpo.trainer import GRPOTrainer
+from grpoflow.tasks.grpo.trainer_runtime import TrainerRuntime
 from grpoflow.tasks.model.loading import add_lora
 from grpoflow.tasks.model.tiny import build_tiny_model, train_tiny_tokenizer
 from grpoflow.tasks.runtime.tracking import RunLogger
@@ -212,10 +213,8 @@ def test_grpo_trainer_with_the_vllm_engine_turns_on_the_sampler_correction(tok, 
         max_steps=2, per_device_train_batch_size=8, num_generations=4, max_completion_length=6, learning_rate=1e-2
     )
     rows, prompts = addition_rows(tok, 8)
-    trainer = GRPOTrainer(
-        cfg, model, tok, rows, prompts, [("length", length)], gen, RunLogger.disabled(), tmp_path, seed=0,
-        is_correction=cfg.vllm_importance_sampling_correction and gen.separate_engine,
-    )  # fmt: skip
+    rt = TrainerRuntime(model, tok, rows, prompts, [("length", length)], gen, RunLogger.disabled(), tmp_path)
+    trainer = GRPOTrainer(cfg, rt, seed=0)  # with vLLM's separate engine: corrected for its drift
     trainer.train()
     h = trainer.history[-1]
     assert h["sampling/sampling_logp_difference/max"] < 1e-4
