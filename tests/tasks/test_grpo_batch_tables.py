@@ -17,6 +17,7 @@ from grpoflow.tasks.config import GRPOConfig
 from grpoflow.tasks.generation.transformers_loop import TransformersGenerator
 from grpoflow.tasks.grpo.schedule import plan
 from grpoflow.tasks.grpo.trainer import GRPOTrainer
+from grpoflow.tasks.grpo.trainer_runtime import TrainerRuntime
 from grpoflow.tasks.runtime.tracking import RunLogger
 from tests.tasks.test_grpo_trainer import addition_rows, length, make
 
@@ -110,10 +111,11 @@ def test_the_trainer_follows_the_table(tmp_path, name):
     )
     tok, model = make()
     rows, prompts = addition_rows(tok, 8)
-    trainer = RecordingTrainer(
-        cfg, model, tok, rows, prompts, [("length", length)], TransformersGenerator(model, tok), RunLogger.disabled(),
-        tmp_path, seed=0,
+    rt = TrainerRuntime(
+        model, tok, rows, prompts, [("length", length)], TransformersGenerator(model, tok), RunLogger.disabled(),
+        tmp_path,
     )  # fmt: skip
+    trainer = RecordingTrainer(cfg, rt, seed=0)
     trainer.trace = []
     trainer.train()
     want, steps_before = [], 0
