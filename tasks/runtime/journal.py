@@ -55,6 +55,7 @@ class Journal:
         self.files = self.folder / f"{self.name}.files"  # what log_dict/log_text/log_table wrote, until sent
         self._lock = threading.Lock()
         self._seq = 0
+        self._made = False  # the folder, made on the first append (reading a journal creates nothing)
 
     @staticmethod
     def run_of(path: Path) -> str:
@@ -63,7 +64,9 @@ class Journal:
     def append(self, op: dict[str, Any]) -> None:
         line = json.dumps(op, separators=(",", ":")) + "\n"
         with self._lock:
-            self.folder.mkdir(parents=True, exist_ok=True)
+            if not self._made:
+                self.folder.mkdir(parents=True, exist_ok=True)
+                self._made = True
             with self.path.open("a") as f:
                 f.write(line)
 
