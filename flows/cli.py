@@ -21,7 +21,7 @@ import time
 import warnings
 from pathlib import Path
 
-from grpoflow.flows.embedded_server import Terminated, embedded_server, handle_sigterm
+from grpoflow.flows.embedded_server import Terminated, handle_sigterm, serving, start_server
 from grpoflow.tasks.config import (
     ConfigError,
     PipelineConfig,
@@ -243,17 +243,24 @@ def _run_pipeline(cfg: PipelineConfig, before=None) -> int:
 
         if problem := config_problem(cfg):
             raise ConfigError(f"generation.backend=vllm: {problem}")
-    from grpoflow.flows.pipeline import grpo_pipeline  # heavy imports only after the config is valid
-
+    # Prefect's server starts in its own process (its own session: Ctrl-C reaches the CLI, which stops the server
+    # last) while this one does its heavy imports: on two cores the two starts overlap instead of adding up
+    server = start_server()
+    try:
+        from grpoflow.flows.pipeline import grpo_pipeline  # heavy imports only after the config is valid
+    except BaseException:
+        if server is not None:
+            server.stop()
+        raise
     timeline.mark("imports_done")
 
     quiet_stage_errors()
-    if before is not None:
-        before()
     workspace = join_location(cfg.run.output_dir, cfg.run.name)
     t0 = time.perf_counter()
-    with embedded_server():  # its own session: Ctrl-C reaches the CLI, which stops the server last
+    with serving(server):
         timeline.mark("prefect_server_up")
+        if before is not None:
+            before()
         result = grpo_pipeline(config=cfg, workspace=str(workspace))
     print_summary(result, time.perf_counter() - t0)
     return 0

@@ -17,6 +17,7 @@ With PREFECT_API_URL set, the user's server is used and nothing is started.
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import os
 import signal
 import socket
@@ -24,6 +25,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterator
+from pathlib import Path
 
 from grpoflow.tasks.runtime.launch import die_with_parent
 
@@ -73,32 +75,51 @@ def _stop(proc: subprocess.Popen) -> None:
         proc.wait()
 
 
-@contextlib.contextmanager
-def embedded_server(timeout: float | None = None) -> Iterator[str | None]:
-    """Start Prefect's API server (uvicorn, the app Prefect's temporary server runs, no UI) for this process and
-    point Prefect at it; yields its API URL (None when PREFECT_API_URL is set and nothing was started). Stopped on
-    the way out, whatever ends the block."""
-    if os.environ.get("PREFECT_API_URL"):
-        yield None
-        return
-    import httpx
-    import prefect
-    from prefect.settings import PREFECT_API_URL, get_current_settings, temporary_settings
+class Server:
+    """A started Prefect API server process and its URL (not yet known to answer)."""
 
-    timeout = timeout or float(os.environ.get("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "180"))
+    def __init__(self, proc: subprocess.Popen, url: str) -> None:
+        self.proc, self.url = proc, url
+
+    def stop(self) -> None:
+        _stop(self.proc)
+
+
+def start_server() -> Server | None:
+    """Start Prefect's API server (uvicorn, the app Prefect's temporary server runs, no UI) and return at once,
+    without waiting for it to answer: its start (imports, the SQLite store's migrations: seconds) runs beside the
+    caller's own heavy imports on another core. None when PREFECT_API_URL is set (the user's server is used).
+
+    It imports nothing heavy itself: Prefect's settings come from the environment (PREFECT_HOME and the rest,
+    set before this call), which the child reads as Prefect's own temporary server would."""
+    if os.environ.get("PREFECT_API_URL"):
+        return None
+    spec = importlib.util.find_spec("prefect")
+    if spec is None or spec.origin is None:
+        raise RuntimeError("prefect is not installed")
+    app_dir = Path(spec.origin).parent.parent
     port = _free_port()
-    env = {
-        **os.environ,
-        **get_current_settings().to_environment_variables(exclude_unset=True),
-        "PREFECT_UI_ENABLED": "0",
-        "PREFECT__SERVER_EPHEMERAL": "1",
-        "PREFECT__SERVER_FINAL": "1",
-    }
-    cmd = [sys.executable, "-m", "uvicorn", "--app-dir", str(prefect.__module_path__.parent), "--factory"]
+    env = {**os.environ, "PREFECT_UI_ENABLED": "0", "PREFECT__SERVER_EPHEMERAL": "1", "PREFECT__SERVER_FINAL": "1"}
+    cmd = [sys.executable, "-m", "uvicorn", "--app-dir", str(app_dir), "--factory"]
     cmd += ["prefect.server.api.server:create_app", "--host", "127.0.0.1", "--port", str(port)]
     cmd += ["--log-level", "error", "--lifespan", "on"]
     proc = subprocess.Popen(cmd, env=env, preexec_fn=_own_session_dying_with_parent)  # noqa: PLW1509 - setsid + pdeathsig
-    url = f"http://127.0.0.1:{port}/api"
+    return Server(proc, f"http://127.0.0.1:{port}/api")
+
+
+@contextlib.contextmanager
+def serving(server: Server | None, timeout: float | None = None) -> Iterator[str | None]:
+    """Wait until ``server`` answers, point Prefect at it and yield its API URL (None for no server: the user's
+    PREFECT_API_URL stays in force); the server is stopped on the way out, whatever ends the block (a failed
+    start included)."""
+    if server is None:
+        yield None
+        return
+    import httpx
+    from prefect.settings import PREFECT_API_URL, temporary_settings
+
+    timeout = timeout or float(os.environ.get("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "180"))
+    proc, url = server.proc, server.url
     try:
         deadline = time.monotonic() + timeout
         while True:
@@ -114,4 +135,12 @@ def embedded_server(timeout: float | None = None) -> Iterator[str | None]:
             yield url
     finally:
         _drain()
-        _stop(proc)
+        server.stop()
+
+
+@contextlib.contextmanager
+def embedded_server(timeout: float | None = None) -> Iterator[str | None]:
+    """Start Prefect's API server for this process and point Prefect at it (:func:`start_server`, then
+    :func:`serving`); yields its API URL (None when PREFECT_API_URL is set and nothing was started)."""
+    with serving(start_server(), timeout) as url:
+        yield url
