@@ -17,6 +17,7 @@ from contextlib import nullcontext
 
 import torch
 
+from grpoflow.tasks.generation.kv_cache import decode_cache
 from grpoflow.tasks.generation.types import Generation, SamplingParams, left_pad, torch_threads
 from grpoflow.tasks.model.device import model_device
 from grpoflow.tasks.model.lora import lora_merged, unwrap
@@ -124,8 +125,6 @@ def sample(
     rows still going (generate decodes every row until the last one ends). Sampling is generate's:
     transformers' logits processors, then softmax and torch.multinomial (argmax when greedy). With ``seeds`` (one
     per row) each row draws from its own torch.Generator: its tokens depend on its seed and its logits only."""
-    from transformers import DynamicCache
-
     base = unwrap(model)
     B, T = ids.shape[0], p.max_new_tokens
     warp = logits_warpers(p)
@@ -135,7 +134,7 @@ def sample(
     logps = torch.zeros((B, T), device=dev)
     lengths = torch.full((B,), T, dtype=torch.long, device=dev)
     stopped = torch.zeros(B, dtype=torch.bool, device=dev)
-    cache = DynamicCache(config=base.config)
+    cache = decode_cache(base.config, T)  # written in place: no torch.cat of the whole cache per token
     position = (mask.cumsum(-1) - 1).clamp(min=0)
     out = model(
         input_ids=ids,
