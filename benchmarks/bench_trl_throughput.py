@@ -187,10 +187,13 @@ def side_trl(args, rows: list[dict]) -> dict:
     imports_s = protocol.since_process_start()
     torch.set_num_threads(args.threads)
     tok = AutoTokenizer.from_pretrained(args.folder)
-    prompt_len = {
-        r["question"]: len(tok.apply_chat_template(r["prompt"], add_generation_prompt=True, tokenize=True))
-        for r in rows
-    }
+
+    def n_prompt_tokens(messages) -> int:
+        # transformers 5 returns a BatchEncoding (a dict: len() would be its 2 keys), 4.x a list of ids
+        enc = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+        return len(enc["input_ids"] if hasattr(enc, "keys") else enc)
+
+    prompt_len = {r["question"]: n_prompt_tokens(r["prompt"]) for r in rows}
     counted = {"tokens": 0, "lens": [], "rewards": []}
 
     def correctness_counting(prompts, completions, completion_ids, question, **kwargs):
