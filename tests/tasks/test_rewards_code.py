@@ -243,7 +243,7 @@ def test_a_grpo_step_with_hostile_programs_goes_on(tmp_path) -> None:
     """A real GRPOTrainer step whose reward runs hostile programs (the tiny model cannot write them, so the reward
     substitutes one per completion): every one is contained, scored 0 and counted, and training continues."""
     from grpoflow.tasks.config import GRPOConfig
-    from tests.tasks.test_grpo_trainer import length, make, make_trainer
+    from tests.tasks.grpo.test_trainer import length, make, make_trainer
 
     good = "def f(x):\n    return x + 1"
     rounds = iter([HOSTILE[k][0], good] * 2 for k in ("infinite_loop", "memory_bomb", "huge_output", "exit_early"))

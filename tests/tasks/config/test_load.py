@@ -1,9 +1,8 @@
-from pathlib import Path
-
 import pytest
 from pydantic import ValidationError
 
 from grpoflow.tasks.config import ConfigError, config_from_dict, load_config, resolve_eval_size
+from tests.paths import REPO
 
 
 def test_default_config_loads_and_resolves_batching():
@@ -92,7 +91,7 @@ def test_resolve_eval_size():
     assert resolve_eval_size(500, 100) == 99
 
 
-@pytest.mark.parametrize("path", sorted((Path(__file__).parents[2] / "configs").glob("*.yaml")), ids=lambda p: p.name)
+@pytest.mark.parametrize("path", sorted((REPO / "configs").glob("*.yaml")), ids=lambda p: p.name)
 def test_shipped_configs_validate(path):
     cfg = load_config(path)
     assert cfg.grpo.batching().generation_batch_size % cfg.grpo.num_generations == 0

@@ -1,7 +1,6 @@
 """docs/configuration.md is generated from the config models (tasks/config/reference.py) and kept current."""
 
 import difflib
-from pathlib import Path
 from typing import Literal
 
 import pytest
@@ -20,8 +19,9 @@ from grpoflow.tasks.config.reference import (
     trl_names,
     type_name,
 )
+from tests.paths import REPO
 
-DOC = Path(__file__).resolve().parents[2] / "docs" / "configuration.md"
+DOC = REPO / "docs" / "configuration.md"
 
 
 def test_configuration_md_is_generated_from_the_current_models():

@@ -4,7 +4,6 @@ checked against TRL's dataclass and configs TRL itself builds."""
 import dataclasses
 import json
 import warnings
-from pathlib import Path
 
 import pytest
 import trl
@@ -13,8 +12,9 @@ import yaml
 from grpoflow.flows.cli import main
 from grpoflow.tasks.config import ConfigError, config_from_dict, load_config
 from grpoflow.tasks.config.trl_keys import TRL_KEYS, TRLKeyWarning, markdown_table
+from tests.paths import REPO
 
-CONFIG_REFERENCE = Path(__file__).resolve().parents[2] / "docs" / "configuration.md"
+CONFIG_REFERENCE = REPO / "docs" / "configuration.md"
 
 
 def trl_dump(**kwargs) -> dict:

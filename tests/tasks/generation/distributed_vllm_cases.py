@@ -1,10 +1,11 @@
-"""The vLLM cases test_distributed_vllm.py compares between one process and two. Both runs are subprocesses (vLLM's
+"""The vLLM cases test_vllm_ranks.py compares between one process and two. Both runs are subprocesses (vLLM's
 parallel state is process-wide, so the test process starts no engine): the 2-rank one is ONE torchrun launch
 (gloo), each rank with its own co-located engine (vLLM's external_launcher executor, tensor parallel 1); the
 1-process one is the same module run by plain python (the ``uni`` executor):
 
-    python -m torch.distributed.run --standalone --nproc_per_node=2 -m tests.tasks.distributed_vllm_cases OUT.pt
-    python -m tests.tasks.distributed_vllm_cases OUT.pt
+    python -m torch.distributed.run --standalone --nproc_per_node=2 \
+        -m tests.tasks.generation.distributed_vllm_cases OUT.pt
+    python -m tests.tasks.generation.distributed_vllm_cases OUT.pt
 
 Two engines per process serve every case (one streams merged weights, one applies the adapter; starting one
 costs ~10 s): each case trains a fresh tiny model (head_dim
@@ -30,8 +31,8 @@ from grpoflow.tasks.model.loading import add_lora
 from grpoflow.tasks.model.optim import build_scheduler
 from grpoflow.tasks.model.tiny import build_tiny_model, train_tiny_tokenizer
 from grpoflow.tasks.runtime.dist import Comm, process_group
-from tests.tasks.distributed_cases import eos_prone, record, trainable
-from tests.tasks.test_grpo_trainer import TEXTS, addition_rows, make_trainer
+from tests.tasks.grpo.distributed_cases import eos_prone, record, trainable
+from tests.tasks.grpo.test_trainer import TEXTS, addition_rows, make_trainer
 
 ROWS_PER_ROUND = 12
 TINY = TinyModelConfig(

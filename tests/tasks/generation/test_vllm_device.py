@@ -15,7 +15,7 @@ from grpoflow.tasks.generation.vllm_device import (
     placement_kwargs,
     vllm_has_device_ids,
 )
-from tests.tasks.test_vllm_engine import needs_vllm
+from tests.tasks.generation.test_vllm_engine import needs_vllm
 
 
 def test_the_engine_runs_on_the_models_gpu():
@@ -40,7 +40,7 @@ def test_placement_names_the_gpu_to_a_one_process_engine_only():
 def test_an_indexed_gpu_takes_the_gpu_branch_of_the_engine_arguments():
     from grpoflow.tasks.config import GenerationConfig
     from grpoflow.tasks.generation.vllm_engine import engine_kwargs, sleep_mode_on
-    from tests.tasks.test_vllm_engine import _HF
+    from tests.tasks.generation.test_vllm_engine import _HF
 
     kw = engine_kwargs(GenerationConfig(), model_path="m", dtype="bfloat16", max_model_len=64, seed=0, hf_config=_HF,
                        device="cuda:1", sleep_available=True)  # fmt: skip

@@ -203,7 +203,7 @@ def test_sampling_follows_the_trainer_rng_and_leaves_process_state_alone(tok, en
 def test_grpo_trainer_with_the_vllm_engine_turns_on_the_sampler_correction(tok, engines, tmp_path):
     """Two optimizer steps of the real trainer sampling with vLLM: synced before each round, the
     importance-sampling stats are logged and the engine/trainer gap stays at float32 noise."""
-    from tests.tasks.test_grpo_trainer import addition_rows, length
+    from tests.tasks.grpo.test_trainer import addition_rows, length
 
     model = tiny(tok, tied=True, lora=True, seed=5)
     gen = engines(True)

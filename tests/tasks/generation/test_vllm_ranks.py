@@ -6,16 +6,15 @@ The cases are distributed_vllm_cases.py: ONE torchrun launch (gloo) and one plai
 import os
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 import torch
 
 from grpoflow.tasks.generation.vllm_engine import engine_kwargs, unsupported_reason
 from grpoflow.tasks.generation.vllm_ranks import executor_backend, row_requests
-from tests.tasks.distributed_vllm_cases import CASES, ROWS_PER_ROUND, TINY
+from tests.paths import REPO
+from tests.tasks.generation.distributed_vllm_cases import CASES, ROWS_PER_ROUND, TINY
 
-REPO = Path(__file__).resolve().parents[2]
 NAMES = [c[0] for c in CASES]
 vllm_problem = unsupported_reason(["Qwen2ForCausalLM"], head_dim=TINY.hidden_size // TINY.num_attention_heads)
 needs_vllm = pytest.mark.skipif(vllm_problem is not None, reason=f"vLLM unavailable: {vllm_problem}")
@@ -28,7 +27,7 @@ def runs(tmp_path_factory):
     outs, procs = [], []
     for launcher in ([], ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]):
         out = tmp_path_factory.mktemp("vllm-ranks") / "results.pt"
-        cmd = [sys.executable, *launcher, "-m", "tests.tasks.distributed_vllm_cases", str(out)]
+        cmd = [sys.executable, *launcher, "-m", "tests.tasks.generation.distributed_vllm_cases", str(out)]
         log = open(out.with_suffix(".log"), "w")  # noqa: SIM115 - closed below
         procs.append((subprocess.Popen(cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT), log))
         outs.append(out)

@@ -1,7 +1,8 @@
 """The GRPO cases test_distributed_ranks.py compares between one process and two: run by that test in-process, and
 on 2 ranks by ONE torchrun launch (gloo), so the suite pays for one launch:
 
-    python -m torch.distributed.run --standalone --nproc_per_node=2 -m tests.tasks.distributed_cases OUT.pt CKPT_DIR
+    python -m torch.distributed.run --standalone --nproc_per_node=2 \
+        -m tests.tasks.grpo.distributed_cases OUT.pt CKPT_DIR
 
 Each case trains a tiny model for two SGD steps (SGD: Adam's per-coordinate normalization would hide a gradient
 that is off by a constant factor) over one generation round replayed twice (num_iterations 2: the second step
@@ -25,7 +26,7 @@ from grpoflow.tasks.grpo.batch import PolicyLogProbs
 from grpoflow.tasks.grpo.distributed import wrap_root
 from grpoflow.tasks.model.optim import build_scheduler
 from grpoflow.tasks.runtime.dist import Comm, process_group
-from tests.tasks.test_grpo_trainer import addition_rows, make, make_trainer
+from tests.tasks.grpo.test_trainer import addition_rows, make, make_trainer
 
 ROWS_PER_ROUND = 12  # per_device_train_batch_size (6 on 1 process, 3 on 2) * processes * steps_per_generation 2
 CASES = [  # (name, loss_type, lora, scale_rewards, strategy)

@@ -1,6 +1,7 @@
 """FSDP2's mixed precision on 2 ranks (gloo, CPU), run by test_distributed_precision.py through ONE torchrun launch:
 
-    python -m torch.distributed.run --standalone --nproc_per_node=2 -m tests.tasks.distributed_precision_cases OUT.pt
+    python -m torch.distributed.run --standalone --nproc_per_node=2 \
+        -m tests.tasks.grpo.distributed_precision_cases OUT.pt
 
 Each case wraps a tiny model as the GRPO stage does (``wrap_root`` with the stage's autocast dtype) and trains it for
 two AdamW steps under the trainer's autocast:
@@ -24,8 +25,8 @@ from grpoflow.tasks.config import GRPOConfig
 from grpoflow.tasks.grpo.batch import PolicyLogProbs
 from grpoflow.tasks.grpo.distributed import wrap_root
 from grpoflow.tasks.runtime.dist import Comm, process_group
-from tests.tasks.distributed_cases import trainable
-from tests.tasks.test_grpo_trainer import make, make_trainer
+from tests.tasks.grpo.distributed_cases import trainable
+from tests.tasks.grpo.test_trainer import make, make_trainer
 
 CASES = {"full-bf16": (False, torch.bfloat16), "lora-bf16": (True, None)}  # name: (lora, autocast dtype)
 

@@ -1,8 +1,8 @@
-"""Shows that tests/tasks/test_learning_regression.py catches the breaks it is meant to catch: runs its shortened
+"""Shows that tests/tasks/grpo/test_learning_regression.py catches the breaks it is meant to catch: runs its shortened
 default run once as is and once per deliberate break, applied by patching the trainer module's names for the run
 only (no product code changes), and prints each run's gain against the test's MARGIN.
 
-    python -m tests.tasks.learning_breaks [seed [threads [break ...]]]   # from the repo root; minutes per run
+    python -m tests.tasks.grpo.learning_breaks [seed [threads [break ...]]]   # from the repo root; minutes per run
 
 advantage sign   group_advantages returns -A: the policy moves away from rewarded completions
 pg term zeroed   grpo_loss gets A = 0: no policy-gradient term left (beta 0, no entropy bonus: zero loss)
@@ -20,7 +20,7 @@ from unittest import mock
 import torch
 
 from grpoflow.tasks.grpo import trainer
-from tests.tasks.test_learning_regression import MARGIN, gain, reward_curve
+from tests.tasks.grpo.test_learning_regression import MARGIN, gain, reward_curve
 
 _group_advantages, _grpo_loss = trainer.group_advantages, trainer.grpo_loss
 

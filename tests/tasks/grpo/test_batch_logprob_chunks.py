@@ -6,7 +6,7 @@ import torch
 
 from grpoflow.tasks.config import GRPOConfig, load_config
 from grpoflow.tasks.grpo.batch import build_round, completion_lengths, policy_logprobs
-from tests.tasks.test_grpo_trainer import make, make_trainer
+from tests.tasks.grpo.test_trainer import make, make_trainer
 
 
 def _round(tok, mask_truncated=False):

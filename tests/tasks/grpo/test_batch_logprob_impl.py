@@ -8,7 +8,7 @@ from pydantic import ValidationError
 from grpoflow.tasks.config import GRPOConfig, load_config
 from grpoflow.tasks.grpo import batch as batch_module
 from grpoflow.tasks.grpo.batch import check_logprob_impl
-from tests.tasks.test_grpo_trainer import make, make_trainer
+from tests.tasks.grpo.test_trainer import make, make_trainer
 
 
 def test_the_key_takes_the_three_names_and_defaults_to_auto():

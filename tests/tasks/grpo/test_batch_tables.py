@@ -19,7 +19,7 @@ from grpoflow.tasks.grpo.schedule import plan
 from grpoflow.tasks.grpo.trainer import GRPOTrainer
 from grpoflow.tasks.grpo.trainer_runtime import TrainerRuntime
 from grpoflow.tasks.runtime.tracking import RunLogger
-from tests.tasks.test_grpo_trainer import addition_rows, length, make
+from tests.tasks.grpo.test_trainer import addition_rows, length, make
 
 # (GRPOConfig keywords, the tables: per cycle, per micro-step (prompts of the batch, optimizer steps after it))
 EXAMPLES = {

@@ -9,7 +9,7 @@ import pytest
 
 from grpoflow.tasks.config import GRPOConfig
 from grpoflow.tasks.grpo.checkpoint import CheckpointDiskFull, folder_bytes, list_checkpoints
-from tests.tasks.test_grpo_trainer import make, make_trainer
+from tests.tasks.grpo.test_trainer import make, make_trainer
 
 
 @pytest.fixture

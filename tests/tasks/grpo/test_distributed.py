@@ -15,7 +15,7 @@ from grpoflow.tasks.grpo.distributed import check_fsdp2_placement, local_rows, r
 from grpoflow.tasks.runtime.dist import Comm, resolve_backend
 from grpoflow.tasks.runtime.launch import failure, rank_errors, torchrun_command, write_rank_error
 from grpoflow.tasks.runtime.stage import USER_ERRORS
-from tests.tasks.test_grpo_trainer import make
+from tests.tasks.grpo.test_trainer import make
 
 
 def test_one_process_by_default():
@@ -183,7 +183,7 @@ def test_torchrun_command():
 
 TORCHRUN_FAILURE = """E1202 00:32:50.536000 2701 api.py:1002] failed (exitcode: -9) local_rank: 1 (pid: 2607)
 ============================================================
-tests.tasks.distributed_cases FAILED
+tests.tasks.grpo.distributed_cases FAILED
 ------------------------------------------------------------
 Root Cause (first observed failure):
 [0]:

@@ -5,7 +5,6 @@ import math
 import os
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -13,8 +12,7 @@ import torch
 from grpoflow.tasks.config import ModelConfig
 from grpoflow.tasks.grpo.distributed import mixed_precision
 from grpoflow.tasks.model.loading import train_dtypes
-
-REPO = Path(__file__).resolve().parents[2]
+from tests.paths import REPO
 
 
 def test_the_policy_follows_the_training_dtypes():
@@ -33,7 +31,7 @@ def runs(tmp_path_factory):
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "GRPOFLOW_PROGRESS": "0"}
     res = subprocess.run(
-        [*cmd, "-m", "tests.tasks.distributed_precision_cases", str(out)],
+        [*cmd, "-m", "tests.tasks.grpo.distributed_precision_cases", str(out)],
         cwd=REPO,
         env=env,
         capture_output=True,

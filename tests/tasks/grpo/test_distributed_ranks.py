@@ -7,7 +7,6 @@ import logging
 import os
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -15,9 +14,9 @@ import torch
 from grpoflow.tasks.config import GRPOConfig
 from grpoflow.tasks.grpo.distributed import local_rows
 from grpoflow.tasks.runtime.dist import Comm
-from tests.tasks.distributed_cases import CASES, RESUMED, ROWS_PER_ROUND, run_all, run_case
+from tests.paths import REPO
+from tests.tasks.grpo.distributed_cases import CASES, RESUMED, ROWS_PER_ROUND, run_all, run_case
 
-REPO = Path(__file__).resolve().parents[2]
 NAMES = [c[0] for c in CASES]
 
 
@@ -28,7 +27,7 @@ def runs(tmp_path_factory):
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "GRPOFLOW_PROGRESS": "0"}
     res = subprocess.run(
-        [*cmd, "-m", "tests.tasks.distributed_cases", str(out), str(checkpoints)],
+        [*cmd, "-m", "tests.tasks.grpo.distributed_cases", str(out), str(checkpoints)],
         cwd=REPO,
         env=env,
         capture_output=True,

@@ -6,7 +6,7 @@ import torch
 from grpoflow.tasks.config import ConfigError, GRPOConfig, config_from_dict
 from grpoflow.tasks.grpo.advantages import combine_rewards, nanstd
 from grpoflow.tasks.grpo.dynamic import Drawn, fill_round, overlong_penalty
-from tests.tasks.test_grpo_trainer import make, make_trainer
+from tests.tasks.grpo.test_trainer import make, make_trainer
 
 G = 3
 

@@ -7,7 +7,7 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from grpoflow.tasks.config import GRPOConfig
 from grpoflow.tasks.grpo.flops import ModelShape, forward_flops, model_shape, tflops, train_flops
-from tests.tasks.test_grpo_trainer import make, make_trainer
+from tests.tasks.grpo.test_trainer import make, make_trainer
 
 L = 10
 

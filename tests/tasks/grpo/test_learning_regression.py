@@ -1,7 +1,7 @@
 """The default task still learns: a short seeded run of the default config (the built-in arithmetic task on the
 tiny model: SFT, then GRPO with a LoRA adapter) whose mean reward over its last GRPO steps beats its first steps'
 by MARGIN. A broken advantage sign, a zeroed policy-gradient term or an adapter that never updates all miss it
-(tests/tasks/learning_breaks.py applies each of them to this run and prints the figures)."""
+(tests/tasks/grpo/learning_breaks.py applies each of them to this run and prints the figures)."""
 
 from __future__ import annotations
 

@@ -13,8 +13,8 @@ from trl.trainer.grpo_trainer import GRPOTrainer as TRLGRPOTrainer
 from grpoflow.tasks.config import GRPOConfig
 from grpoflow.tasks.grpo.loss import LossSettings, grpo_loss
 from grpoflow.tasks.grpo.regularizers import EntropyControl
-from tests.tasks.test_grpo_trainer import make, make_trainer
-from tests.tasks.test_grpo_trl_parity import NEW_LOSS_ARGS, make_inputs, random_round_inputs, trl_advantages, trl_stub
+from tests.tasks.grpo.test_trainer import make, make_trainer
+from tests.tasks.grpo.test_trl_parity import NEW_LOSS_ARGS, make_inputs, random_round_inputs, trl_advantages, trl_stub
 
 
 def reward_a(prompts, completions, **columns):

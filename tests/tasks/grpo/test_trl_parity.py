@@ -18,8 +18,8 @@ from grpoflow.tasks.generation.transformers_loop import TransformersGenerator
 from grpoflow.tasks.grpo.batch import policy_logprobs
 from grpoflow.tasks.grpo.loss import LossSettings, grpo_loss, importance_sampling_ratio
 from grpoflow.tasks.grpo.schedule import micro_batch_rows
-from tests.tasks.test_grpo_trainer import make, make_trainer
-from tests.tasks.trl_source import run_trl, trl_block, trl_span
+from tests.tasks.grpo.test_trainer import make, make_trainer
+from tests.tasks.grpo.trl_source import run_trl, trl_block, trl_span
 
 
 class _Accelerator:
@@ -212,7 +212,7 @@ TRL_IS_RATIO = trl_block(
 
 
 def trl_advantages(per_func, weights, num_generations, scale, aggregation):
-    """TRL 1.16's advantage lines of _generate_and_score_completions, run as they are (tests/tasks/trl_source.py)."""
+    """TRL 1.16's advantage lines of _generate_and_score_completions, run as they are (trl_source.py)."""
     from trl.trainer.utils import nanstd as trl_nanstd
 
     stub = SimpleNamespace(

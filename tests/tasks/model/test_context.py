@@ -6,6 +6,7 @@ import logging
 
 from grpoflow.tasks.config import config_from_dict
 from grpoflow.tasks.model.context import config_context, context_problem, known_context, tokenize_prompts
+from tests.paths import MICRO
 
 
 def _cfg(**grpo):
@@ -67,9 +68,8 @@ def test_validate_refuses_completions_past_the_context():
     import os
     import subprocess
     import sys
-    from pathlib import Path
 
-    micro = Path(__file__).parents[1] / "fixtures" / "micro.yaml"
+    micro = MICRO
     res = subprocess.run(
         [
             sys.executable,

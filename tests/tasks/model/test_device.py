@@ -2,7 +2,6 @@
 fine-tuning (run on the CPU, where torch.autocast to bfloat16 works as on a GPU)."""
 
 import ast
-from pathlib import Path
 
 import pytest
 import torch
@@ -10,7 +9,8 @@ import torch
 from grpoflow.tasks.config import GRPOConfig, ModelConfig, PipelineConfig
 from grpoflow.tasks.model.device import activate_device, model_device, resolve_device, select_device
 from grpoflow.tasks.model.loading import load_trainable, train_dtypes
-from tests.tasks.test_grpo_trainer import make, make_trainer
+from tests.paths import MICRO, REPO
+from tests.tasks.grpo.test_trainer import make, make_trainer
 
 
 def test_resolve_device_on_a_machine_without_a_gpu():
@@ -43,7 +43,7 @@ def test_activate_device_makes_a_gpu_current_and_leaves_the_cpu_alone():
         assert calls == []  # refused before anything is set
 
 
-STAGES = Path(__file__).parents[2] / "tasks" / "stages"
+STAGES = REPO / "tasks" / "stages"
 LOADERS = {"load_trainable", "load_causal_lm", "load_with_adapter"}
 
 
@@ -129,7 +129,6 @@ def test_full_fine_tuning_in_bfloat16_autocasts_over_float32_weights(saved_tiny,
     assert trainer.history[-1]["loss"] == trainer.history[-1]["loss"]  # not NaN
 
 
-MICRO = Path(__file__).parents[1] / "fixtures" / "micro.yaml"
 FULL_BF16_KL = ["model.lora.enabled=false", "export.adapter=false", "model.dtype=bfloat16", "grpo.beta=0.04"]
 
 

@@ -24,7 +24,7 @@ from grpoflow.tasks.model.tiny import build_tiny_model, train_tiny_tokenizer
 from grpoflow.tasks.runtime.tracking import RunLogger
 from grpoflow.tasks.runtime.workspace import Workspace
 from grpoflow.tasks.stages.export import run_export
-from tests.tasks.test_qlora import MICRO
+from tests.paths import MICRO
 
 TEXTS = [
     "What is 3 + 4?",

@@ -21,9 +21,8 @@ from grpoflow.tasks.stages.evaluate import run_eval
 from grpoflow.tasks.stages.export import run_export
 from grpoflow.tasks.stages.grpo import run_grpo
 from grpoflow.tasks.stages.sft import run_sft
-from tests.tasks.test_grpo_trainer import make, make_trainer
-
-MICRO = Path(__file__).parents[1] / "fixtures" / "micro.yaml"
+from tests.paths import MICRO
+from tests.tasks.grpo.test_trainer import make, make_trainer
 
 
 def test_4bit_base_with_lora_trains_with_8bit_adamw(tmp_path):
@@ -133,7 +132,7 @@ def test_qlora_pipeline_stages(tmp_path):
             "grpo.optim=adamw_8bit",
             "grpo.max_steps=2",
             "grpo.learning_rate=1e-2",
-            "grpo.reward_funcs=[tests.tasks.test_grpo_trainer:length]",  # spread: the adapter moves
+            "grpo.reward_funcs=[tests.tasks.grpo.test_trainer:length]",  # spread: the adapter moves
             "sft.max_steps=4",
             "eval.max_samples=4",
         ],

@@ -22,7 +22,7 @@ from grpoflow.tasks.model.sources import (
     model_problem,
     resolve_model,
 )
-from tests.tasks.test_gguf import save_tiny
+from tests.tasks.model.test_gguf import save_tiny
 
 
 @pytest.fixture(scope="module")
@@ -160,7 +160,7 @@ def test_two_grpo_steps_with_lora_on_smollm2(smollm2, tmp_path):
     """The real model through the trainer: LoRA adapters change, the frozen base does not."""
     from grpoflow.tasks.config import GRPOConfig, ModelConfig
     from grpoflow.tasks.model.loading import load_tokenizer, load_trainable
-    from tests.tasks.test_grpo_trainer import make_trainer
+    from tests.tasks.grpo.test_trainer import make_trainer
 
     folder, _ = smollm2
     mcfg = ModelConfig(name=folder)

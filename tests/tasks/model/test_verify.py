@@ -23,8 +23,8 @@ from grpoflow.tasks.stages.common import base_model_path
 from grpoflow.tasks.stages.data import prepare_data
 from grpoflow.tasks.stages.export import run_export
 from grpoflow.tasks.stages.sft import run_sft
+from tests.paths import MICRO
 
-MICRO = Path(__file__).parents[1] / "fixtures" / "micro.yaml"
 FAST = ["export.gguf=[]", "export.adapter=false", "grpo.max_completion_length=24"]
 
 

@@ -4,7 +4,6 @@ an S3 run workspace (runtime/workspace.py) and s3:// data sources (dataio/source
 import hashlib
 import json
 import os
-from pathlib import Path
 
 import pandas as pd
 import pytest
@@ -14,9 +13,9 @@ from grpoflow.tasks.dataio.splits import load_split
 from grpoflow.tasks.runtime import s3
 from grpoflow.tasks.runtime.workspace import MANIFEST, Workspace
 from grpoflow.tasks.stages.data import prepare_data
+from tests.paths import FIXTURES
 from tests.servers import free_port
 
-FIXTURES = Path(__file__).parents[1] / "fixtures"
 MICRO = str(FIXTURES / "micro.yaml")
 
 

@@ -6,7 +6,6 @@ shapes the Kubeflow Trainer v2 and Kubernetes APIs return. No Kubernetes API cal
 from __future__ import annotations
 
 import sys
-from pathlib import Path
 
 import pytest
 import yaml
@@ -26,8 +25,9 @@ from grpoflow.tasks.runtime.trainjob import (
 )
 from grpoflow.tasks.stages.grpo import WORKER
 from grpoflow.tasks.stages.grpo_trainjob import trainjob_command, trainjob_error
+from tests.paths import REPO
 
-TEMPLATE = Path(__file__).parents[2] / "infra" / "kubeflow" / "trainjob.yaml"
+TEMPLATE = REPO / "infra" / "kubeflow" / "trainjob.yaml"
 S3 = {"run": {"output_dir": "s3://bucket/runs", "name": "Exp_1"}}
 
 

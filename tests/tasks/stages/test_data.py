@@ -18,10 +18,10 @@ from grpoflow.tasks.runtime.errors import StageError
 from grpoflow.tasks.runtime.resume import stage_keys
 from grpoflow.tasks.runtime.workspace import Workspace
 from grpoflow.tasks.stages.data import data_task, prepare_data
+from tests.paths import FIXTURES, REPO
 
-FIXTURES = Path(__file__).parents[1] / "fixtures"
 GSM8K_SAMPLE = FIXTURES / "gsm8k_sample.jsonl"
-GSM8K_FULL = Path(__file__).parents[2].parent / "shared/data/gsm8k"
+GSM8K_FULL = REPO.parent / "shared/data/gsm8k"
 
 
 def make_cfg(tmp_path: Path, **data):

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from grpoflow.tasks.stages.sft import collate, labelled_token_loss, tokenize_sft
-from tests.tasks.test_grpo_trainer import make
+from tests.tasks.grpo.test_trainer import make
 
 
 def _full_logits_loss(model, ids, labels, mask) -> torch.Tensor:
