@@ -11,7 +11,8 @@ from pathlib import Path
 
 import pytest
 
-MICRO = Path(__file__).parents[1] / "fixtures" / "micro.yaml"
+from tests.paths import MICRO
+
 INF_REWARD = """
 def inf_reward(prompts, completions, **columns):
     return [float("inf")] * len(completions)
