@@ -43,6 +43,24 @@ def test_no_module_imports_the_old_top_level_names():
     assert not bad, bad
 
 
+def test_task_tests_mirror_the_source_tree():
+    """tests/tasks/<sub>/test_*.py sits in a folder that is a package tasks/<sub>/ (the tests mirror the source);
+    directly in tests/tasks/ are only the tests of top-level modules (test_rewards*.py for tasks/rewards.py)."""
+    tests = REPO / "tests" / "tasks"
+    top_modules = {p.stem for p in (REPO / "tasks").glob("*.py")} - {"__init__"}
+    files = sorted(tests.rglob("test_*.py"))
+    bad = []
+    for path in files:
+        rel = path.relative_to(tests)
+        if len(rel.parts) == 1:
+            if not any(path.stem == f"test_{m}" or path.stem.startswith(f"test_{m}_") for m in top_modules):
+                bad.append(f"tests/tasks/{rel}: directly in tests/tasks/ but tests no top-level tasks/ module")
+        elif not (REPO / "tasks" / rel.parent / "__init__.py").is_file():
+            bad.append(f"tests/tasks/{rel}: tasks/{rel.parent}/ is no package of the source tree")
+    assert not bad, bad
+    assert sum(len(p.relative_to(tests).parts) > 1 for p in files) > len(files) // 2  # mostly in subfolders
+
+
 @pytest.fixture(scope="module")
 def wheel(tmp_path_factory) -> Path:
     """The wheel built from a copy of the checkout's files (an in-tree build would leave build/ behind, whose stale

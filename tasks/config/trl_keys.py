@@ -500,7 +500,7 @@ def merge_trl_section(raw: dict[str, Any]) -> tuple[dict[str, Any], dict[str, st
 
 
 def markdown_table() -> str:
-    """The README's table, one row per key (kept in sync by tests/tasks/test_trl_keys.py)."""
+    """The README's table, one row per key (kept in sync by tests/tasks/config/test_trl_keys.py)."""
     rows = ["| TRL key | here |", "|---|---|"]
     for key, rule in TRL_KEYS.items():
         rows.append(f"| `{key}` | {rule.kind}: {rule.what} |")

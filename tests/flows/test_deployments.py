@@ -18,8 +18,8 @@ import httpx
 import pytest
 from mlflow.tracking import MlflowClient
 
-REPO = Path(__file__).resolve().parents[2]
-MICRO = REPO / "tests" / "fixtures" / "micro.yaml"
+from tests.paths import MICRO, REPO
+
 PREFECT = [str(Path(sys.executable).with_name("prefect"))]
 GRPOFLOW = [sys.executable, "-m", "grpoflow.flows.cli"]
 pytestmark = pytest.mark.slow

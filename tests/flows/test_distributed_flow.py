@@ -17,8 +17,8 @@ from grpoflow.tasks.runtime.stage import run_stage
 from grpoflow.tasks.runtime.workspace import Workspace
 from grpoflow.tasks.stages.data import prepare_data
 from grpoflow.tasks.stages.grpo import run_grpo
+from tests.paths import MICRO
 
-MICRO = Path(__file__).parents[1] / "fixtures" / "micro.yaml"
 INF_REWARD = """
 def inf_reward(prompts, completions, **columns):
     return [float("inf")] * len(completions)

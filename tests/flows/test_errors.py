@@ -11,7 +11,8 @@ from pathlib import Path
 
 import pytest
 
-MICRO = Path(__file__).parents[1] / "fixtures" / "micro.yaml"
+from tests.paths import MICRO
+
 INF_REWARD = """
 def inf_reward(prompts, completions, **columns):
     return [float("inf")] * len(completions)
@@ -231,7 +232,7 @@ def test_an_uncached_hub_model_or_dataset_without_network_fails_before_any_stage
 
 def test_a_row_without_the_question_field_passes_the_pre_stage_check(tmp_path):
     """Case 5 before any stage: a first row without 'question' no longer fails the file (the data stage skips or
-    names that row: tests/tasks/test_data.py); a file where no row has it is refused saying so."""
+    names that row: tests/tasks/stages/test_data.py); a file where no row has it is refused saying so."""
     partial = tmp_path / "partial.jsonl"
     partial.write_text(
         '{"answer": "#### 5"}\n{"question": "q1", "answer": "#### 5"}\n{"question": "q2", "answer": "#### 6"}\n'

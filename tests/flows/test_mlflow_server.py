@@ -10,8 +10,7 @@ from mlflow.tracking import MlflowClient
 
 from grpoflow.flows.cli import main
 from grpoflow.tasks.runtime.registry import ACCURACY_TAG, register_run_model
-
-MICRO = Path(__file__).parents[1] / "fixtures" / "micro.yaml"
+from tests.paths import MICRO
 
 
 @pytest.fixture(scope="module")

@@ -22,8 +22,8 @@ from mlflow.tracking import MlflowClient
 
 from grpoflow.flows.cli import main
 from grpoflow.tasks.config import load_config
+from tests.paths import MICRO
 
-MICRO = Path(__file__).parents[1] / "fixtures" / "micro.yaml"
 EXPERIMENT = "compare-ui"
 LRS = ("1e-3", "5e-4")
 ML_VIEW = "workflowType=machine_learning"

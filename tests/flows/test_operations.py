@@ -13,8 +13,8 @@ from grpoflow.tasks.config import ConfigError, load_config
 from grpoflow.tasks.ops.continuous import check_continuous_config, cycle_config, gather
 from grpoflow.tasks.ops.datasource import Ledger, list_source
 from grpoflow.tasks.runtime.errors import StageError
+from tests.paths import MICRO
 
-MICRO = Path(__file__).parents[1] / "fixtures" / "micro.yaml"
 PREFECT_FILE = Path(__file__).parents[2] / "infra" / "prefect.yaml"
 
 

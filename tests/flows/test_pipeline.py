@@ -9,8 +9,8 @@ from mlflow.tracking import MlflowClient
 from PIL import Image
 
 from grpoflow.flows.cli import main
+from tests.paths import MICRO
 
-MICRO = Path(__file__).parents[1] / "fixtures" / "micro.yaml"
 STAGES = {"data", "sft", "grpo", "eval", "export"}
 
 

@@ -14,7 +14,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-MICRO = Path(__file__).parents[1] / "fixtures" / "micro.yaml"
+from tests.paths import MICRO
+
 SLOW_REWARD = """
 import time
 

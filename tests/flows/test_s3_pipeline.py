@@ -18,9 +18,9 @@ from mlflow.tracking import MlflowClient
 
 from grpoflow.tasks.runtime import s3
 from grpoflow.tasks.runtime.workspace import MANIFEST, STAGES
+from tests.paths import MICRO
 
 STORE = s3.S3Store()  # the default storage settings: endpoint and credentials from the AWS environment variables
-MICRO = Path(__file__).parents[1] / "fixtures" / "micro.yaml"
 SLOW_REWARD = """
 import time
 

@@ -16,8 +16,8 @@ from grpoflow.flows.cli import main
 from grpoflow.tasks.config import load_config
 from grpoflow.tasks.runtime.resume import stage_keys
 from grpoflow.tasks.runtime.workspace import STAGES, Workspace
+from tests.paths import MICRO
 
-MICRO = Path(__file__).parents[1] / "fixtures" / "micro.yaml"
 SLOW_REWARD = """
 import time
 

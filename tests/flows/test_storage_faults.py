@@ -18,9 +18,9 @@ import pytest
 
 from grpoflow.tasks.grpo.checkpoint import list_checkpoints
 from grpoflow.tasks.runtime.s3 import S3Store
+from tests.paths import MICRO
 from tests.servers import SeaweedMini
 
-MICRO = Path(__file__).parents[1] / "fixtures" / "micro.yaml"
 SLOW_REWARD = """
 import time
 

@@ -18,9 +18,9 @@ from pathlib import Path
 import pytest
 from mlflow.tracking import MlflowClient
 
+from tests.paths import MICRO
 from tests.restartable import RestartableMlflow
 
-MICRO = Path(__file__).parents[1] / "fixtures" / "micro.yaml"
 STEPS = 12
 SLOW_REWARD = """
 import time

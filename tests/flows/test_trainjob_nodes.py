@@ -30,10 +30,9 @@ from grpoflow.tasks.runtime.trainjob import JobState
 from grpoflow.tasks.runtime.workspace import Workspace
 from grpoflow.tasks.stages.data import prepare_data
 from grpoflow.tasks.stages.grpo_trainjob import collect_summary, prepare_trainjob, trainjob_error
+from tests.paths import MICRO, REPO
 from tests.servers import free_port
 
-REPO = Path(__file__).parents[2]
-MICRO = REPO / "tests" / "fixtures" / "micro.yaml"
 FAILING_REWARD = """
 import os
 

@@ -1,0 +1,295 @@
+"""The code_tests reward and its sandbox: extraction, hostile programs contained and counted, HumanEval problems
+scored by their canonical solutions, the reward through score_completions, and the refusal without isolation."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+
+import pytest
+
+from grpoflow.tasks.config import CodeRewardConfig
+from grpoflow.tasks.rewards import (
+    CodeTests,
+    build_program,
+    extract_program,
+    resolve_reward_funcs,
+    score_completions,
+)
+from grpoflow.tasks.runtime import sandbox
+
+# allow_unsafe: the containment tests also run where bwrap cannot isolate (each says what it needs). FAST has
+# room for a busy machine where a result must be a pass; SHORT ends the programs that only a timeout ends.
+FAST = CodeRewardConfig(
+    timeout_s=20, cpu_s=1, memory_mb=256, max_processes=8, max_output_bytes=4096, workers=2, allow_unsafe=True
+)
+SHORT = FAST.model_copy(update={"timeout_s": 1.5})
+LIMITS, SHORT_LIMITS = CodeTests(FAST).limits, CodeTests(SHORT).limits
+SECRET = "GRPOFLOW_TEST_SECRET"
+
+
+def test_extract_program_takes_the_last_fence_then_answer_then_text() -> None:
+    assert extract_program("x\n```python\na = 1\n```\ntext\n```py\nb = 2\n```") == "b = 2\n"
+    assert extract_program("```\nc = 3\n```") == "c = 3\n"
+    assert extract_program("```python\nd = 4\n") == "d = 4\n"  # unclosed: to the end
+    assert extract_program("<reasoning>r</reasoning><answer>\ne = 5\n</answer>") == "e = 5"
+    assert extract_program("f = 6") == "f = 6"
+
+
+def test_build_program_prefixes_a_python_question_only() -> None:
+    stub = 'def add(a, b):\n    """Sum."""\n'
+    assert build_program(stub, "    return a + b", "assert add(1, 2) == 3").startswith(stub + "    return a + b")
+    assert build_program("Write add(a, b).", "def add(a, b): return a + b", "T").startswith("def add")
+
+
+# (program, statuses it may end in); every one must score 0 and leave the test process and its files alone
+HOSTILE = {
+    "infinite_loop": ("while True:\n    pass", {"cpu_limit", "timeout"}),
+    "sleep_forever": ("import time\ntime.sleep(1000)", {"timeout"}),
+    "fork_bomb": (
+        "import os\nwhile True:\n    try:\n        os.fork()\n    except OSError:\n        pass",
+        {"timeout", "cpu_limit", "killed"},
+    ),
+    "memory_bomb": ("x = []\nwhile True:\n    x.append(bytearray(10**7))", {"memory"}),
+    "huge_output": ("while True:\n    print('x' * 1000)", {"output_limit"}),
+    "exit_early": ("import os\nos._exit(0)", {"failed"}),
+    "sys_exit_zero": ("import sys\nsys.exit(0)", {"failed"}),
+    # a program that looks like a sandbox failure still scores 0, not None (not scored)
+    "fake_sandbox_error": ("import os, sys\nsys.stderr.write('bwrap: cannot start\\n')\nos._exit(5)", {"failed"}),
+}
+
+
+def _processes_of(uid: int) -> list[int]:
+    """Live processes of ``uid`` (zombies are dead: killed, waiting for init to reap them)."""
+    pids = []
+    for entry in os.listdir("/proc"):
+        try:
+            with open(f"/proc/{entry}/status") as f:
+                fields = dict(line.split(":", 1) for line in f if ":" in line)
+        except OSError:
+            continue
+        if int(fields.get("Uid", "-1").split()[0]) == uid and not fields.get("State", "").strip().startswith("Z"):
+            pids.append(int(entry))
+    return pids
+
+
+@pytest.mark.parametrize("name", sorted(HOSTILE))
+def test_hostile_program_is_contained_and_counted(name: str) -> None:
+    program, statuses = HOSTILE[name]
+    reward = CodeTests(SHORT if "timeout" in statuses else FAST)  # a busy machine must not turn a bomb into a timeout
+    scores = reward(prompts=["p"], completions=[f"```python\n{program}\n```"], answer=["assert True"])
+    assert scores == [0.0]
+    assert sum(reward.reasons.values()) == 1
+    assert set(reward.reasons) <= statuses, reward.reasons
+
+
+def test_program_cannot_kill_the_trainer_or_read_its_secrets(monkeypatch: pytest.MonkeyPatch, tmp_path) -> None:
+    if sandbox.isolation() != "bwrap" and os.geteuid() != 0:
+        pytest.skip("rlimits only, not root: the program has the trainer's uid and could signal it")
+    monkeypatch.setenv(SECRET, "hunter2")
+    outside = tmp_path / "pwned.txt"
+    kill = f"import os, signal\ntry:\n    os.kill({os.getpid()}, signal.SIGKILL)\nexcept OSError as e:\n    print(e)"
+    r = sandbox.run_python(kill + "\nprint('after kill')", LIMITS)
+    assert r.passed and "after kill" in r.stdout  # the kill failed and the test process is still here
+    r = sandbox.run_python(
+        "import os\nprint(sorted(os.environ))\n"
+        "for p in ('/proc/1/environ', f'/proc/{os.getppid()}/environ'):\n"
+        "    try:\n        print(open(p).read())\n    except OSError as e:\n        print(type(e).__name__)",
+        LIMITS,
+    )
+    assert r.passed and SECRET not in r.stdout and "hunter2" not in r.stdout
+    r = sandbox.run_python(f"open({str(outside)!r}, 'w').write('x')", LIMITS)
+    assert r.status == "failed" and not outside.exists()
+    r = sandbox.run_python("open('inside.txt', 'w').write('x')\nprint(open('inside.txt').read())", LIMITS)
+    assert r.passed and r.stdout.strip() == "x"
+    assert not os.path.exists(r.workdir)  # the private folder is removed
+
+
+def test_no_network_in_the_sandbox() -> None:
+    if sandbox.isolation() != "bwrap":
+        pytest.skip("bwrap cannot create namespaces here: the sandbox has no network isolation")
+    server = socket.socket()
+    server.bind(("127.0.0.1", 0))
+    server.listen(1)
+    port = server.getsockname()[1]
+    try:
+        r = sandbox.run_python(
+            f"import socket\ns = socket.create_connection(('127.0.0.1', {port}), timeout=1)\nprint('connected')",
+            LIMITS,
+        )
+    finally:
+        server.close()
+    assert r.status == "failed" and "connected" not in r.stdout and "ConnectionRefused" in r.stderr
+
+
+@pytest.mark.parametrize("mode", ["bwrap", "rlimits"])
+def test_a_fork_bomb_leaves_no_process(mode: str) -> None:
+    if mode == "bwrap" and sandbox.isolation() != "bwrap":
+        pytest.skip("bwrap cannot create namespaces here")
+    spawn = "import os, time\nfor _ in range(5):\n    if os.fork() == 0:\n        time.sleep(60)\n"
+    r = sandbox.run_python(spawn + "time.sleep(60)", SHORT_LIMITS, mode=mode)
+    assert r.status == "timeout"
+    if os.geteuid() == 0:  # each run has its own uid: nothing of it is left
+        assert r.uid != 0 and _processes_of(r.uid) == []
+
+
+def test_a_child_that_leaves_the_session_is_killed_too_as_root() -> None:
+    """rlimits mode has no pid namespace: a setsid() child escapes the process group, but not the run's uid."""
+    if os.geteuid() != 0:
+        pytest.skip("not root: runs keep the caller's uid")
+    escape = "import os, time\nif os.fork() == 0:\n    os.setsid()\n    time.sleep(60)\n"
+    r = sandbox.run_python(escape, SHORT_LIMITS, mode="rlimits")
+    assert r.status == "passed"  # the parent returned at once; its child was still sleeping
+    assert r.uid != 0 and _processes_of(r.uid) == []
+
+
+def test_rlimits_mode_contains_the_bombs() -> None:
+    for program in (HOSTILE["memory_bomb"][0], HOSTILE["huge_output"][0], HOSTILE["infinite_loop"][0]):
+        r = sandbox.run_python(program, SHORT_LIMITS, mode="rlimits")
+        assert r.status in {"memory", "output_limit", "cpu_limit", "timeout"}, r
+        assert not os.path.exists(r.workdir)
+
+
+def _humaneval(n: int) -> list[dict]:
+    from grpoflow.tasks.dataio.sources import humaneval_rows
+
+    return humaneval_rows()[:n]
+
+
+def test_humaneval_canonical_solutions_pass_and_wrong_ones_fail() -> None:
+    rows = _humaneval(3)
+    reward = CodeTests(FAST)
+    good = [f"```python\n{r['prompt']}{r['canonical_solution']}```" for r in rows]
+    body_only = [r["canonical_solution"] for r in rows]  # continues the question's stub
+    wrong = ["```python\n" + r["prompt"] + "    return None\n```" for r in rows]
+    tests = [r["answer"] for r in rows]
+    questions = [r["prompt"] for r in rows]
+    scores = reward(["p"] * 9, good + body_only + wrong, answer=tests * 3, question=questions * 3)
+    assert scores == [1.0] * 6 + [0.0] * 3
+    assert reward.reasons == {"passed": 6, "failed": 3}
+
+
+def test_code_tests_through_score_completions() -> None:
+    funcs = resolve_reward_funcs(["code_tests", "soft_format"], FAST)
+    completions = [
+        [{"role": "assistant", "content": "```python\ndef f(x):\n    return x + 1\n```"}],
+        [{"role": "assistant", "content": "```python\nwhile True:\n    pass\n```"}],
+        [{"role": "assistant", "content": "```python\nimport os\nos.kill(os.getppid(), 9)\n```"}],
+    ]
+    columns = {"answer": ["assert f(1) == 2"] * 3, "question": ["Write f."] * 3}
+    scores = score_completions(funcs, ["p"] * 3, completions, columns, timeout=30)
+    assert scores["code_tests"] == [1.0, 0.0, 0.0]
+    assert scores["soft_format"] == [0.0, 0.0, 0.0]
+    assert sum(funcs[0][1].reasons.values()) == 3
+
+
+def test_refuses_without_isolation_unless_unsafe(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(sandbox, "bwrap_binary", lambda: None)  # a machine without bwrap
+    sandbox.isolation.cache_clear()
+    try:
+        with pytest.raises(ValueError, match="allow_unsafe"):
+            resolve_reward_funcs(["code_tests"], FAST.model_copy(update={"allow_unsafe": False}))
+        funcs = resolve_reward_funcs(["code_tests"], FAST)
+        assert funcs[0][1](["p"], ["x = 1"], answer=["assert x == 1"]) == [1.0]
+    finally:
+        sandbox.isolation.cache_clear()
+
+
+# ---------------------------------------------------------------------------- data and the trainer
+def _prepare(tmp_path, **data):
+    from grpoflow.tasks.config import config_from_dict
+    from grpoflow.tasks.runtime.workspace import Workspace
+    from grpoflow.tasks.stages.data import prepare_data
+
+    cfg = config_from_dict({"run": {"output_dir": str(tmp_path), "seed": 7}, "sft": {"enabled": False}, "data": data})
+    ws = Workspace(tmp_path / "ws")
+    return prepare_data(cfg, ws), ws
+
+
+def test_humaneval_source_prepares_code_rows_the_reward_scores(tmp_path) -> None:
+    from datasets import load_from_disk
+
+    summary, _ = _prepare(tmp_path, source="humaneval", eval_size=4)
+    assert summary["format"] == "code" and (summary["train_rows"], summary["eval_rows"]) == (160, 4)
+    rows = list(load_from_disk(summary["eval_path"]))
+    by_prompt = {r["prompt"].strip(): r for r in _humaneval(164)}  # questions are stripped
+    solutions = [f"```python\n{r['question']}\n{by_prompt[r['question']]['canonical_solution']}```" for r in rows]
+    assert all(r["answer"].rstrip().endswith(f"check({by_prompt[r['question']]['entry_point']})") for r in rows)
+    scores = CodeTests(FAST)(
+        [r["prompt"] for r in rows],
+        solutions,
+        answer=[r["answer"] for r in rows],
+        question=[r["question"] for r in rows],
+    )
+    assert scores == [1.0] * 4
+
+
+def test_code_format_file_and_its_errors(tmp_path) -> None:
+    path = tmp_path / "code.jsonl"
+    good = {"question": "Write f(x) returning x + 1.", "answer": "assert f(1) == 2"}
+    path.write_text("\n".join(json.dumps(r) for r in [good] * 5 + [{"question": "q", "answer": "assert ("}]) + "\n")
+    with pytest.raises(ValueError, match=r"line 6: answer \(the tests\) is not valid Python"):
+        _prepare(tmp_path, source=str(path), format="code")
+    summary, _ = _prepare(tmp_path, source=str(path), format="code", on_invalid_row="skip", eval_size=1)
+    assert (summary["format"], summary["train_rows"], summary["skipped_rows"]) == ("code", 4, 1)
+    from grpoflow.tasks.config import config_from_dict
+
+    with pytest.raises(ValueError, match="sft.enabled: code rows"):
+        config_from_dict({"data": {"source": "humaneval"}})
+
+
+def test_a_grpo_step_with_hostile_programs_goes_on(tmp_path) -> None:
+    """A real GRPOTrainer step whose reward runs hostile programs (the tiny model cannot write them, so the reward
+    substitutes one per completion): every one is contained, scored 0 and counted, and training continues."""
+    from grpoflow.tasks.config import GRPOConfig
+    from tests.tasks.grpo.test_trainer import length, make, make_trainer
+
+    good = "def f(x):\n    return x + 1"
+    rounds = iter([HOSTILE[k][0], good] * 2 for k in ("infinite_loop", "memory_bomb", "huge_output", "exit_early"))
+    code = CodeTests(FAST)
+
+    def hostile_code(prompts, completions, **columns):
+        programs = next(rounds)[: len(completions)]
+        return code(prompts, programs, answer=["assert f(1) == 2"] * len(programs))
+
+    tok, model = make()
+    cfg = GRPOConfig(
+        max_steps=2, per_device_train_batch_size=4, num_generations=4, max_completion_length=4, save_steps=10
+    )
+    hostile_code.take_counts = code.take_counts  # the outcomes become the step's metrics
+    trainer = make_trainer(cfg, tok, model, tmp_path / "ckpt", funcs=[("length", length), ("code", hostile_code)])
+    assert trainer.train()["steps"] == 2
+    assert sum(code.reasons.values()) == 8 and code.reasons["passed"] == 4, code.reasons
+    assert [h["rewards/code/mean"] for h in trainer.history] == [0.5, 0.5]
+    for h, bad in zip(trainer.history, ["infinite_loop", "memory_bomb"]):  # one round a step: 2 hostile, 2 good
+        counts = {k[len("rewards/code/") :]: v for k, v in h.items() if k.startswith("rewards/code/")}
+        counts = {k: v for k, v in counts.items() if k not in ("mean", "std")}
+        assert counts.pop("passed") == 2 and sum(counts.values()) == 2, h  # per step, not cumulative
+        assert set(counts) <= HOSTILE[bad][1], counts
+
+
+def test_eval_accuracy_and_pass_at_k_count_passing_programs() -> None:
+    from grpoflow.tasks.stages.evaluate import eval_reward_funcs, greedy_metrics, pass_at_k, sampled_metrics
+
+    funcs = eval_reward_funcs(resolve_reward_funcs(["code_tests"], FAST))
+    good, bad = "```python\ndef f(x):\n    return x + 1\n```", "```python\ndef f(x):\n    return x\n```"
+    rows = [{"prompt": "p", "question": "Write f.", "answer": "assert f(1) == 2"}] * 2
+    metrics, scores = greedy_metrics(funcs, rows, [good, bad], [10, 10])
+    assert scores["code_tests"] == [1.0, 0.0] and metrics["accuracy"] == 0.5
+    metrics, correct = sampled_metrics(funcs, rows, [good, bad, bad, bad], [10] * 4, 2, [1, 2])
+    assert correct == [1, 0] and metrics["pass_at_2"] == pytest.approx(pass_at_k(2, 1, 2) / 2)
+
+
+def test_cli_validate_resolves_code_tests_and_checks_its_keys(tmp_path) -> None:
+    import subprocess
+    import sys
+
+    def validate(*overrides: str) -> subprocess.CompletedProcess:
+        cmd = [sys.executable, "-m", "grpoflow.flows.cli", "validate", "default", *overrides]
+        return subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=120)
+
+    res = validate("grpo.reward_funcs=[code_tests]", "grpo.code_reward.allow_unsafe=true")
+    assert res.returncode == 0, res.stderr[-2000:]
+    res = validate("grpo.reward_funcs=[code_tests]", "grpo.code_reward.timeout_s=0")
+    assert res.returncode == 2 and "grpo.code_reward.timeout_s" in res.stderr, res.stderr[-2000:]
