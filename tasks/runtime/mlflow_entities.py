@@ -10,7 +10,11 @@ logged model    the model a training stage wrote, as a LoggedModel of the run's 
                 ``workspace_path`` tag says where
 system metrics  MLflow's SystemMetricsMonitor (CPU, memory, disk, network; GPU with nvidia-ml-py on a GPU worker)
                 on the run, sampled every max(1, min(15, elapsed / 30)) seconds: about 30 samples over the
-                first minutes of any stage, and a last sample when the stage ends, so even a short stage has one
+                first minutes of any stage, and a last sample when the stage ends, so even a short stage has one.
+                Sampled by our own loop and logged through the run's journal: MLflow's loop asks the server for
+                the run before every sample and stops for good when that fails, so a tracking outage longer than
+                the client's patience ended a stage's system metrics; here an outage pauses nothing (the samples
+                wait in the journal with the rest)
 """
 
 from __future__ import annotations
@@ -96,6 +100,25 @@ def _monitor_class():
         def sampling_interval(self, value) -> None:  # the base class sets its fixed interval: ignored
             self._t0 = time.monotonic()
 
+        def monitor(self) -> None:
+            """Sample, aggregate and log until :meth:`finish`, with no call to the tracking server. (The base
+            class's loop calls ``MlflowClient.get_run`` after every sample to see whether the run is still RUNNING
+            and returns for good on the first exception: a server down longer than the client's HTTP retries
+            ended the stage's system metrics, and a shorter outage paused them. The stage ends the monitor itself.)
+            """
+            warned = False
+            while not self._shutdown_event.is_set():
+                for _ in range(self.samples_before_logging):
+                    self.collect_metrics()
+                    if self._shutdown_event.wait(self.sampling_interval):
+                        return  # system_metrics() takes the last sample after finish()
+                try:
+                    self.publish_metrics(self.aggregate_metrics())
+                except Exception as e:  # a journal write that failed (a full disk): keep sampling, say it once
+                    if not warned:
+                        log.warning("system metrics of run %s not logged: %s", self._run_id, e)
+                        warned = True
+
     return AdaptiveMonitor
 
 
@@ -116,23 +139,27 @@ class _ToLogger:
         pass
 
 
+def next_system_step(skip: dict[str, int]) -> int:
+    """The first system-metrics step of a (reopened) run: 1 + the last step of its ``system/`` metrics, 0 when it
+    holds none. ``skip`` is what the run held when the stage reopened it (RunLogger.skip): no request here, where
+    MLflow's ``resume_logging`` would ask the server (with minutes of retries on the training thread)."""
+    steps = [step for key, step in skip.items() if key.startswith("system/")]
+    return max(steps) + 1 if steps else 0
+
+
 @contextlib.contextmanager
 def system_metrics(tracker) -> Iterator[None]:
     """System metrics on ``tracker``'s run (a RunLogger) while the block runs, logged through the logger; stopped
     (with a last sample) before it returns, so before the run ends. Nothing for None or a disabled logger. A
-    reopened run continues the steps it holds (``resume_logging``)."""
+    reopened run continues the steps it holds (:func:`next_system_step`)."""
     if tracker is None or not tracker:
         yield
         return
     monitor = None
     try:
-        monitor = _monitor_class()(
-            tracker.run_id,
-            samples_before_logging=1,
-            tracking_uri=tracker.client.tracking_uri,
-            resume_logging=bool(tracker.skip),
-        )
+        monitor = _monitor_class()(tracker.run_id, samples_before_logging=1, tracking_uri=tracker.client.tracking_uri)
         monitor.mlflow_logger = _ToLogger(tracker)
+        monitor._logging_step = next_system_step(tracker.skip)
         monitor.start()
     except Exception as e:  # system metrics are a nicety: never fail a stage over them
         log.warning("system metrics off for run %s: %s", tracker.run_id, e)

@@ -79,7 +79,7 @@ def run_stage(
     if cfg.run.torch_threads:
         torch.set_num_threads(cfg.run.torch_threads)
     try:
-        with stage_run(cfg, parent_run_id, name, ws.root, key) as tracker:
+        with stage_run(cfg, parent_run_id, name, ws.root, key, ws) as tracker:
             prepare_run(tracker, cfg, ws, name)
             with system_metrics(tracker if name in TRAINING_STAGES else None):
                 summary = fn(cfg, ws, tracker, **inputs)

@@ -353,32 +353,41 @@ def end_run(logger: RunLogger, ok: bool) -> bool:
 STAGE_RUNS = "stage_runs.json"  # in the workspace: {stage: {"run_id", "key", "tracking_uri"}} (resume reopens)
 
 
-def recorded_stage_run(root: Path, stage: str) -> dict[str, str]:
+def _stage_runs(root: Path, ws=None) -> dict[str, dict[str, str]]:
+    """<workspace>/stage_runs.json; read through ``ws`` (a Workspace: from S3 for an s3:// one) when given."""
     try:
-        return json.loads((root / STAGE_RUNS).read_text()).get(stage, {})
+        text = ws.read_text(STAGE_RUNS) if ws is not None else (root / STAGE_RUNS).read_text()
+        return json.loads(text or "{}")
     except (OSError, ValueError):
         return {}
 
 
-def record_stage_run(root: Path, stage: str, entry: dict[str, str]) -> None:
-    path = root / STAGE_RUNS
-    try:
-        runs = json.loads(path.read_text())
-    except (OSError, ValueError):
-        runs = {}
+def recorded_stage_run(root: Path, stage: str, ws=None) -> dict[str, str]:
+    return _stage_runs(root, ws).get(stage, {})
+
+
+def record_stage_run(root: Path, stage: str, entry: dict[str, str], ws=None) -> None:
+    """Record ``stage``'s MLflow run in <workspace>/stage_runs.json; through ``ws`` also on S3 (an s3:// workspace:
+    a resume on another machine, or on an emptied cache, reopens the same run)."""
+    runs = _stage_runs(root, ws)
     runs[stage] = entry
+    text = json.dumps(runs, indent=2, sort_keys=True)
+    if ws is not None:
+        ws.write_text(STAGE_RUNS, text)
+        return
+    path = root / STAGE_RUNS
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(runs, indent=2, sort_keys=True))
+    tmp.write_text(text)
     os.replace(tmp, path)
 
 
-def reopen_stage_run(client: MlflowClient, root: Path, stage: str, key: str | None):
+def reopen_stage_run(client: MlflowClient, root: Path, stage: str, key: str | None, ws=None):
     """The MLflow run of ``stage``'s earlier attempt with the same key (its files kept: GRPO goes on from its last
     checkpoint) when it still exists in this store; None otherwise."""
     from mlflow.exceptions import MlflowException
 
-    prev = recorded_stage_run(root, stage)
+    prev = recorded_stage_run(root, stage, ws)
     if key is None or prev.get("key") != key or prev.get("tracking_uri") != client.tracking_uri:
         return None
     try:
@@ -390,13 +399,19 @@ def reopen_stage_run(client: MlflowClient, root: Path, stage: str, key: str | No
 
 @contextlib.contextmanager
 def stage_run(
-    cfg: PipelineConfig, parent_run_id: str | None, stage: str, root: Path | None = None, key: str | None = None
+    cfg: PipelineConfig,
+    parent_run_id: str | None,
+    stage: str,
+    root: Path | None = None,
+    key: str | None = None,
+    ws=None,
 ) -> Iterator[RunLogger]:
     """A nested MLflow run for one stage, named and tagged by run_meta; a disabled logger when there is no parent
     run. The description (what the stage did) is set here, its result by the caller at the end.
 
     One run per stage: an attempt with the stage's ``key`` recorded in <workspace>/stage_runs.json reopens that
-    run (RUNNING again; the metric steps it holds are not logged again); another key starts a new run."""
+    run (RUNNING again; the metric steps it holds are not logged again); another key starts a new run. ``ws``: the
+    stage's Workspace; for an s3:// one, stage_runs.json is read from and written to S3 too."""
     if parent_run_id is None:
         yield RunLogger.disabled()
         return
@@ -407,7 +422,7 @@ def stage_run(
         raise ConnectionError(f"stage {stage} cannot start: {problem}")
     root = root or workspace_dir(cfg)
     client = MlflowClient(uri)
-    run = reopen_stage_run(client, root, stage, key)
+    run = reopen_stage_run(client, root, stage, key, ws)
     if run is not None:
         client.update_run(run.info.run_id, status="RUNNING")  # now: system metrics sample only a RUNNING run
         logger = logger_for(cfg, client, run.info.run_id, root)
@@ -426,7 +441,7 @@ def stage_run(
         }
         run = client.create_run(parent.info.experiment_id, run_name=run_meta.stage_name(cfg, stage), tags=tags)
         logger = logger_for(cfg, client, run.info.run_id, root)
-        record_stage_run(root, stage, {"run_id": run.info.run_id, "key": key or "", "tracking_uri": uri})
+        record_stage_run(root, stage, {"run_id": run.info.run_id, "key": key or "", "tracking_uri": uri}, ws)
     ok = False
     try:
         yield logger

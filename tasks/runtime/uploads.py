@@ -2,8 +2,11 @@
 
 :func:`retry_outage` runs one upload in the calling thread, retrying a failed attempt (an :class:`~s3.S3Error`
 other than refused credentials) after 1, 2, 4, ... seconds (at most ``backoff_cap_s``) until it succeeds or
-``budget_s`` seconds have passed since its first failure; then it raises :class:`StorageOutage`, naming the
-endpoint, the time waited and the last error.
+``budget_s`` seconds have passed since the start of its first failed attempt; then it raises
+:class:`StorageOutage`, naming the endpoint, the time waited and the last error. Each attempt runs under
+:func:`~s3.bounded_attempt`: one try per request (no botocore retries on top of ours) and timeouts that shrink with
+the budget left, so the stage fails within the budget plus a few seconds (s3.attempt_limits), whether the endpoint
+refuses connections or accepts them and never answers.
 
 :class:`UploadQueue` runs such uploads in order on one background thread, so training goes on during an outage:
 ``submit`` queues a job (a checkpoint's upload) and returns at once while fewer than ``max_pending`` are waiting,
@@ -22,7 +25,7 @@ import time
 from collections import deque
 from collections.abc import Callable
 
-from grpoflow.tasks.runtime.s3 import S3AccessError, S3Error
+from grpoflow.tasks.runtime.s3 import S3AccessError, S3Error, bounded_attempt
 
 log = logging.getLogger(__name__)
 
@@ -50,10 +53,11 @@ class _Outage:
         self.since: float | None = None
         self.warned = 0.0
 
-    def failed(self, exc: BaseException, attempt: int) -> None:
+    def failed(self, exc: BaseException, attempt: int, started: float) -> None:
+        """Attempt ``attempt``, begun at ``started`` (time.monotonic()), failed with ``exc``."""
         now = time.monotonic()
         if self.since is None:
-            self.since = self.warned = now
+            self.since, self.warned = started, now  # the outage counts from the start of its first failed attempt
             log.warning(
                 "S3 endpoint %s unreachable (%s); retrying %s for up to %.0f s (storage.outage_budget_s), "
                 "%d checkpoint(s) queued; training goes on",
@@ -98,17 +102,19 @@ def retry_outage(
 ) -> None:
     """Run ``fn`` (an upload to the endpoint ``where``; ``what`` names it in messages), retried with exponential
     backoff while it fails with a :func:`retryable` error, until ``budget_s`` seconds have passed since its first
-    failure: then :class:`StorageOutage`."""
+    failed attempt began: then :class:`StorageOutage`. Its S3 requests run under :func:`~s3.bounded_attempt`."""
     outage = _Outage(where, what, budget_s, warn_every_s, queued)
     attempt = 0
     while True:
         attempt += 1
+        started = time.monotonic()
         try:
-            fn()
+            with bounded_attempt(budget_s - outage.waited):
+                fn()
         except Exception as e:
             if not retryable(e):
                 raise
-            outage.failed(e, attempt)
+            outage.failed(e, attempt, started)
             sleep(min(backoff_s(attempt, backoff_cap_s), max(budget_s - outage.waited, 0.0) + 0.01))
             continue
         outage.over()

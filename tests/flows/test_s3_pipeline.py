@@ -96,6 +96,7 @@ def ctx(seaweedfs, mlflow_s3_server, tmp_path_factory):
         proc.wait()
     assert proc.returncode == -signal.SIGKILL, f"the run ended before it could be killed: {log.read_text()[-3000:]}"
     c["killed"] = _manifests(ws)
+    c["killed_grpo_run"] = json.loads(STORE.get_bytes(f"{ws}/stage_runs.json"))["grpo"]["run_id"]
     shutil.rmtree(c["first_cache"])  # the machine is gone
     c["resume"] = _cli(c, "resume", ws, f"storage.cache_dir={c['cache']}")
     c["log"] = log.read_text() + c["resume"].stdout + c["resume"].stderr
@@ -127,7 +128,13 @@ def test_killed_grpo_resumes_from_s3_on_an_empty_cache(ctx):
     assert parent.data.tags["grpoflow.resumes"] == "1" and parent.info.status == "FINISHED"
     children = client.search_runs([parent.info.experiment_id], f"tags.mlflow.parentRunId = '{parent.info.run_id}'")
     stages = sorted((r.data.tags["grpoflow.stage"], r.info.status) for r in children)
-    assert stages == sorted([*((s, "FINISHED") for s in STAGES), ("grpo", "KILLED")])
+    assert stages == sorted((s, "FINISHED") for s in STAGES)  # one grpo run: the killed attempt's, reopened
+    # stage_runs.json on S3 named it, though the cache that held the first copy was deleted
+    grpo = next(r for r in children if r.data.tags["grpoflow.stage"] == "grpo")
+    assert json.loads(STORE.get_bytes(f"{ctx['ws']}/stage_runs.json"))["grpo"]["run_id"] == ctx["killed_grpo_run"]
+    assert grpo.info.run_id == ctx["killed_grpo_run"] and grpo.data.tags["grpoflow.stage_resumes"] == "1"
+    steps = [m.step for m in client.get_metric_history(grpo.info.run_id, "loss")]
+    assert steps == sorted(set(steps)) == list(range(1, 4))  # every step once
     assert parent.info.run_id[:8] in _cli(ctx, "compare", ctx["ws"], ctx["ws"]).stdout  # compare reads S3 too
 
 
@@ -193,7 +200,7 @@ def test_credentials_appear_nowhere(ctx):
     secret = server.secret_key
     client = MlflowClient(ctx["mlflow"])
     runs = client.search_runs([client.get_experiment_by_name("s3-e2e").experiment_id])
-    assert len(runs) == 1 + len(STAGES) + 1  # the killed GRPO attempt too
+    assert len(runs) == 1 + len(STAGES)  # the killed GRPO attempt reopened, not a second grpo run
     for r in runs:
         values = [*r.data.params.values(), *r.data.tags.values(), *r.data.params.keys(), *r.data.tags.keys()]
         assert not any(secret in v for v in values)

@@ -1,10 +1,12 @@
 """The S3 endpoint dies mid-GRPO (`weed mini` SIGKILLed once a checkpoint is on S3), the run started as a user
 starts it (`python -m grpoflow.flows.cli run`, run.output_dir on S3, credentials in the environment):
 
-- down for 15 s, inside storage.outage_budget_s: training goes on meanwhile (checkpoints keep appearing in the local
-  mirror), the uploads are waited out and the run ends with exit 0, every checkpoint published;
-- down past a small budget (5 s): the stage fails naming the endpoint, the time waited and the last checkpoint safely
-  on S3; with the endpoint back, `grpoflow resume` continues from that checkpoint.
+- down for 45 s (the issue's measured outage), inside the default storage.outage_budget_s (300 s): training goes on
+  meanwhile (checkpoints keep appearing in the local mirror), the uploads are waited out and the run ends with exit 0,
+  every checkpoint published;
+- down past a small budget (5 s): the stage fails within the budget and a stated slack, naming the endpoint, the time
+  waited and the last checkpoint safely on S3; with the endpoint back, `grpoflow resume` continues from that
+  checkpoint.
 """
 
 import os
@@ -91,12 +93,11 @@ def _remote_checkpoints(store: S3Store, ws: str) -> list[int]:
 
 @pytest.mark.faults
 @pytest.mark.slow
-def test_a_short_s3_outage_is_waited_out_while_training_goes_on(tmp_path, weed, monkeypatch):
+def test_a_45s_s3_outage_is_waited_out_while_training_goes_on(tmp_path, weed, monkeypatch):
     store = _store(weed, monkeypatch)
     ws = f"s3://{weed.server.bucket}/runs/short"
     local = tmp_path / "cache" / weed.server.bucket / "runs" / "short" / "grpo" / "checkpoints"
-    overrides = ["grpo.max_steps=10", "storage.outage_budget_s=90", "storage.max_pending_uploads=3"]
-    proc, log = _start(tmp_path, weed, "short", *overrides)
+    proc, log = _start(tmp_path, weed, "short", "grpo.max_steps=10", "storage.max_pending_uploads=3")  # budget 300 s
     try:
         _kill_after_checkpoint(proc, store, ws, log)
         weed.kill()
@@ -104,6 +105,7 @@ def test_a_short_s3_outage_is_waited_out_while_training_goes_on(tmp_path, weed, 
         at_kill = max(int(p.name.split("-")[1]) for p in list_checkpoints(local))
         time.sleep(15)
         during = max(int(p.name.split("-")[1]) for p in list_checkpoints(local))
+        time.sleep(max(0.0, 45 - (time.monotonic() - down_at)))
         weed.start()
         outage = time.monotonic() - down_at
         rc = proc.wait(timeout=300)
@@ -118,7 +120,8 @@ def test_a_short_s3_outage_is_waited_out_while_training_goes_on(tmp_path, weed, 
     manifest = store.get_json(f"{ws}/grpo/manifest.json")
     assert manifest["summary"]["steps"] == 10
     assert _remote_checkpoints(store, ws) == [8, 9]  # every upload done, in order; the newest two kept, as locally
-    print(f"S3 down for {outage:.0f} s (budget 90 s): the stage finished with exit 0")
+    assert outage >= 45
+    print(f"S3 down for {outage:.0f} s (budget 300 s): the stage finished with exit 0")
 
 
 @pytest.mark.faults
@@ -143,7 +146,10 @@ def test_an_outage_past_the_budget_fails_the_stage_and_resume_continues(tmp_path
         text,
     )
     assert found, text[-4000:]
-    assert int(found[1]) >= 5
+    # within the budget and a stated slack: one attempt overruns it by a few seconds at most (s3.attempt_limits; a
+    # refused connection: none); the stage's exit adds a step to notice the failure and the process's shutdown
+    assert 5 <= int(found[1]) <= 5 + 3, found[0]
+    assert failed_after <= 5 + 25, failed_after
     safe = int(found[2])
     assert safe >= 2
     weed.start()

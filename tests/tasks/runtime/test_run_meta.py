@@ -6,7 +6,7 @@ from mlflow.tracking import MlflowClient
 
 from grpoflow.tasks.config import PipelineConfig
 from grpoflow.tasks.runtime import run_meta as m
-from grpoflow.tasks.runtime.mlflow_entities import adaptive_interval
+from grpoflow.tasks.runtime.mlflow_entities import adaptive_interval, next_system_step
 from grpoflow.tasks.runtime.tracking import RunLogger
 
 
@@ -71,6 +71,11 @@ def test_descriptions_give_the_key_result():
 
 def test_system_metrics_interval_suits_the_stage_length():
     assert adaptive_interval(0) == 1.0 and adaptive_interval(150) == 5.0 and adaptive_interval(3600) == 15.0
+
+
+def test_a_reopened_run_continues_its_system_metrics_steps_without_asking_the_server():
+    assert next_system_step({}) == 0 and next_system_step({"loss": 40}) == 0
+    assert next_system_step({"loss": 40, "system/cpu_utilization_percentage": 6, "system/disk_usage_megabytes": 7}) == 8
 
 
 @pytest.fixture

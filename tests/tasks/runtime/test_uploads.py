@@ -8,6 +8,7 @@ import time
 import pytest
 
 from grpoflow.tasks.config.storage import StorageConfig
+from grpoflow.tasks.runtime import s3
 from grpoflow.tasks.runtime.s3 import S3AccessError, S3Error, S3Store
 from grpoflow.tasks.runtime.uploads import StorageOutage, UploadQueue, backoff_s, retry_outage
 from grpoflow.tasks.runtime.workspace import Workspace
@@ -168,3 +169,52 @@ def test_checkpoints_queued_during_a_real_outage_reach_s3_in_order(weed, tmp_pat
         files = keys[f"checkpoint-{n}/adapter_model.safetensors"]["last_modified"]
         assert keys[f"checkpoint-{n}/trainer_state.json"]["last_modified"] >= files
     print(f"outage waited out: {outage:.1f} s")
+
+
+def test_attempt_limits_shrink_with_the_budget_left():
+    assert s3.attempt_limits(300) == (10, 120)
+    assert s3.attempt_limits(30) == (10, 15)
+    assert s3.attempt_limits(7) == (5, 5)
+    assert s3.attempt_limits(0.5) == s3.attempt_limits(-3) == (1, 5)
+
+
+@pytest.fixture
+def silent_endpoint():
+    """A real TCP listener that accepts connections and never answers (a hung S3 server, a half-dead proxy)."""
+    import socket
+
+    srv = socket.socket()
+    srv.bind(("127.0.0.1", 0))
+    srv.listen(64)
+    held, stop = [], threading.Event()
+
+    def accept():
+        srv.settimeout(0.2)
+        while not stop.is_set():
+            try:
+                held.append(srv.accept()[0])
+            except OSError:
+                continue
+
+    thread = threading.Thread(target=accept, daemon=True)
+    thread.start()
+    yield f"http://127.0.0.1:{srv.getsockname()[1]}"
+    stop.set()
+    thread.join()
+    for conn in held:
+        conn.close()
+    srv.close()
+
+
+def test_a_silent_endpoint_fails_the_upload_within_the_budget_and_a_few_seconds(silent_endpoint, tmp_path, monkeypatch):
+    """Without the attempt bound, one attempt alone waited botocore's read timeout (120 s) times max_attempts (5)."""
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "k")
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "s")
+    store = S3Store(StorageConfig(endpoint_url=silent_endpoint, cache_dir=str(tmp_path / "cache"), max_attempts=5))
+    budget = 4.0
+    t0 = time.monotonic()
+    with pytest.raises(StorageOutage) as err:
+        retry_outage(lambda: store.put_bytes(b"x", "s3://bucket/k"), store.where, "an upload", budget, backoff_cap_s=1)
+    took = time.monotonic() - t0
+    assert budget <= took <= budget + 7, took  # 1 s connect + 5 s read, at most, past the budget
+    assert "Read timeout" in str(err.value) or "timed out" in str(err.value), err.value
