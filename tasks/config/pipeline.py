@@ -229,7 +229,7 @@ class GenerationConfig(_Section):
         None,
         ge=1,
         description="transformers backend: torch CPU threads while generating (default: run.torch_threads). "
-        "Decoding is many small ops: on a few shared cores 1 thread is faster, while training prefers more.",
+        "Decoding is many small ops: on cores other processes keep busy, 1 thread can be faster.",
     )
     vllm_kv_cache_gib: float | None = Field(
         None,
