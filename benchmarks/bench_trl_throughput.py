@@ -387,13 +387,17 @@ def main() -> None:
     ap.add_argument("--sampler", default="both", choices=["transformers", "vllm", "both"])
     ap.add_argument("--completion-len", type=int, default=32)
     ap.add_argument("--threads", type=int, default=2, help="torch threads of both training loops")
-    ap.add_argument("--gen-threads", type=int, default=1, help="our transformers decoding loop's threads")
+    ap.add_argument(
+        "--gen-threads", type=int, help="our transformers decoding loop's threads (default: --threads, as the product)"
+    )
     ap.add_argument("--peak-json", type=Path, help="a bench_matmul_peak.py --json result to reuse (same threads)")
     ap.add_argument("--json", type=Path, help="write the results here too")
     protocol.add_protocol_args(ap)
     for hidden in ("--side", "--folder", "--out"):
         ap.add_argument(hidden, help=argparse.SUPPRESS)
     args = ap.parse_args()
+    if args.gen_threads is None:
+        args.gen_threads = args.threads
     if args.side:
         return run_side(args)
     protocol.check_rounds(args)
