@@ -2,7 +2,8 @@
 the benchmark protocol (benchmarks/protocol.py, docs/benchmarks.md).
 
     ours       tasks/generation/transformers_loop.py ``sample``: a plain loop of the model's forward with a KV cache
-               written in place (tasks/generation/kv_cache.py); rows that emitted EOS leave the batch
+               written in place (tasks/generation/kv_cache.py); rows that emitted EOS leave the batch; it also
+               computes each sampled token's log-prob (the trainer needs them), which generate does not
     generate   transformers ``model.generate(do_sample=True)`` with its default dynamic cache
 
 Both sides decode the same rows (``--prompts`` arithmetic prompts in the default config's chat format, each
@@ -154,13 +155,16 @@ def report(args, runs: list[protocol.SideRun]) -> None:
     counts = {side: (min(t), max(t)) if t else None for side, t in tokens.items()}
     print(f"  tokens produced per call: ours {counts['ours']}, generate {counts['generate']} (min, max)")
     if args.stop == "length":
-        print(f"  difference: none in the work (every row decodes {args.max_new_tokens} tokens on both sides)")
+        print(
+            f"  difference: none in the tokens decoded (every row decodes {args.max_new_tokens} on both sides); ours "
+            "also computes each sampled token's log-prob (the trainer's sampler log-probs), generate does not"
+        )
     else:
         total = {side: sum(t) for side, t in tokens.items()}
-        print(f"  difference: both stop rows at EOS, but generate decodes finished rows (padded) until the last ends "
-              f"and, once a row has ended, the two draw from different random streams; tokens produced over all "
-              f"timed calls: ours {total['ours']}, generate {total['generate']} "
-              f"({total['ours'] - total['generate']:+d}); the ratio is of tokens/s")  # fmt: skip
+        print(f"  difference: ours also computes each sampled token's log-prob; both stop rows at EOS, but generate "
+              f"decodes finished rows (padded) until the last ends and, once a row has ended, the two draw from "
+              f"different random streams; tokens produced over all timed calls: ours {total['ours']}, generate "
+              f"{total['generate']} ({total['ours'] - total['generate']:+d}); the ratio is of tokens/s")  # fmt: skip
     protocol.print_calls(runs, unit="tok")
     protocol.print_rounds(runs)
     ratio = protocol.compare(runs, "ours", "generate", protocol.rate, "ours/generate (tok/s)")
