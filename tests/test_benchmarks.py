@@ -4,7 +4,9 @@ every side ran in both rounds with the threads asked for, start-up (set-up s, fi
 timed calls with the memory figures, the per-round protocol table, a per-round ratio line with its spread, and a
 RESULTS.md row with the header's columns.
 
-All smoke runs start at once (each is mostly imports and sleeps of the load gate) and each test waits for its own.
+All smoke runs start at once (each is mostly imports and sleeps of the load gate) and each test waits for its own;
+those that load a model get the default tiny model's folder, built once (bench_trl_throughput.model_folder, what
+their own --model tiny builds), as --model: 16 fresh processes importing transformers are most of the time.
 """
 
 from __future__ import annotations
@@ -19,42 +21,51 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[1]
 SMOKE = ["--rounds", "2", "--allow-contended", "--wait", "0", "--threads", "1"]
+MODEL = "{tiny}"  # the folder the fixture builds
 RUNS = {
     "bench_generation.py": (
-        ["--repeats", "1", "--prompts", "2", "--samples", "2", "--max-new-tokens", "4"],
+        ["--model", MODEL, "--repeats", "1", "--prompts", "2", "--samples", "2", "--max-new-tokens", "4"],
         ["ours", "generate"],
     ),
     "bench_logprobs.py": (
         ["--n", "64", "--d", "16", "--v", "256", "--repeats", "1", "--cases", "naive", "fused"],
         ["naive", "fused"],
     ),  # fmt: skip
-    "bench_sft_loss.py": (["--model", "tiny", "--batch", "2", "--reps", "1"], ["labelled", "full"]),
+    "bench_sft_loss.py": (["--model", MODEL, "--batch", "2", "--reps", "1"], ["labelled", "full"]),
     "bench_grpo_vocab.py": (
         ["--vocabs", "256", "--b", "2", "--p", "4", "--c", "4", "--repeats", "1"],
         ["naive@256", "fused@256"],
     ),  # fmt: skip
     "bench_logprob_chunks.py": (
-        ["--model", "tiny", "--rows", "4", "--max-completion", "10", "--chunks", "0", "2", "--reps", "1"],
+        ["--model", MODEL, "--rows", "4", "--max-completion", "10", "--chunks", "0", "2", "--reps", "1"],
         ["0", "2"],
     ),
 }
 RATIO = re.compile(r"^ratio .+ per round: \[[-\d.e, ]+\]; median [-\d.]+x, min [-\d.]+x, max [-\d.]+x, spread [\d.]+%$")
 
 
+BUILD = (
+    "import sys; from pathlib import Path; sys.path.insert(0, 'benchmarks'); "
+    "from bench_trl_throughput import arithmetic_rows, model_folder; "
+    "print(model_folder('tiny', '', arithmetic_rows(400), Path(sys.argv[1])))"
+)
+
+
 @pytest.fixture(scope="module")
-def smoke_runs():
+def smoke_runs(tmp_path_factory):
     env = dict(os.environ, OMP_NUM_THREADS="1")
-    procs = {
-        script: subprocess.Popen(
-            [sys.executable, str(REPO / "benchmarks" / script), *extra, *SMOKE],
-            cwd=REPO,
-            env=env,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-        )  # fmt: skip
-        for script, (extra, _) in RUNS.items()
-    }
+
+    def start(script: str, tiny: str = "") -> subprocess.Popen:
+        extra = [a.format(tiny=tiny) for a in RUNS[script][0]]
+        argv = [sys.executable, str(REPO / "benchmarks" / script), *extra, *SMOKE]
+        return subprocess.Popen(argv, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+    procs = {script: start(script) for script, (extra, _) in RUNS.items() if MODEL not in extra}
+    work = tmp_path_factory.mktemp("model")
+    built = subprocess.run([sys.executable, "-c", BUILD, str(work)], cwd=REPO, env=env, capture_output=True, text=True)
+    assert built.returncode == 0, built.stderr[-3000:]
+    tiny = built.stdout.strip().splitlines()[-1]
+    procs |= {script: start(script, tiny) for script, (extra, _) in RUNS.items() if MODEL in extra}
     yield procs
     for proc in procs.values():
         if proc.poll() is None:
@@ -94,6 +105,7 @@ def test_smoke_output_has_every_field(smoke_runs, script):
     row = lines[lines.index("RESULTS.md row:") + 1]
     assert row.startswith("| ") and row.count(" | ") == 10 and row.endswith(" |"), row
     assert f"benchmarks/{script}" in row and "--allow-contended" in row
+    assert row.split(" | ")[7] in ("yes", "no"), "the contended column"
 
 
 def test_generation_smoke_compares_the_same_work(smoke_runs):
