@@ -206,8 +206,8 @@ def since_process_start() -> float:
 
 # ------------------------------------------------------------------ ratios and the results row
 def ratios(ours: list[float], peer: list[float]) -> dict:
-    """Per-round ratios ours / peer (of a rate: higher is better for ours), their median, min, max and spread
-    ((max - min) / median)."""
+    """Per-round ratios ours / peer (of a rate: higher is better for ours; :func:`compare` also passes times and
+    memory peaks, labelled as such), their median, min, max and spread ((max - min) / median)."""
     rs = [a / b for a, b in zip(ours, peer, strict=True) if b > 0]
     if not rs:
         return {"per_round": [], "median": float("nan"), "min": float("nan"), "max": float("nan"), "spread": 0.0}
