@@ -1,174 +1,205 @@
-"""Generation throughput and GRPO step time: vLLM (co-located, in-process) vs the transformers backend.
+"""Decoding throughput: our transformers sampling loop against transformers ``model.generate``, like with like, under
+the benchmark protocol (benchmarks/protocol.py, docs/benchmarks.md).
 
-Two models built from config, both float32 with LoRA (r=16, all-linear) as in configs/default.yaml:
+    ours       tasks/generation/transformers_loop.py ``sample``: a plain loop of the model's forward with a KV cache
+               written in place (tasks/generation/kv_cache.py); rows that emitted EOS leave the batch; it also
+               computes each sampled token's log-prob (the trainer needs them), which generate does not
+    generate   transformers ``model.generate(do_sample=True)`` with its default dynamic cache
 
-    tiny   the default pipeline's model (hidden 128, 4 layers, 0.8M parameters)
-    25m    hidden 512, 8 layers, 8 heads (head_dim 64), 4 KV heads, MLP 1408 (~24M parameters)
+Both sides decode the same rows (``--prompts`` arithmetic prompts in the default config's chat format, each
+``--samples`` times, left-padded, in batches of ``--batch`` rows) from the same model folder (float32, no LoRA:
+what the trainer decodes with once its LoRA is merged), with the same sampling settings (the default config's GRPO
+temperature, top-p, top-k, min-p and repetition penalty, through transformers' own logits processors on both
+sides), the same ``--max-new-tokens``, the same seed per call and ``--threads`` torch threads. ``--stop``:
 
-For each model and backend (transformers: the KV-cached sampling loop with LoRA merged on the side;
-transformers-unmerged: the same loop through peft's LoRA layers; vLLM with LoRA synced as merged
-weights; vLLM serving the adapter itself) the script measures, in one run so that ratios are
-meaningful on a noisy shared host:
+    length     (default) no EOS stop on either side: every row decodes ``--max-new-tokens`` tokens, so both produce
+               the same number of tokens, the loop alone is compared
+    eos        both stop a row at its first EOS; ours drops finished rows from the batch while generate decodes
+               them (padded) until the last row ends, and once a row has ended the two draw from different random
+               streams, so the token counts may differ: both are printed, with their difference; the ratio is of
+               tokens/s
 
-    gen tok/s   completion tokens per second of one generation round of the default config
-                (16 prompts x 8 samples, up to 32 new tokens, temperature 1), median of --repeats rounds
-                that visit the backends in turn (all engines alive at once), so a load burst hits each
-    step s      GRPO step time (generate + score + old log-probs + 2 micro-batches + optimizer step)
-                with the default grpo settings, median over --steps steps after one warm-up step
-    sync ms     vLLM only: time to push the trained weights into the engine, median per sync
+Each side of each round is a fresh process (ours, generate, ours, generate, ...; ``--rounds`` >= 2), gated on a
+quiet machine; it reports its set-up (imports, loading) and first call (warm-up) apart from the ``--repeats``
+timed calls, the first call's memory peak, and its process's wall time and max RSS. Then the per-round ratios
+ours / generate of tokens/s with their spread, and a row for benchmarks/RESULTS.md.
 
-Engine start-up (vLLM, 10-30 s; the first generate with log-probs also compiles a helper once per
-machine) is excluded from all three and printed separately.
-
-    python benchmarks/bench_generation.py              # both models (a few minutes on 2 cores)
-    python benchmarks/bench_generation.py --models tiny --steps 2
+    python benchmarks/bench_generation.py                     # the default tiny model, 128 rows x 32 tokens
+    python benchmarks/bench_generation.py --model 25m --threads 2
+    python benchmarks/bench_generation.py --rounds 2 --repeats 1 --prompts 2 --samples 2 --max-new-tokens 4 \\
+        --allow-contended --wait 0                                       # smoke run: checks the fields only
 """
 
 from __future__ import annotations
 
 import argparse
 import logging
-import statistics
+import sys
 import tempfile
-import time
 from pathlib import Path
 
-MODELS = {
-    "tiny": dict(
-        hidden_size=128, intermediate_size=384, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2
-    ),
-    "25m": dict(
-        hidden_size=512, intermediate_size=1408, num_hidden_layers=8, num_attention_heads=8, num_key_value_heads=4
-    ),
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import protocol  # noqa: E402
+from bench_trl_throughput import arithmetic_rows, model_folder  # noqa: E402
+
+# a model of the 25M class built from config (the default tiny model is --model tiny)
+MODEL_25M = dict(
+    hidden_size=512, intermediate_size=1408, num_hidden_layers=8, num_attention_heads=8, num_key_value_heads=4
+)
+SIDES = ("ours", "generate")
+NAMES = {
+    "ours": "grpoflow transformers_loop.sample (in-place KV cache, finished rows leave the batch)",
+    "generate": "transformers model.generate(do_sample=True), dynamic cache",
 }
-BACKENDS = ("transformers", "transformers-unmerged", "vllm-merge", "vllm-adapter")
 
 
-def rows_and_texts(n: int = 400):
-    """Arithmetic prompts in the default config's format, and the text the tokenizer is trained on."""
-    import random
+def build_folder(name: str, cache_dir: str, work: Path) -> str:
+    """The model folder both sides load: tiny (the default config's), 25m (built from config) or a model name."""
+    rows = arithmetic_rows(400)
+    if name != "25m":
+        return model_folder(name, cache_dir, rows, work)
+    from grpoflow.tasks.config import TinyModelConfig, load_config
+    from grpoflow.tasks.model.tiny import build_tiny_model
 
-    rng = random.Random(0)
-    system = "Think in <reasoning></reasoning>, then give the number in <answer></answer>."
-    rows, texts = [], []
-    for _ in range(n):
-        a, b, op = rng.randint(0, 19), rng.randint(0, 19), rng.choice("+-")
-        ans = str(a + b if op == "+" else a - b)
-        q = f"What is {a} {op} {b}?"
-        rows.append({"prompt": [{"role": "system", "content": system}, {"role": "user", "content": q}], "answer": ans})
-        texts += [system, q, f"<reasoning>\n{a} {op} {b} = {ans}\n</reasoning>\n<answer>\n{ans}\n</answer>"]
-    return rows, texts
+    tiny = model_folder("tiny", cache_dir, rows, work)
+    from transformers import AutoTokenizer
 
-
-def make_generator(backend, model_dir, tok, prompts):
-    """A fresh LoRA model (r=16, all-linear, as the default config) and its generator; start-up seconds."""
-    import torch
-
-    from grpoflow.tasks.config import GenerationConfig, ModelConfig
-    from grpoflow.tasks.generation.transformers_loop import TransformersGenerator
-    from grpoflow.tasks.model.loading import add_lora, load_causal_lm
-
-    torch.manual_seed(0)
-    lora = ModelConfig(lora={"target_modules": "all-linear"}).lora
-    model = add_lora(load_causal_lm(str(model_dir), ModelConfig()), lora)
-    t0 = time.perf_counter()
-    if backend.startswith("transformers"):  # -unmerged: LoRA applied as three matmuls per layer while decoding
-        gen = TransformersGenerator(model, tok, batch_size=64, merge_lora=backend == "transformers")
-    else:
-        from grpoflow.tasks.generation.vllm_engine import VLLMGenerator
-
-        cfg = GenerationConfig(vllm_lora_sync=backend.split("-")[1], vllm_max_num_seqs=128)
-        gen = VLLMGenerator(model, tok, str(model_dir), cfg, max_model_len=max(map(len, prompts)) + 32, seed=0)
-    return model, gen, time.perf_counter() - t0
+    tok = AutoTokenizer.from_pretrained(tiny)
+    cfg = load_config(None, []).model.tiny.model_dump() | MODEL_25M
+    model = build_tiny_model(TinyModelConfig(**cfg), tok, seed=0)
+    folder = work / "25m"
+    model.save_pretrained(folder)
+    tok.save_pretrained(folder)
+    return str(folder)
 
 
-def grpo_steps(model, gen, tok, rows, prompts, gcfg, steps: int) -> dict:
-    """Median step time over ``steps`` GRPO steps after a warm-up step; vLLM: sync time and log-prob gap."""
-    from grpoflow.tasks.grpo.trainer import GRPOTrainer
-    from grpoflow.tasks.grpo.trainer_runtime import TrainerRuntime
-    from grpoflow.tasks.rewards import resolve_reward_funcs
-    from grpoflow.tasks.runtime.tracking import RunLogger
+def sampling(args):
+    """The default config's GRPO sampling settings, with --max-new-tokens."""
+    from dataclasses import replace
 
-    with tempfile.TemporaryDirectory() as ckpt:
-        funcs = resolve_reward_funcs(gcfg.reward_funcs)
-        rt = TrainerRuntime(model, tok, rows, prompts, funcs, gen, RunLogger.disabled(), Path(ckpt))
-        trainer = GRPOTrainer(gcfg.model_copy(update={"max_steps": steps + 1, "save_steps": 10**6}), rt, seed=0)
-        sync_before = (getattr(gen, "sync_seconds", 0.0), getattr(gen, "syncs", 0))
-        trainer.train()
-    res = {"step_s": statistics.median(h["step_time"] for h in trainer.history[1:])}
-    if hasattr(gen, "syncs"):
-        res["sync_ms"] = 1e3 * (gen.sync_seconds - sync_before[0]) / max(gen.syncs - sync_before[1], 1)
-        res["logp_gap"] = trainer.history[-1].get("sampling/sampling_logp_difference/max", float("nan"))
-    return res
-
-
-def run_model(name, model_dir, tok, rows, prompts, gcfg, args) -> dict[str, dict]:
-    """Generation rounds interleaved over the backends (so load bursts hit all), then GRPO steps."""
+    from grpoflow.tasks.config import load_config
     from grpoflow.tasks.generation.types import SamplingParams
 
-    params = SamplingParams.from_grpo(gcfg)
-    batch = prompts[: gcfg.batching().unique_prompts]
-    made = {b: make_generator(b, model_dir, tok, prompts) for b in args.backends}
-    res = {b: {"startup": made[b][2], "rates": []} for b in args.backends}
-    for b in args.backends:
-        made[b][1].generate(batch, gcfg.num_generations, params)  # warm-up (vLLM: compiles its log-prob helper)
-    for _ in range(args.repeats):
-        for b in args.backends:
-            t = time.perf_counter()
-            out = made[b][1].generate(batch, gcfg.num_generations, params)
-            res[b]["rates"].append(sum(map(len, out.completion_ids)) / (time.perf_counter() - t))
-    for b in args.backends:
-        model, gen, _ = made[b]
-        res[b].update(grpo_steps(model, gen, tok, rows, prompts, gcfg, args.steps))
-        res[b]["tok_s"] = statistics.median(res[b].pop("rates"))
-        print(f"  {name} {b}: {res[b]}", flush=True)
-    for _, gen, _ in made.values():  # only now: closing one engine tears down vLLM's process-wide state
-        if hasattr(gen, "close"):
-            gen.close()
-    return res
+    return replace(SamplingParams.from_grpo(load_config(None, []).grpo), max_new_tokens=args.max_new_tokens)
+
+
+def setup_side(args):
+    """The call one side times: decode every row once, batch by batch; it returns the tokens produced."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from grpoflow.tasks.generation.transformers_loop import sample
+    from grpoflow.tasks.generation.types import left_pad
+    from grpoflow.tasks.model.loading import prompt_ids
+
+    logging.getLogger("transformers").setLevel(logging.ERROR)  # generate's warning about the never-matching EOS id
+    tok = AutoTokenizer.from_pretrained(args.folder)
+    model = AutoModelForCausalLM.from_pretrained(args.folder, dtype=torch.float32).eval()
+    p = sampling(args)
+    eos = tok.eos_token_id if args.stop == "eos" else -1  # -1: never sampled, so no row stops before the limit
+    pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
+    rows = arithmetic_rows(args.prompts, seed=3)
+    expanded = [prompt_ids(tok, r["prompt"]) for r in rows for _ in range(args.samples)]
+    batches = [left_pad(expanded[i : i + args.batch], pad) for i in range(0, len(expanded), args.batch)]
+    calls = {"n": 0}
+
+    def produced(new: torch.Tensor) -> int:
+        """Tokens a row produced: up to and including its first EOS, else all of them."""
+        if eos < 0:
+            return new.numel()
+        hit = new == eos
+        first = torch.where(hit.any(1), hit.int().argmax(1) + 1, torch.full_like(new[:, 0], new.shape[1]))
+        return int(first.sum())
+
+    @torch.no_grad()
+    def call() -> int:
+        torch.manual_seed(args.seed + calls["n"])  # the same seed per call on both sides
+        calls["n"] += 1
+        tokens = 0
+        for ids, mask in batches:
+            if args.side == "ours":
+                _, _, lengths, _ = sample(model, ids, mask, p, eos)
+                tokens += int(lengths.sum())
+            else:
+                out = model.generate(
+                    input_ids=ids, attention_mask=mask, do_sample=not p.greedy, max_new_tokens=p.max_new_tokens,
+                    min_new_tokens=0, temperature=p.temperature, top_p=p.top_p, top_k=p.top_k or 0,
+                    min_p=p.min_p, repetition_penalty=p.repetition_penalty, eos_token_id=eos, pad_token_id=pad,
+                    use_cache=True,
+                )  # fmt: skip
+                tokens += produced(out[:, ids.shape[1] :])
+        return tokens
+
+    return call
+
+
+def run_side(args) -> None:
+    def measure() -> dict:
+        res = protocol.measure_calls(lambda: setup_side(args), args.repeats, args.threads)
+        return res | {"sampler": NAMES[args.side], "sampling": repr(sampling(args))}
+
+    protocol.side_main(measure)
+
+
+def report(args, runs: list[protocol.SideRun]) -> None:
+    ok = [r for r in runs if not r.error]
+    rows = args.prompts * args.samples
+    print(f"\n== decoding: model {args.model}, {rows} rows ({args.prompts} prompts x {args.samples}) in batches of "
+          f"{args.batch}, <= {args.max_new_tokens} new tokens, stop {args.stop}, {args.threads} torch threads on "
+          f"both sides, {args.repeats} timed calls a process, {args.rounds} alternating rounds")  # fmt: skip
+    for side in SIDES:
+        print(f"  {side}: {NAMES[side]}")
+    if ok:
+        print(f"  sampling (both): {ok[0].result['sampling']}")
+    tokens = {side: [w for r in ok if r.side == side for w in r.result["work"] or []] for side in SIDES}
+    counts = {side: (min(t), max(t)) if t else None for side, t in tokens.items()}
+    print(f"  tokens produced per call: ours {counts['ours']}, generate {counts['generate']} (min, max)")
+    if args.stop == "length":
+        print(
+            f"  difference: none in the tokens decoded (every row decodes {args.max_new_tokens} on both sides); ours "
+            "also computes each sampled token's log-prob (the trainer's sampler log-probs), generate does not"
+        )
+    else:
+        total = {side: sum(t) for side, t in tokens.items()}
+        print(f"  difference: ours also computes each sampled token's log-prob; both stop rows at EOS, but generate "
+              f"decodes finished rows (padded) until the last ends and, once a row has ended, the two draw from "
+              f"different random streams; tokens produced over all timed calls: ours {total['ours']}, generate "
+              f"{total['generate']} ({total['ours'] - total['generate']:+d}); the ratio is of tokens/s")  # fmt: skip
+    protocol.print_calls(runs, unit="tok")
+    protocol.print_rounds(runs)
+    ratio = protocol.compare(runs, "ours", "generate", protocol.rate, "ours/generate (tok/s)")
+    result = (f"{args.model} decoding, stop {args.stop}: ours/generate tok/s {ratio['median']:.2f}x"
+              if ratio["per_round"] else f"{args.model} decoding: no ratio (a side failed)")  # fmt: skip
+    print("RESULTS.md row:\n" + protocol.results_row(runs, f"-/{args.threads}", result, ratio))
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS))
-    ap.add_argument("--backends", nargs="+", default=list(BACKENDS), choices=list(BACKENDS))
-    ap.add_argument("--repeats", type=int, default=3, help="timed generation rounds per backend")
-    ap.add_argument("--steps", type=int, default=2, help="timed GRPO steps (after one warm-up step)")
+    ap.add_argument("--model", default="tiny", help="tiny, 25m, smollm2-135m-instruct, a .gguf file or a folder")
+    ap.add_argument("--cache-dir", default="~/.cache/grpoflow/models")
+    ap.add_argument("--prompts", type=int, default=16, help="prompts (the default GRPO round: 16)")
+    ap.add_argument("--samples", type=int, default=8, help="completions per prompt (the default GRPO round: 8)")
+    ap.add_argument("--batch", type=int, default=128, help="rows decoded together")
+    ap.add_argument("--max-new-tokens", type=int, default=32)
+    ap.add_argument("--stop", default="length", choices=["length", "eos"], help="see above (length)")
+    ap.add_argument("--threads", type=int, default=1, help="torch threads of both sides (1)")
+    ap.add_argument("--repeats", type=int, default=3, help="timed calls per side process, after the first call")
+    ap.add_argument("--seed", type=int, default=0)
+    protocol.add_protocol_args(ap)
+    for hidden in ("--side", "--folder"):
+        ap.add_argument(hidden, help=argparse.SUPPRESS)
     args = ap.parse_args()
-    logging.basicConfig(level=logging.WARNING)
-    logging.getLogger("vllm").setLevel(logging.ERROR)
-
-    import torch
-
-    from grpoflow.tasks.config import DEFAULT_CONFIG, TinyModelConfig, load_config
-    from grpoflow.tasks.model.loading import prompt_ids
-    from grpoflow.tasks.model.tiny import build_tiny_model, train_tiny_tokenizer
-
-    gcfg = load_config(DEFAULT_CONFIG).grpo
-    rows, texts = rows_and_texts()
-    tok = train_tiny_tokenizer(texts, 384)
-    prompts = [prompt_ids(tok, r["prompt"], gcfg.max_prompt_length) for r in rows]
-    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads; default grpo batch: "
-          f"{gcfg.batching().unique_prompts} prompts x {gcfg.num_generations} samples, "
-          f"<= {gcfg.max_completion_length} new tokens")  # fmt: skip
-    table = []
+    if args.side:
+        return run_side(args)
+    protocol.check_rounds(args)
+    print(f"machine now: {protocol.quiet_now()}, {protocol.cores()} cores")
     with tempfile.TemporaryDirectory() as tmp:
-        for name in args.models:
-            model = build_tiny_model(TinyModelConfig(**MODELS[name]), tok, seed=0)
-            n_params = sum(p.numel() for p in model.parameters())
-            model_dir = Path(tmp) / name
-            model.save_pretrained(model_dir)
-            tok.save_pretrained(model_dir)
-            for backend, r in run_model(name, model_dir, tok, rows, prompts, gcfg, args).items():
-                table.append((f"{name} ({n_params / 1e6:.1f}M)", backend, r))
-    print("\n| model | backend | gen tok/s | GRPO step s | sync ms | max logp gap | start-up s |")
-    print("|---|---|---:|---:|---:|---:|---:|")
-    for model_name, backend, r in table:
-        sync = f"{r['sync_ms']:.1f}" if "sync_ms" in r else "-"
-        gap = f"{r['logp_gap']:.1e}" if "logp_gap" in r else "-"
-        print(
-            f"| {model_name} | {backend} | {r['tok_s']:.0f} | {r['step_s']:.2f} | {sync} | {gap} | {r['startup']:.1f} |"
+        folder = build_folder(args.model, args.cache_dir, Path(tmp))
+        shared = [a for a in sys.argv[1:]]  # every option the parent got, so the sides decode the same work
+        runs = protocol.alternate(
+            args, list(SIDES), lambda side: [sys.executable, __file__, *shared, "--side", side, "--folder", folder]
         )
+    report(args, runs)
 
 
 if __name__ == "__main__":

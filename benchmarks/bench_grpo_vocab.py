@@ -10,20 +10,25 @@ the vocabulary size changes. The batch is B rows of P prompt and C completion to
     fused  impl="chunked": kernels/chunked_logprobs.py, one [rows, vocab tile] block at a time: grows only
            until V fills its vocabulary tile (8192 columns), then stays flat
 
-Each (impl, V) runs in a fresh process and reports the peak RSS growth of one step over what was resident
-before it (model and batch; see benchmarks/bench_logprobs.py for the method) and the median step time of
---repeats more steps.
+Under the benchmark protocol (benchmarks/protocol.py, docs/benchmarks.md): each (impl, V) is a side that runs in a
+fresh process, --rounds rounds (>= 2) visiting them in turn, gated on a quiet machine, with --threads torch threads.
+A side reports its set-up (imports, model, batch), its first micro-step (time, and the peak RSS growth over what
+was resident before it: model and batch; see benchmarks/bench_logprobs.py for the method), the median of
+--repeats more steps, and its process's wall time and max RSS. Then per V the per-round ratios fused / naive of
+the first step's peak and of the step time, with their spread, and a RESULTS.md row (the largest V).
 
     python benchmarks/bench_grpo_vocab.py               # V = 512 .. 32768, B=8 P=32 C=256
+    python benchmarks/bench_grpo_vocab.py --vocabs 512 --b 2 --p 8 --c 8 --repeats 1 --allow-contended --wait 0
 """
 
 from __future__ import annotations
 
 import argparse
-import json
-import statistics
+import sys
+from pathlib import Path
 
-from bench_logprobs import measure, spawn
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import protocol  # noqa: E402
 
 VOCABS = (512, 2048, 8192, 32768)
 IMPLS = {"naive": "reference", "fused": "chunked"}
@@ -70,21 +75,32 @@ def main() -> None:
     parser.add_argument("--b", type=int, default=8)
     parser.add_argument("--p", type=int, default=32)
     parser.add_argument("--c", type=int, default=256)
+    parser.add_argument("--vocabs", type=int, nargs="+", default=list(VOCABS))
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--case", nargs=2, help=argparse.SUPPRESS)  # impl, vocab
+    parser.add_argument("--threads", type=int, default=2, help="torch threads of every side (2)")
+    protocol.add_protocol_args(parser)
+    parser.add_argument("--side", help=argparse.SUPPRESS)  # impl@vocab
     a = parser.parse_args()
-    if a.case:
-        impl, vocab = a.case[0], int(a.case[1])
-        print(json.dumps(measure(make_step(impl, vocab, a.b, a.p, a.c), a.repeats)))
-        return
+    if a.side:
+        impl, vocab = a.side.split("@")
+        setup = lambda: make_step(impl, int(vocab), a.b, a.p, a.c)  # noqa: E731
+        return protocol.side_main(lambda: protocol.measure_calls(setup, a.repeats, a.threads))
+    protocol.check_rounds(a)
     shape = ["--b", str(a.b), "--p", str(a.p), "--c", str(a.c), "--repeats", str(a.repeats)]
-    print(f"GRPO micro-step (LoRA, tiny Qwen2 hidden 128), B={a.b} P={a.p} C={a.c}: {a.b * a.c} completion tokens")
-    print(f"  {'V':>6s}  {'naive +MB':>10s} {'fused +MB':>10s}  {'naive s':>8s} {'fused s':>8s}")
-    for vocab in VOCABS:
-        r = {impl: spawn(__file__, ["--case", impl, str(vocab), *shape]) for impl in IMPLS}
-        secs = {impl: statistics.median(r[impl]["seconds"]) for impl in IMPLS}
-        mem = f"{r['naive']['peak_mb']:10.1f} {r['fused']['peak_mb']:10.1f}"
-        print(f"  {vocab:6d}  {mem}  {secs['naive']:8.2f} {secs['fused']:8.2f}", flush=True)
+    shape += ["--threads", str(a.threads)]
+    print(f"machine now: {protocol.quiet_now()}, {protocol.cores()} cores")
+    sides = [f"{impl}@{vocab}" for vocab in a.vocabs for impl in IMPLS]
+    runs = protocol.alternate(a, sides, lambda side: [sys.executable, __file__, "--side", side, *shape])
+    print(f"\n== GRPO micro-step (LoRA, tiny Qwen2 hidden 128), B={a.b} P={a.p} C={a.c}: {a.b * a.c} completion "
+          f"tokens, {a.threads} torch threads, {a.rounds} rounds x {a.repeats} timed steps")  # fmt: skip
+    protocol.print_calls(runs)
+    protocol.print_rounds(runs)
+    peak, time_of = (lambda d: d["first_peak_mib"]), (lambda d: d["median_s"])
+    for vocab in a.vocabs:
+        mem = protocol.compare(runs, f"fused@{vocab}", f"naive@{vocab}", peak, f"V={vocab} fused/naive first-step peak")
+        protocol.compare(runs, f"fused@{vocab}", f"naive@{vocab}", time_of, f"V={vocab} fused/naive step time")
+    result = f"GRPO micro-step B={a.b} C={a.c} V={a.vocabs[-1]}: fused/naive first-step peak {mem['median']:.3f}x"
+    print("RESULTS.md row:\n" + protocol.results_row(runs, f"{a.threads}/-", result, mem))
 
 
 if __name__ == "__main__":

@@ -1,6 +1,6 @@
 """Per-token log-probs, forward + backward (dH; the head frozen, as with LoRA), on CPU in float32.
 
-Cases, all run side by side in one invocation so that their ratios are meaningful on a noisy host:
+Cases:
 
     naive      materialized logits + log_softmax (kernels.logprobs.token_logprobs_reference)
     fused      kernels.logprobs.token_logprobs, impl="chunked" (chunked, online logsumexp, J trick)
@@ -11,28 +11,34 @@ Cases, all run side by side in one invocation so that their ratios are meaningfu
     liger      Liger-Kernel's LigerFusedLinearGRPOLoss (compiled=False, beta=0): log-probs + the GRPO loss,
                H reshaped to [8, N/8, D]; skipped with the reason when liger-kernel is not importable
 
-Memory: each case runs in a fresh process. Once its inputs exist, it resets the kernel's peak-RSS mark
-(writing 5 to /proc/self/clear_refs; Linux) and notes VmRSS; after the first forward + backward, VmHWM minus
-that VmRSS is what the computation added on top of H and W. CPU tensors are plain malloc blocks, the large
-ones mmap'ed and unmapped on free, so no caching allocator hides or inflates the peak.
+Under the benchmark protocol (benchmarks/protocol.py, docs/benchmarks.md): every case runs in a fresh process,
+--rounds rounds (>= 2) visiting the cases in turn, each process gated on a quiet machine, all with --threads torch
+threads. A case process builds its inputs (set-up s), runs one forward + backward (first s, and its memory peak),
+then --repeats timed steps (median s).
 
-Time: the median over all timed steps. Each case process runs one warm-up step (the memory peak), then
---repeats timed steps; --rounds rounds visit the cases in turn, so a burst of load on the shared host hits
-every case rather than one.
+Memory: once a case's inputs exist, its process resets the kernel's peak-RSS mark (writing 5 to
+/proc/self/clear_refs; Linux) and notes VmRSS; after the first forward + backward, VmHWM minus that VmRSS ("first
+peak MiB") is what the computation added on top of H and W. CPU tensors are plain malloc blocks, the large ones
+mmap'ed and unmapped on free, so no caching allocator hides or inflates the peak. The protocol's max RSS (the whole
+process, imports included) is printed beside it.
+
+Printed: the per-case table, the protocol's per-round table, per-round ratios (with their spread) of the step time
+and of the first-call peak for each pair below, and a RESULTS.md row (fused / naive).
 
     python benchmarks/bench_logprobs.py            # N=8192 D=512 V=32768 (minutes)
     python benchmarks/bench_logprobs.py --quick    # N=2048 D=256 V=8192
+    python benchmarks/bench_logprobs.py --n 256 --d 32 --v 512 --repeats 1 --cases naive fused \\
+        --allow-contended --wait 0                  # smoke run: checks the fields only
 """
 
 from __future__ import annotations
 
 import argparse
-import json
-import re
-import statistics
-import subprocess
 import sys
-import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import protocol  # noqa: E402
 
 CASES = ("naive", "fused", "fused+ent", "bare", "trl", "liger")
 # (numerator, denominator, target) of the printed ratios
@@ -88,33 +94,13 @@ def make_step(case: str, n: int, d: int, v: int):
     raise ValueError(f"unknown case {case!r}: expected one of {CASES}")
 
 
-def memory_kb(field: str) -> int:
-    """VmRSS (resident now) or VmHWM (peak resident since the last reset) of this process, in kB."""
-    with open("/proc/self/status") as f:
-        return int(re.search(rf"^{field}:\s+(\d+) kB", f.read(), re.M).group(1))
+def no_work(step):
+    """``step`` as a call that reports no work (the protocol's calls may return the work they did)."""
 
-
-def measure(step, repeats: int) -> dict:
-    """Peak RSS growth (MB) of the first ``step()`` in this process, then the seconds of ``repeats`` more."""
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")  # reset VmHWM to the current RSS
-    base = memory_kb("VmRSS")
-    step()
-    peak = memory_kb("VmHWM")
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
+    def call() -> None:
         step()
-        times.append(time.perf_counter() - t0)
-    return {"seconds": times, "peak_mb": (peak - base) / 1024}
 
-
-def spawn(script: str, args: list[str]) -> dict:
-    """Run ``script`` in a fresh Python process and parse the JSON its last output line holds."""
-    out = subprocess.run([sys.executable, script, *args], capture_output=True, text=True)
-    if out.returncode != 0:
-        raise RuntimeError(f"{script} {' '.join(args)} failed:\n{out.stderr[-3000:]}")
-    return json.loads(out.stdout.splitlines()[-1])
+    return call
 
 
 def liger_unavailable() -> str | None:
@@ -125,22 +111,30 @@ def liger_unavailable() -> str | None:
     return None
 
 
-def report(rows: dict[str, dict], a: argparse.Namespace) -> None:
-    print(f"N={a.n} D={a.d} V={a.v} float32, forward+backward (dH), {a.rounds} rounds x {a.repeats} steps")
-    print(f"  {'case':10s} {'median s':>9s} {'min s':>7s} {'peak +MB':>9s}")
-    for case, r in rows.items():
-        print(f"  {case:10s} {statistics.median(r['seconds']):9.2f} {min(r['seconds']):7.2f} {r['peak_mb']:9.1f}")
-    t = {case: statistics.median(r["seconds"]) for case, r in rows.items()}
-    fastest = {case: min(r["seconds"]) for case, r in rows.items()}
-    mem = {case: r["peak_mb"] for case, r in rows.items()}
-    print("ratios (time: of medians, and of minima, the least disturbed steps; memory: of peak RSS growth)")
+def report(runs: list[protocol.SideRun], a: argparse.Namespace) -> None:
+    print(f"\n== N={a.n} D={a.d} V={a.v} float32, forward+backward (dH), {a.threads} torch threads in every case, "
+          f"{a.rounds} rounds x {a.repeats} timed steps")  # fmt: skip
+    protocol.print_calls(runs)
+    protocol.print_rounds(runs)
+    print("ratios per round (time: of the median step; memory: of the first call's peak above its start)")
+    ran = {r.side for r in runs if not r.error}
+    time_of, peak_of = (lambda d: d["median_s"]), (lambda d: d["first_peak_mib"])
+    main = {}
     for num, den, target in RATIOS:
-        if num in t and den in t:
-            line = f"  {num + ' / ' + den:20s} time {t[num] / t[den]:5.2f}x (min {fastest[num] / fastest[den]:5.2f}x)"
-            if den != "bare":
-                ratio = mem[num] / mem[den]
-                line += f"   memory {ratio:7.4f}x" + (f" (1/{1 / ratio:.0f})" if ratio < 1 else "")
-            print(line + (f"   target {target}" if target else ""))
+        if num not in ran or den not in ran:
+            continue
+        if target:
+            print(f"target {num} / {den}: {target}")
+        main[num, den, "time"] = protocol.compare(runs, num, den, time_of, f"{num}/{den} time")
+        if den != "bare":
+            main[num, den, "memory"] = protocol.compare(runs, num, den, peak_of, f"{num}/{den} first-call peak")
+    t, m = main.get(("fused", "naive", "time")), main.get(("fused", "naive", "memory"))
+    if t and t["per_round"]:
+        result = f"log-probs N={a.n} D={a.d} V={a.v}: fused/naive time {t['median']:.2f}x, memory {m['median']:.4f}x"
+    else:
+        t = protocol.ratios([], [])
+        result = f"log-probs N={a.n} D={a.d} V={a.v}: no fused/naive ratio (a case failed or was not run)"
+    print("RESULTS.md row:\n" + protocol.results_row(runs, f"{a.threads}/-", result, t))
 
 
 def main() -> None:
@@ -149,29 +143,27 @@ def main() -> None:
     p.add_argument("--n", type=int, default=8192)
     p.add_argument("--d", type=int, default=512)
     p.add_argument("--v", type=int, default=32768)
+    p.add_argument("--cases", nargs="+", default=list(CASES), choices=CASES)
     p.add_argument("--repeats", type=int, default=3, help="timed steps per case process")
-    p.add_argument("--rounds", type=int, default=2, help="fresh processes per case, visited in turn")
-    p.add_argument("--case", help=argparse.SUPPRESS)
+    p.add_argument("--threads", type=int, default=2, help="torch threads of every case (2)")
+    protocol.add_protocol_args(p)
+    p.add_argument("--side", help=argparse.SUPPRESS)
     a = p.parse_args()
     if a.quick:
         a.n, a.d, a.v = 2048, 256, 8192
-    if a.case:
-        print(json.dumps(measure(make_step(a.case, a.n, a.d, a.v), a.repeats)))
-        return
-    cases = list(CASES)
-    if reason := liger_unavailable():
+    if a.side:
+        return protocol.side_main(lambda: protocol.measure_calls(lambda: no_work(make_step(a.side, a.n, a.d, a.v)),
+                                                                 a.repeats, a.threads))  # fmt: skip
+    protocol.check_rounds(a)
+    cases = list(a.cases)
+    if "liger" in cases and (reason := liger_unavailable()):
         print(f"liger: not run ({reason})")
         cases.remove("liger")
-    rows = {case: {"seconds": [], "peak_mb": 0.0} for case in cases}
-    for _ in range(a.rounds):
-        for case in cases:
-            r = spawn(
-                __file__,
-                ["--case", case, "--n", str(a.n), "--d", str(a.d), "--v", str(a.v), "--repeats", str(a.repeats)],
-            )
-            rows[case]["seconds"] += r["seconds"]
-            rows[case]["peak_mb"] = max(rows[case]["peak_mb"], r["peak_mb"])
-    report(rows, a)
+    print(f"machine now: {protocol.quiet_now()}, {protocol.cores()} cores")
+    shape = ["--n", str(a.n), "--d", str(a.d), "--v", str(a.v), "--repeats", str(a.repeats)]
+    shape += ["--threads", str(a.threads)]
+    runs = protocol.alternate(a, cases, lambda case: [sys.executable, __file__, "--side", case, *shape])
+    report(runs, a)
 
 
 if __name__ == "__main__":

@@ -15,6 +15,10 @@
 
 A side's process prints its measurements as one JSON line prefixed ``BENCH_RESULT `` (:func:`emit`); the time
 its process started is passed to it in ``$BENCH_T0`` (epoch seconds) so it can report time to first step.
+
+Benchmarks that time one call (a decoding round, a loss step) build their sides with :func:`measure_calls` (set-up,
+first call with its memory peak, then the timed calls, with ``--threads`` torch threads) inside
+:func:`side_main`, and run and report them with :func:`alternate`, :func:`print_calls` and :func:`compare`.
 """
 
 from __future__ import annotations
@@ -30,6 +34,7 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -201,8 +206,8 @@ def since_process_start() -> float:
 
 # ------------------------------------------------------------------ ratios and the results row
 def ratios(ours: list[float], peer: list[float]) -> dict:
-    """Per-round ratios ours / peer (of a rate: higher is better for ours), their median, min, max and spread
-    ((max - min) / median)."""
+    """Per-round ratios ours / peer (of a rate: higher is better for ours; :func:`compare` also passes times and
+    memory peaks, labelled as such), their median, min, max and spread ((max - min) / median)."""
     rs = [a / b for a, b in zip(ours, peer, strict=True) if b > 0]
     if not rs:
         return {"per_round": [], "median": float("nan"), "min": float("nan"), "max": float("nan"), "spread": 0.0}
@@ -263,3 +268,128 @@ def print_rounds(runs: list[SideRun]) -> None:
 
 def to_json(runs: list[SideRun]) -> list[dict]:
     return [asdict(r) for r in runs]
+
+
+# ------------------------------------------------------------------ call-timing sides (one call measured repeatedly)
+def _status_kib(key: str) -> int:
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith(key + ":"))
+
+
+def peak_above_start(fn: Callable[[], object]) -> tuple[object, float]:
+    """(``fn()``'s value, MiB the resident set rose above its start at its highest while ``fn()`` ran): VmHWM
+    after the call less VmRSS before it, the high-water mark reset first (5 to /proc/self/clear_refs; Linux) and
+    freed heap memory handed back (malloc_trim), so an earlier call's free lists neither hide nor inflate it. CPU
+    tensors are plain malloc blocks (the large ones mmap'ed, unmapped on free): no caching allocator in between."""
+    import ctypes
+
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):  # not glibc: the peak may be hidden by reused free blocks
+        pass
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+    start = _status_kib("VmRSS")
+    value = fn()
+    return value, (_status_kib("VmHWM") - start) / 1024
+
+
+def measure_calls(setup: Callable[[], Callable[[], float | None]], repeats: int, threads: int) -> dict:
+    """One side's measurement, in its own process: ``setup()`` (loading, inputs) returns the call to time; the
+    first call (thread pools, autograd, allocator warm-up) is timed apart with its memory peak
+    (:func:`peak_above_start`), then ``repeats`` timed calls. A call may return its work (e.g. tokens produced).
+
+    Fields: setup_s (process start to the call ready: imports and loading), first_call_s, first_peak_mib,
+    call_s (each timed call), median_s, work (each timed call's, when it returns one), threads."""
+    import torch
+
+    torch.set_num_threads(threads)
+    call = setup()
+    setup_s = since_process_start()
+    t = time.perf_counter()
+    first_work, first_peak = peak_above_start(call)
+    first_s = time.perf_counter() - t
+    seconds, work = [], []
+    for _ in range(repeats):
+        t = time.perf_counter()
+        w = call()
+        seconds.append(time.perf_counter() - t)
+        work.append(w)
+    return {
+        "setup_s": round(setup_s, 3),
+        "first_call_s": round(first_s, 4),
+        "first_peak_mib": round(first_peak, 1),
+        "first_work": first_work,
+        "call_s": [round(x, 5) for x in seconds],
+        "median_s": statistics.median(seconds) if seconds else float("nan"),
+        "work": work if any(w is not None for w in work) else None,
+        "threads": torch.get_num_threads(),
+    }
+
+
+def side_main(measure: Callable[[], dict]) -> None:
+    """The body of a side process: ``measure()``'s dict, or its error (the parent prints it), as the JSON line."""
+    try:
+        result = measure()
+    except Exception as e:
+        import traceback
+
+        traceback.print_exc()
+        text = str(e).strip()
+        emit({"error": f"{type(e).__name__}: {text.splitlines()[0] if text else ''}"})
+        raise SystemExit(1) from None
+    emit(result)
+
+
+def alternate(args: argparse.Namespace, sides: list[str], argv: Callable[[str], list[str]]) -> list[SideRun]:
+    """``--rounds`` rounds visiting ``sides`` in turn, each side a fresh process (``argv(side)``) after the gate;
+    prints one line per side as it ends."""
+    check_rounds(args)
+    runs = []
+    for rnd in range(args.rounds):
+        for side in sides:
+            run = spawn(side, rnd, argv(side), args)
+            runs.append(run)
+            d = run.result
+            line = f"FAILED {run.error.splitlines()[-1][:300]}" if run.error else (
+                f"median {d['median_s']:.4f} s a call, first call {d['first_call_s']:.3f} s, "
+                f"process {run.process_wall_s:.1f} s")  # fmt: skip
+            print(f"round {rnd} {side}: {line}", flush=True)
+    return runs
+
+
+def rate(d: dict) -> float | None:
+    """Work per second of a side's timed calls (total work / total seconds), None when its calls report none."""
+    work, secs = d.get("work"), sum(d.get("call_s", []))
+    return sum(work) / secs if work and secs > 0 else None
+
+
+def print_calls(runs: list[SideRun], unit: str = "") -> None:
+    """The call-timing table: start-up (set-up s, first call s and its peak) apart from the timed calls (median s,
+    and the rate of ``unit``s when the calls report work), the whole process (process s) and its max RSS."""
+    rate_head = f" {unit + '/s':>11}" if unit else ""
+    print(f"\n{'round':>5} {'side':14} {'threads':>7} {'setup s':>8} {'first s':>8} {'first peak MiB':>14} "
+          f"{'median s':>9}{rate_head} {'process s':>9} {'max RSS MiB':>11}")  # fmt: skip
+    for r in runs:
+        if r.error:
+            print(f"{r.round:5d} {r.side:14} FAILED: {r.error.splitlines()[-1][:160]}")
+            continue
+        d = r.result
+        rate_col = f" {rate(d) or float('nan'):11.1f}" if unit else ""
+        print(f"{r.round:5d} {r.side:14} {d['threads']:7d} {d['setup_s']:8.2f} {d['first_call_s']:8.3f} "
+              f"{d['first_peak_mib']:14.1f} {d['median_s']:9.4f}{rate_col} {r.process_wall_s:9.1f} "
+              f"{r.max_rss_mib:11.1f}")  # fmt: skip
+
+
+def compare(runs: list[SideRun], side: str, baseline: str, key: Callable[[dict], float | None], label: str) -> dict:
+    """Per-round ratios key(side) / key(baseline) over the rounds both ran, printed with their spread (a rate:
+    higher is better for ``side``; for times pass the baseline's time over the side's, a speed-up)."""
+    by = {(r.round, r.side): key(r.result) for r in runs if not r.error}
+    both = sorted({k for k, s in by if s == side and by[k, s] is not None and by.get((k, baseline)) is not None})
+    ratio = ratios([by[k, side] for k in both], [by[k, baseline] for k in both])
+    if ratio["per_round"]:
+        print(f"ratio {label} per round: {ratio['per_round']}; median {ratio['median']:.3f}x, min {ratio['min']:.3f}x, "
+              f"max {ratio['max']:.3f}x, spread {ratio['spread']:.1%}")  # fmt: skip
+    else:
+        print(f"ratio {label}: none (a side failed in every round)")
+    return ratio
