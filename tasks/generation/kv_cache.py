@@ -30,7 +30,7 @@ class PreallocatedLayer(DynamicLayer):
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         n, t = self._n, key_states.shape[-2]
-        if self._k is None or n + t > self._k.shape[-2] or self._k.shape[0] != key_states.shape[0]:
+        if self._k is None or n + t > self._k.shape[-2]:
             cap = n + t + self.extra
             k = key_states.new_empty((*key_states.shape[:2], cap, key_states.shape[-1]))
             v = value_states.new_empty((*value_states.shape[:2], cap, value_states.shape[-1]))
@@ -56,7 +56,12 @@ class PreallocatedLayer(DynamicLayer):
             self._views()
 
     def crop(self, tokens_to_remove: int) -> None:
-        raise NotImplementedError("PreallocatedLayer is for the sampling loop only (no crop)")
+        """DynamicLayer's crop: a negative value removes that many tokens, a positive one (deprecated there) is
+        the length to keep; here only the filled length moves (the buffers stay)."""
+        keep = min(tokens_to_remove, self._n) if tokens_to_remove > 0 else self._n + tokens_to_remove
+        self._n = max(keep, 0)
+        if self._k is not None:
+            self._views()
 
     def reset(self) -> None:
         self._k = self._v = None

@@ -64,3 +64,18 @@ def test_only_plain_full_attention_layers_are_replaced():
     model.config.sliding_window = 4
     cache = decode_cache(model.config, 8)
     assert type(cache.layers[0]) is not PreallocatedLayer and type(cache.layers[1]) is PreallocatedLayer
+
+
+def test_crop_matches_dynamic_layer():
+    torch.manual_seed(0)
+    layer, ref = PreallocatedLayer(extra=4), DynamicLayer()
+    k, v = torch.randn(2, 2, 6, 4), torch.randn(2, 2, 6, 4)
+    layer.update(k, v)
+    ref.update(k, v)
+    for crop in (-2, 3):  # remove 2, then keep 3
+        layer.crop(crop)
+        ref.crop(crop)
+        assert torch.equal(layer.keys, ref.keys) and torch.equal(layer.values, ref.values)
+    k, v = torch.randn(2, 2, 1, 4), torch.randn(2, 2, 1, 4)
+    got, want = layer.update(k, v), ref.update(k, v)
+    assert torch.equal(got[0], want[0]) and layer.get_seq_length() == ref.get_seq_length() == 4
