@@ -56,6 +56,7 @@ from grpoflow.tasks.grpo.schedule import is_optimizer_step, micro_batch_rows
 from grpoflow.tasks.grpo.trainer_runtime import TrainerRuntime
 from grpoflow.tasks.model.device import model_device
 from grpoflow.tasks.model.optim import build_optimizer, build_scheduler, clip_and_step
+from grpoflow.tasks.model.precision import train_precision
 from grpoflow.tasks.rewards import UnscoredRounds, score_completions
 from grpoflow.tasks.runtime.dist import Comm
 from grpoflow.tasks.runtime.progress import progress_bar
@@ -261,9 +262,7 @@ class GRPOTrainer:
 
     def _autocast(self):
         """torch.autocast to ``autocast_dtype`` on the model's device; a no-op context without one."""
-        if self.autocast_dtype is None:
-            return nullcontext()
-        return torch.autocast(self.device.type, dtype=self.autocast_dtype)
+        return train_precision(self.model, self.device.type, self.autocast_dtype)
 
     def _logprobs_no_grad(self, batch: RoundTensors, model=None) -> torch.Tensor:
         out = []

@@ -17,6 +17,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, P
 
 from grpoflow.tasks.config import LoraConfig, ModelConfig
 from grpoflow.tasks.model.lora import unwrap
+from grpoflow.tasks.model.precision import lora_autocast_dtype, use_float32_attention
 
 log = logging.getLogger(__name__)
 
@@ -161,6 +162,12 @@ def train_dtypes(cfg: ModelConfig, use_lora: bool) -> tuple[torch.dtype | None, 
     return torch.float32, torch.bfloat16
 
 
+def compute_dtype(cfg: ModelConfig, use_lora: bool) -> torch.dtype | None:
+    """The autocast dtype of training passes: full fine-tuning's (train_dtypes) or, for LoRA over a bf16 base,
+    bfloat16 with the adapters kept float32 (tasks/model/precision.py); None: no autocast."""
+    return train_dtypes(cfg, use_lora)[1] or lora_autocast_dtype(cfg.dtype, use_lora, cfg.load_in_4bit)
+
+
 def load_trainable(name_or_path: str, cfg: ModelConfig, use_lora: bool, device: torch.device | None = None):
     """Model ready to train on ``device``: LoRA-wrapped (frozen base) or all weights trainable (train_dtypes)."""
     weights, _ = train_dtypes(cfg, use_lora)
@@ -172,6 +179,8 @@ def load_trainable(name_or_path: str, cfg: ModelConfig, use_lora: bool, device: 
         )
     if cfg.gradient_checkpointing:
         enable_gradient_checkpointing(model)
+    # bf16 training passes on a CPU: attention in float32 (torch's bf16 flash-attention backward is slow there)
+    use_float32_attention(model, device or torch.device("cpu"), cfg.dtype == "bfloat16")
     if use_lora:
         model = add_lora(model, cfg.lora, cfg.gradient_checkpointing)
     model.train()

@@ -30,6 +30,7 @@ from grpoflow.tasks.grpo.trainer_runtime import CheckpointHooks, TrainerRuntime
 from grpoflow.tasks.model.context import config_context, context_problem, tokenize_prompts
 from grpoflow.tasks.model.device import select_device
 from grpoflow.tasks.model.loading import (
+    compute_dtype,
     count_parameters,
     load_causal_lm,
     load_tokenizer,
@@ -98,7 +99,7 @@ def train_grpo(
         model_cfg = model_cfg.model_copy(update={"gradient_checkpointing": g.gradient_checkpointing})
     device = select_device(cfg.run.device, local_rank=comm.local_rank if comm.world > 1 else None)
     model = load_trainable(start, model_cfg, use_lora, device)
-    weights_dtype, autocast_dtype = train_dtypes(cfg.model, use_lora)
+    weights_dtype, autocast_dtype = train_dtypes(cfg.model, use_lora)  # full fine-tuning's (FSDP2's policy)
     ref_model = None
     if g.beta > 0 and not use_lora:
         ref_dtype = reference_dtype(cfg)
@@ -133,6 +134,7 @@ def train_grpo(
         }
     )
     root = wrap_root(PolicyLogProbs(model), comm, cfg.distributed.strategy, autocast_dtype)  # what DDP/FSDP2 own
+    autocast_dtype = compute_dtype(cfg.model, use_lora)  # and LoRA's over a bf16 base: the passes' precision
     log.info("GRPO on %s: weights %s, autocast %s", device, model.dtype, autocast_dtype or "off")
     log.info(
         "GRPO: %d prompts, %d per round x %d generations, %d micro-batches of %d per round and process, "

@@ -25,14 +25,15 @@ from grpoflow.tasks.dataio.splits import load_split
 from grpoflow.tasks.model.device import select_device
 from grpoflow.tasks.model.loading import (
     backbone_and_head,
+    compute_dtype,
     count_parameters,
     load_tokenizer,
     load_trainable,
     prompt_ids,
     require_unquantized,
-    train_dtypes,
 )
 from grpoflow.tasks.model.optim import build_optimizer, build_scheduler, clip_and_step
+from grpoflow.tasks.model.precision import train_precision
 from grpoflow.tasks.model.save import merge_into_16bit_base
 from grpoflow.tasks.runtime import timeline
 from grpoflow.tasks.runtime.progress import progress_bar
@@ -92,7 +93,7 @@ def run_sft(cfg: PipelineConfig, ws: Workspace, tracker: RunLogger) -> dict:
         require_unquantized(base, cfg.model, "sft (use_lora with model.load_in_4bit) merges into model.name")
     device = select_device(cfg.run.device)
     model = load_trainable(base, cfg.model, use_lora, device)
-    _, autocast_dtype = train_dtypes(cfg.model, use_lora)
+    autocast_dtype = compute_dtype(cfg.model, use_lora)
     trainable, total = count_parameters(model)
     examples = tokenize_sft(load_split(ws, "train"), tokenizer, s.max_length, s.completion_only_loss)
     per_step = s.per_device_train_batch_size * s.gradient_accumulation_steps
@@ -120,7 +121,7 @@ def run_sft(cfg: PipelineConfig, ws: Workspace, tracker: RunLogger) -> dict:
             for k in range(0, per_step, s.per_device_train_batch_size):
                 batch = collate(micro[k : k + s.per_device_train_batch_size], tokenizer.pad_token_id)
                 ids, labels, mask = (t.to(device) for t in batch)
-                with torch.autocast(device.type, dtype=autocast_dtype, enabled=autocast_dtype is not None):
+                with train_precision(model, device.type, autocast_dtype):
                     loss = labelled_token_loss(model, ids, labels, mask) / max(1, n_label)
                 loss.backward()
                 step_loss += loss.item()
