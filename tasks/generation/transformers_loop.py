@@ -72,16 +72,26 @@ class TransformersGenerator:
         return out
 
     def _generate_chunk(self, prompts: list[list[int]], p: SamplingParams, seeds: list[int] | None) -> Generation:
-        ids, mask = left_pad(prompts, self.pad_id)
+        unique, rows = distinct_prompts(prompts)  # GRPO's group of n completions shares one prompt: one prefill
+        ids, mask = left_pad(unique, self.pad_id)
         device = model_device(self.model)
         ids, mask = ids.to(device), mask.to(device)
-        tokens, logps, lengths, stopped = sample(self.model, ids, mask, p, self.eos_id, seeds)
+        tokens, logps, lengths, stopped = sample(
+            self.model, ids, mask, p, self.eos_id, seeds, prompt_rows=torch.tensor(rows, device=device)
+        )
         gen = Generation()
         for row, row_lp, n, stop in zip(tokens.tolist(), logps.tolist(), lengths.tolist(), stopped.tolist()):
             gen.completion_ids.append(row[:n])
             gen.logprobs.append(row_lp[:n])
             gen.finish_reasons.append("stop" if stop else "length")
         return gen
+
+
+def distinct_prompts(prompts: list[list[int]]) -> tuple[list[list[int]], list[int]]:
+    """(the distinct prompts in order of first appearance, each row's index into them)."""
+    index: dict[tuple[int, ...], int] = {}
+    rows = [index.setdefault(tuple(p), len(index)) for p in prompts]
+    return [list(k) for k in index], rows
 
 
 def logits_warpers(p: SamplingParams):
@@ -113,9 +123,19 @@ def logits_warpers(p: SamplingParams):
 
 @torch.no_grad()
 def sample(
-    model, ids: torch.Tensor, mask: torch.Tensor, p: SamplingParams, eos_id: int, seeds: list[int] | None = None
+    model,
+    ids: torch.Tensor,
+    mask: torch.Tensor,
+    p: SamplingParams,
+    eos_id: int,
+    seeds: list[int] | None = None,
+    prompt_rows: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Decode up to ``p.max_new_tokens`` tokens for each row of a left-padded batch, with a KV cache.
+
+    ``prompt_rows`` (optional, [B]): row i continues prompt ``ids[prompt_rows[i]]``. Each distinct prompt is then
+    prefilled once and its KV cache copied to its rows: GRPO's n completions of a prompt share one prefill (on the
+    default tiny model the prompt's forward was half of decoding's matmul FLOPs).
 
     Returns tokens [B, T] and their sampler log-probs log_softmax(logits / temperature) [B, T] (valid up
     to each row's length), lengths [B] (EOS included) and stopped [B] (the row emitted EOS).
@@ -126,7 +146,11 @@ def sample(
     transformers' logits processors, then softmax and torch.multinomial (argmax when greedy). With ``seeds`` (one
     per row) each row draws from its own torch.Generator: its tokens depend on its seed and its logits only."""
     base = unwrap(model)
-    B, T = ids.shape[0], p.max_new_tokens
+    cache = decode_cache(base.config, p.max_new_tokens)  # written in place: no torch.cat of the whole cache per token
+    compactable = all(hasattr(layer, "batch_select_indices") for layer in getattr(cache, "layers", [None]))
+    if prompt_rows is not None and not compactable:  # a cache that cannot copy rows: prefill every row
+        ids, mask, prompt_rows = ids[prompt_rows], mask[prompt_rows], None
+    B, T = (ids.shape[0] if prompt_rows is None else prompt_rows.shape[0]), p.max_new_tokens
     warp = logits_warpers(p)
     temp = 1.0 if p.greedy else p.temperature
     dev = ids.device  # the model's: every buffer of the loop lives beside it
@@ -134,7 +158,6 @@ def sample(
     logps = torch.zeros((B, T), device=dev)
     lengths = torch.full((B,), T, dtype=torch.long, device=dev)
     stopped = torch.zeros(B, dtype=torch.bool, device=dev)
-    cache = decode_cache(base.config, T)  # written in place: no torch.cat of the whole cache per token
     position = (mask.cumsum(-1) - 1).clamp(min=0)
     out = model(
         input_ids=ids,
@@ -146,10 +169,13 @@ def sample(
     )
     logits = out.logits[:, -1].float()
     position = position[:, -1:] + 1
+    if prompt_rows is not None:  # each row gets its prompt's cache, logits and positions
+        for layer in cache.layers:
+            layer.batch_select_indices(prompt_rows)
+        ids, mask, position, logits = ids[prompt_rows], mask[prompt_rows], position[prompt_rows], logits[prompt_rows]
     rows = torch.arange(B, device=dev)  # batch row -> output row
     seqs = ids  # what the repetition penalty looks at
     gens = None if seeds is None else [torch.Generator(device=dev).manual_seed(s) for s in seeds]
-    compactable = all(hasattr(layer, "batch_select_indices") for layer in getattr(cache, "layers", [None]))
     for t in range(T):
         scores = warp(seqs, logits.clone()) if warp else logits
         if p.greedy:

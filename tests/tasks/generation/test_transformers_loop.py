@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from grpoflow.tasks.config import TinyModelConfig
-from grpoflow.tasks.generation.transformers_loop import TransformersGenerator, sample
+from grpoflow.tasks.generation.transformers_loop import TransformersGenerator, distinct_prompts, sample
 from grpoflow.tasks.generation.types import SamplingParams, left_pad, torch_threads
 from grpoflow.tasks.model.lora import lora_layers, lora_merged, merge_blocker
 from grpoflow.tasks.model.tiny import build_tiny_model, train_tiny_tokenizer
@@ -167,3 +167,39 @@ def test_rows_that_stop_leave_the_batch_and_keep_their_results():
         assert lengths[r] == n[0] and stopped[r] == s[0]
         assert tokens[r, : n[0]].tolist() == alone[0, : n[0]].tolist()
         torch.testing.assert_close(logps[r, : n[0]], alone_lp[0, : n[0]], atol=1e-5, rtol=1e-5)
+
+
+def test_distinct_prompts_index_every_row():
+    unique, rows = distinct_prompts([[1, 2], [1, 2], [3], [1, 2], [3], [4, 5]])
+    assert unique == [[1, 2], [3], [4, 5]]
+    assert rows == [0, 0, 1, 0, 1, 2]
+
+
+@pytest.mark.parametrize("greedy", [True, False])
+def test_shared_prompt_prefill_samples_what_a_full_prefill_samples(greedy):
+    """Each distinct prompt prefilled once and its cache copied to its rows (prompt_rows) gives every row the
+    tokens, log-probs, lengths and stop flags of prefilling each row itself, rows leaving the batch included."""
+    tok, model = lora_model()
+    prompts = [tok("What is 3 + 4?")["input_ids"], tok("7")["input_ids"], tok("<answer>")["input_ids"]]
+    rows = torch.tensor([0, 0, 0, 1, 1, 2, 2, 2])
+    p = SamplingParams(max_new_tokens=10, greedy=greedy, temperature=0.9)
+    seeds = list(range(100, 100 + len(rows)))
+    ids, mask = left_pad(prompts, tok.pad_token_id)
+    free = sample(model, ids[rows], mask[rows], p, len(tok) + 7, seeds)[0]
+    eos = free[3, 1].item()  # some rows stop early: the batch compacts after the shared prefill
+    full = sample(model, ids[rows], mask[rows], p, eos, seeds)
+    shared = sample(model, ids, mask, p, eos, seeds, prompt_rows=rows)
+    assert shared[0].tolist() == full[0].tolist()
+    torch.testing.assert_close(shared[1], full[1], atol=1e-5, rtol=1e-5)
+    assert shared[2].tolist() == full[2].tolist() and shared[3].tolist() == full[3].tolist()
+    assert bool(full[3].any()) and not bool(full[3].all())
+    # the generator groups a chunk's repeated prompts itself: the same completions as rows given one by one
+    gen = TransformersGenerator(model, tok, batch_size=8)
+    greedy6 = SamplingParams(max_new_tokens=6, greedy=True)
+    out = gen.generate(prompts, 2, greedy6)
+    for i, prompt in enumerate(prompts):
+        alone_ids, alone_mask = left_pad([prompt], tok.pad_token_id)
+        with lora_merged(model):
+            alone = sample(model, alone_ids, alone_mask, greedy6, tok.eos_token_id)
+        n = alone[2][0].item()
+        assert out.completion_ids[2 * i] == out.completion_ids[2 * i + 1] == alone[0][0, :n].tolist()
