@@ -48,6 +48,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import protocol  # noqa: E402
 
 SYSTEM = "Respond in the following format:\n<reasoning>\n...\n</reasoning>\n<answer>\n...\n</answer>"
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2}
+
 SAMPLERS = {
     "transformers": {
         "ours": "grpoflow transformers KV-cached loop (LoRA merged, {gen_threads} decode threads)",
@@ -128,25 +130,27 @@ def side_ours(args, rows: list[dict]) -> dict:
     from grpoflow.tasks.grpo.flops import model_shape
     from grpoflow.tasks.grpo.trainer import GRPOTrainer
     from grpoflow.tasks.grpo.trainer_runtime import TrainerRuntime
-    from grpoflow.tasks.model.loading import add_lora, load_causal_lm, load_tokenizer, prompt_ids
+    from grpoflow.tasks.model.loading import compute_dtype, load_tokenizer, load_trainable, prompt_ids
     from grpoflow.tasks.rewards import resolve_reward_funcs
     from grpoflow.tasks.runtime.tracking import RunLogger
 
     imports_s = protocol.since_process_start()
     torch.manual_seed(0)
     folder = args.folder
-    mcfg = ModelConfig(name=folder, lora={"r": 16, "alpha": 32, "target_modules": "all-linear"})
+    mcfg = ModelConfig(name=folder, dtype=args.dtype, lora={"r": 16, "alpha": 32, "target_modules": "all-linear"})
     tok = load_tokenizer(folder, mcfg)
-    model = add_lora(load_causal_lm(folder, mcfg), mcfg.lora)
+    model = load_trainable(folder, mcfg, use_lora=True)  # as the GRPO stage: bf16 -> float32 attention on CPUs
     g = GRPOConfig(**grpo_settings(args, args.steps))
     gen_cfg = GenerationConfig(backend=args.sampler, batch_size=128, torch_threads=args.gen_threads)
     prompts = [prompt_ids(tok, r["prompt"]) for r in rows]
     max_len = max(map(len, prompts)) + g.max_completion_length
     t = time.perf_counter()
-    gen = make_generator(gen_cfg, model, tok, model_path=folder, max_model_len=max_len, seed=0)
+    gen = make_generator(gen_cfg, model, tok, model_path=folder, dtype=args.dtype, max_model_len=max_len, seed=0)
     engine_s = time.perf_counter() - t
     funcs = resolve_reward_funcs(["correctness"])
-    rt = TrainerRuntime(model, tok, rows, prompts, funcs, gen, RunLogger.disabled(), Path(args.out))
+    autocast = compute_dtype(mcfg, use_lora=True)  # bf16: the GRPO stage's autocast over the float32 adapters
+    log = RunLogger.disabled()
+    rt = TrainerRuntime(model, tok, rows, prompts, funcs, gen, log, Path(args.out), autocast_dtype=autocast)
     trainer = GRPOTrainer(g, rt, seed=0)  # a vLLM sampler: corrected for its drift
     torch.set_num_threads(args.threads)
     loop_start = protocol.since_process_start()
@@ -169,7 +173,7 @@ def side_ours(args, rows: list[dict]) -> dict:
         "train_flops": sum(x["perf/train_flops"] for x in h),
         "train_s": sum(x["perf/train_seconds"] for x in h),
         "decode_rows": decode_rows,
-        "weight_bytes": model_shape(model).matmul_params * 4,
+        "weight_bytes": model_shape(model).matmul_params * DTYPE_BYTES[args.dtype],
         "threads": {"train": args.threads, "decode": args.gen_threads if args.sampler == "transformers" else None},
         "reward": sum(x["reward"] for x in h) / len(h),
     }
@@ -204,7 +208,8 @@ def side_trl(args, rows: list[dict]) -> dict:
         return scores
 
     torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_pretrained(args.folder, dtype=torch.float32)
+    # the same precision as ours: a bfloat16 base (peft keeps the adapters float32) computing under TRL's bf16 autocast
+    model = AutoModelForCausalLM.from_pretrained(args.folder, dtype=getattr(torch, args.dtype))
     s = grpo_settings(args, args.steps)
     s.pop("max_prompt_length")  # TRL 1.16 has no prompt truncation key; our prompts are far shorter anyway
     s.pop("save_steps")
@@ -213,7 +218,8 @@ def side_trl(args, rows: list[dict]) -> dict:
         max_len = max(prompt_len.values()) + args.completion_len
         vllm = dict(use_vllm=True, vllm_mode="colocate", vllm_max_model_length=max_len, vllm_enable_sleep_mode=False)
     cfg = GRPOConfig(
-        output_dir=args.out, **s, **vllm, use_cpu=True, bf16=False, gradient_checkpointing=False, report_to=[],
+        output_dir=args.out, **s, **vllm, use_cpu=True, bf16=args.dtype == "bfloat16", gradient_checkpointing=False,
+        report_to=[],
         save_strategy="no", logging_steps=10**6, disable_tqdm=True, seed=0, dataloader_num_workers=0,
     )  # fmt: skip
     t = time.perf_counter()
@@ -266,7 +272,7 @@ def side_trl(args, rows: list[dict]) -> dict:
         "train_flops": flops,
         "train_s": max(loop_s - gen["s"], 0.0),
         "decode_rows": n if args.sampler == "transformers" else min(n, cfg.vllm_max_num_seqs or n),
-        "weight_bytes": shape.matmul_params * 4,
+        "weight_bytes": shape.matmul_params * DTYPE_BYTES[args.dtype],
         "threads": {"train": args.threads, "decode": args.threads if args.sampler == "transformers" else None},
         "reward": sum(counted["rewards"]) / max(len(counted["rewards"]), 1),
     }
@@ -329,6 +335,7 @@ def compare(args, sampler: str, folder: str, tmp: Path, peak: dict) -> dict:
             argv += ["--out", str(tmp / f"{sampler}{side}{r}"), "--sampler", sampler, "--steps", str(args.steps)]
             argv += ["--threads", str(args.threads)]
             argv += ["--gen-threads", str(args.gen_threads), "--completion-len", str(args.completion_len)]
+            argv += ["--dtype", args.dtype]
             run = protocol.spawn(side, r, argv, args)
             if not run.error:
                 run.result |= derived(run.result, peak)
@@ -386,6 +393,12 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=25, help="optimizer steps of each trainer in each round")
     ap.add_argument("--sampler", default="both", choices=["transformers", "vllm", "both"])
     ap.add_argument("--completion-len", type=int, default=32)
+    ap.add_argument(
+        "--dtype",
+        default="float32",
+        choices=["float32", "bfloat16"],
+        help="the frozen base's dtype on both sides (bfloat16: TRL's bf16=True; LoRA adapters stay float32)",
+    )
     ap.add_argument("--threads", type=int, default=2, help="torch threads of both training loops")
     ap.add_argument(
         "--gen-threads", type=int, help="our transformers decoding loop's threads (default: --threads, as the product)"
