@@ -203,6 +203,14 @@ class GRPOConfig(OptimizerFields):
         "completion length, each cut to its own longest prompt and completion instead of the round's widths: less "
         "padding computed when lengths vary. 0 = one pass per micro-batch at the round's widths.",
     )
+    share_prompt_forward: bool = Field(
+        True,
+        description="Log-prob passes run each distinct prompt of a micro-batch once and the completions of its "
+        "group over its KV cache (gradients summed back): the same log-probs and gradients up to float rounding, "
+        "with n-1 of every n prompt forwards and backwards saved. Off under gradient checkpointing (no cache), for "
+        "models whose cache is not transformers' plain DynamicCache, and with distributed.strategy=fsdp2 on "
+        "several processes (two passes over the sharded layers are not tested yet).",
+    )
     logprob_impl: Literal["auto", "triton", "chunked"] = Field(
         "auto",
         description="Implementation of the per-token log-probs (loss, old and reference passes; "

@@ -8,6 +8,11 @@ at position P-1+t predicts completion token t for every row:
 
 The lm_head is never applied to the whole sequence: the hidden states of the completion
 positions go through kernels.token_logprobs (fused, tiled over the vocabulary) with the head weight.
+
+Rows with the same prompt (GRPO's group of n completions) share its forward pass: each distinct prompt runs once,
+its KV cache and last hidden state are indexed out to its rows (autograd sums their gradients back), and the
+completions run over that cache (:func:`shared_prompt_hidden`). The same hidden states up to float rounding, with
+n-1 of every n prompt forwards and backwards saved.
 """
 
 from __future__ import annotations
@@ -69,9 +74,10 @@ class PolicyLogProbs(torch.nn.Module):
     whole computation. Calling the backbone and ``head.weight`` from outside the wrapped module would bypass it:
     under DDP the head's gradient is not averaged, under FSDP2 the head is still sharded when used."""
 
-    def __init__(self, model: torch.nn.Module):
+    def __init__(self, model: torch.nn.Module, share_prompts: bool = True):
         super().__init__()
         self.model = model
+        self.share_prompts = share_prompts  # rows with one prompt share its forward (shared_prompt_hidden)
 
     def forward(
         self,
@@ -115,11 +121,15 @@ class PolicyLogProbs(torch.nn.Module):
         entropy_grad: bool,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         backbone, head = backbone_and_head(self.model)
-        input_ids = torch.cat([prompt_ids, completion_ids], dim=1)
-        attn = torch.cat([prompt_mask, torch.ones_like(completion_ids)], dim=1)
-        hidden = backbone(input_ids=input_ids, attention_mask=attn, use_cache=False).last_hidden_state  # [B, P+C, D]
         P, C = prompt_ids.shape[1], completion_ids.shape[1]
-        h = hidden[:, P - 1 : P + C - 1]  # [B, C, D]
+        groups = prompt_groups(prompt_ids, prompt_mask) if self.share_prompts and can_share(backbone) else None
+        if groups is not None:
+            h = shared_prompt_hidden(backbone, prompt_ids, prompt_mask, completion_ids, *groups)  # [B, C, D]
+        else:
+            input_ids = torch.cat([prompt_ids, completion_ids], dim=1)
+            attn = torch.cat([prompt_mask, torch.ones_like(completion_ids)], dim=1)
+            hidden = backbone(input_ids=input_ids, attention_mask=attn, use_cache=False).last_hidden_state
+            h = hidden[:, P - 1 : P + C - 1]  # [B, C, D]
         bias = getattr(head, "bias", None)
         if entropy_grad:
             logp, ent = token_logprobs_reference(
@@ -129,6 +139,64 @@ class PolicyLogProbs(torch.nn.Module):
         return token_logprobs(
             h, head.weight, completion_ids, temperature, bias, compute_entropy=compute_entropy, impl=impl
         )
+
+
+def prompt_groups(prompt_ids: torch.Tensor, prompt_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """(one row index per distinct prompt [U], each row's prompt among them [B]); None when no two rows share one."""
+    _, inverse = torch.unique(torch.cat([prompt_ids, prompt_mask], dim=1), dim=0, return_inverse=True)
+    U = int(inverse.max()) + 1 if inverse.numel() else 0
+    if U == prompt_ids.shape[0]:
+        return None
+    rows = torch.arange(inverse.numel(), device=inverse.device)
+    first = torch.full((U,), inverse.numel(), dtype=torch.long, device=inverse.device).scatter_reduce(
+        0, inverse, rows, reduce="amin"
+    )
+    return first, inverse
+
+
+def can_share(backbone) -> bool:
+    """A backbone whose prompt forward can hand its KV cache to the completions: transformers' DynamicCache of
+    plain full-attention layers, and no gradient checkpointing (which turns the cache off)."""
+    if getattr(backbone, "is_gradient_checkpointing", False) or getattr(backbone, "gradient_checkpointing", False):
+        return False
+    from transformers.cache_utils import DynamicCache, DynamicLayer
+
+    try:
+        cache = DynamicCache(config=backbone.config)
+    except Exception:  # a model whose config DynamicCache cannot read: no sharing
+        return False
+    return bool(cache.layers) and all(type(layer) is DynamicLayer for layer in cache.layers)
+
+
+def shared_prompt_hidden(
+    backbone,
+    prompt_ids: torch.Tensor,
+    prompt_mask: torch.Tensor,
+    completion_ids: torch.Tensor,
+    first: torch.Tensor,
+    inverse: torch.Tensor,
+) -> torch.Tensor:
+    """The hidden states [B, C, D] that predict each completion token, with each distinct prompt run once.
+
+    The distinct prompts ``prompt_ids[first]`` [U, P] run through the backbone with a DynamicCache; their keys and
+    values and the last prompt position's hidden state are indexed out to the B rows (``inverse``), and the
+    completion tokens but the last [B, C-1] run over that cache. Row b's hidden states are then
+    [h(prompt)[P-1], h(completion)[0 .. C-2]], what the full sequence [B, P+C] gives at positions P-1 .. P+C-2
+    (positions P .. P+C-2 for the completion tokens, as the full pass's). Prompt FLOPs: U/B of the full pass's."""
+    from transformers.cache_utils import DynamicCache
+
+    cache = DynamicCache(config=backbone.config)
+    ids, mask = prompt_ids[first], prompt_mask[first]
+    out = backbone(input_ids=ids, attention_mask=mask, past_key_values=cache, use_cache=True)
+    last = out.last_hidden_state[:, -1:][inverse]  # [B, 1, D]
+    C = completion_ids.shape[1]
+    if C == 1:
+        return last
+    for layer in cache.layers:  # differentiable: each prompt's gradient is the sum over its rows
+        layer.keys, layer.values = layer.keys[inverse], layer.values[inverse]
+    attn = torch.cat([prompt_mask, prompt_mask.new_ones((prompt_mask.shape[0], C - 1))], dim=1)
+    rest = backbone(input_ids=completion_ids[:, :-1], attention_mask=attn, past_key_values=cache, use_cache=True)
+    return torch.cat([last, rest.last_hidden_state], dim=1)
 
 
 def check_logprob_impl(impl: str, device: torch.device) -> None:

@@ -126,7 +126,7 @@ class GRPOTrainer:
         # distributed (tasks/grpo/distributed.py): this process's rank, the root module the engine wraps (the
         # log-prob path, PolicyLogProbs(model) at world size 1) and whether completions are seeded per row
         self.comm = rt.comm or Comm()
-        self.root = rt.root if rt.root is not None else PolicyLogProbs(model)
+        self.root = rt.root if rt.root is not None else PolicyLogProbs(model, cfg.share_prompt_forward)
         self.row_seeded = row_seeded
         if self.comm.world > 1 and generator.separate_engine:  # it syncs after each optimizer step, decided
             generator.weights_key = lambda: self.step  # alike on every rank (FSDP2: the sync is collective)
@@ -272,7 +272,7 @@ class GRPOTrainer:
                 sub = batch.select(torch.arange(s, min(s + mb, batch.completion_ids.shape[0])))
                 kw = {"impl": self.cfg.logprob_impl, "chunk_rows": self.cfg.logprob_chunk_rows}
                 # the policy through the root module (the distributed engine's); the reference model as it is
-                root = self.root if model is None else PolicyLogProbs(model)
+                root = self.root if model is None else PolicyLogProbs(model, self.cfg.share_prompt_forward)
                 out.append(root_logprobs(root, sub, self.cfg.temperature, **kw)[0])
         return torch.cat(out)  # every slice keeps the round's width
 

@@ -133,7 +133,9 @@ def train_grpo(
             **b.model_dump(),
         }
     )
-    root = wrap_root(PolicyLogProbs(model), comm, cfg.distributed.strategy, autocast_dtype)  # what DDP/FSDP2 own
+    share = g.share_prompt_forward and not (cfg.distributed.strategy == "fsdp2" and comm.world > 1)
+    policy = PolicyLogProbs(model, share_prompts=share)
+    root = wrap_root(policy, comm, cfg.distributed.strategy, autocast_dtype)  # what DDP/FSDP2 own
     autocast_dtype = compute_dtype(cfg.model, use_lora)  # and LoRA's over a bf16 base: the passes' precision
     log.info("GRPO on %s: weights %s, autocast %s", device, model.dtype, autocast_dtype or "off")
     log.info(

@@ -1,0 +1,116 @@
+"""grpo.share_prompt_forward: each distinct prompt runs once and its group's completions over its KV cache; the
+log-probs, entropies and gradients equal the full pass's."""
+
+import pytest
+import torch
+
+from grpoflow.tasks.config import GRPOConfig
+from grpoflow.tasks.grpo.batch import PolicyLogProbs, build_round, can_share, prompt_groups, root_logprobs
+from grpoflow.tasks.model.loading import backbone_and_head, enable_gradient_checkpointing
+from grpoflow.tasks.model.precision import train_precision, use_float32_attention
+from tests.tasks.grpo.test_trainer import make, make_trainer
+
+
+def _round(tok):
+    """Seven rows over three prompts of 2, 9 and 5 tokens (left-padded), the groups interleaved, completions of
+    1-7 tokens."""
+    vocab = len(tok)
+    g = torch.Generator().manual_seed(0)
+    distinct = [torch.randint(3, vocab, (n,), generator=g).tolist() for n in (2, 9, 5)]
+    which = [0, 1, 0, 2, 1, 0, 2]
+    completions = [torch.randint(3, vocab, (n,), generator=g).tolist() for n in (3, 1, 7, 5, 2, 7, 4)]
+    lps = [[-1.0] * len(c) for c in completions]
+    return build_round([distinct[w] for w in which], completions, lps, ["stop"] * 7, tok.pad_token_id, False), which
+
+
+def test_prompt_groups_index_the_distinct_prompts():
+    tok, _ = make(lora=False)
+    batch, which = _round(tok)
+    first, inverse = prompt_groups(batch.prompt_ids, batch.prompt_mask)
+    assert len(first) == 3
+    # rows with one prompt share an index, and first[] holds a row of that prompt
+    assert [inverse.tolist().index(inverse[i]) for i in range(7)] == [which.index(w) for w in which]
+    assert torch.equal(batch.prompt_ids[first][inverse], batch.prompt_ids)
+    assert prompt_groups(batch.prompt_ids[:2], batch.prompt_mask[:2]) is None  # nothing shared
+
+
+def _pass(model, batch, share, autocast=None, chunk_rows=0):
+    mask = batch.completion_mask.float()
+    weights = torch.linspace(-1, 1, mask.numel()).view(mask.shape)  # every token weighed differently
+    params = [p for p in model.parameters() if p.requires_grad]
+    with train_precision(model, "cpu", autocast):
+        logp, ent = root_logprobs(PolicyLogProbs(model, share), batch, 0.7, compute_entropy=True, chunk_rows=chunk_rows)
+    grads = torch.autograd.grad((logp.float() * weights * mask).sum(), params)
+    return logp.detach().float(), ent.float(), grads
+
+
+@pytest.mark.parametrize("chunk_rows", [0, 4])
+def test_shared_prompt_logprobs_and_gradients_equal_the_full_pass(chunk_rows):
+    tok, model = make(lora=True)
+    batch, _ = _round(tok)
+    real = batch.completion_mask.bool()
+    lp1, ent1, g1 = _pass(model, batch, share=False, chunk_rows=chunk_rows)
+    lp2, ent2, g2 = _pass(model, batch, share=True, chunk_rows=chunk_rows)
+    torch.testing.assert_close(lp2[real], lp1[real], rtol=0, atol=2e-5)
+    torch.testing.assert_close(ent2[real], ent1[real], rtol=0, atol=2e-5)
+    for a, b in zip(g2, g1, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=2e-6)
+    assert max(float(g.abs().max()) for g in g1) > 1e-3  # gradients that could differ
+
+
+def test_shared_prompts_in_bf16_with_float32_attention_follow_the_full_pass():
+    tok, model = make(lora=True)
+    for p in model.parameters():
+        if not p.requires_grad:
+            p.data = p.data.to(torch.bfloat16)
+    assert use_float32_attention(model, torch.device("cpu"), computes_bf16=True)
+    batch, _ = _round(tok)
+    real = batch.completion_mask.bool()
+    lp1, _, g1 = _pass(model, batch, share=False, autocast=torch.bfloat16)
+    lp2, _, g2 = _pass(model, batch, share=True, autocast=torch.bfloat16)
+    assert (lp2[real] - lp1[real]).abs().max() < 0.05  # bf16 rounding of two different pass shapes
+    for a, b in zip(g2, g1, strict=True):
+        assert (a - b).norm() <= 0.05 * b.norm() + 1e-6
+
+
+def test_gradient_checkpointing_falls_back_to_the_full_pass():
+    tok, model = make(lora=True)
+    backbone, _ = backbone_and_head(model)
+    assert can_share(backbone)
+    enable_gradient_checkpointing(model)
+    model.train()
+    assert not can_share(backbone)
+    batch, _ = _round(tok)
+    real = batch.completion_mask.bool()
+    lp1, _, _ = _pass(model, batch, share=False)
+    lp2, _, _ = _pass(model, batch, share=True)
+    torch.testing.assert_close(lp2[real], lp1[real], rtol=0, atol=2e-5)
+
+
+def test_a_trainer_sharing_prompts_follows_the_full_pass_trainer(tmp_path):
+    weights = []
+    for share in (False, True):
+        torch.manual_seed(0)  # LoRA's A matrices are drawn from the global generator
+        tok, model = make()
+        cfg = GRPOConfig(
+            max_steps=2,
+            per_device_train_batch_size=8,
+            num_generations=4,
+            max_completion_length=6,
+            learning_rate=1e-2,
+            num_iterations=2,
+            beta=0.1,
+            share_prompt_forward=share,
+        )
+        trainer = make_trainer(cfg, tok, model, tmp_path / f"ckpt{share}", n_rows=8)
+        assert trainer.root.share_prompts is share
+        torch.manual_seed(0)
+        trainer.train()
+        weights.append({n: p.detach() for n, p in model.named_parameters() if p.requires_grad})
+    torch.manual_seed(0)
+    start = make()[1].state_dict()
+    moved = 0.0
+    for name, w in weights[0].items():
+        torch.testing.assert_close(weights[1][name], w, rtol=0, atol=1e-5)
+        moved = max(moved, float((w - start[name]).abs().max()))
+    assert moved > 1e-3  # the steps did train
