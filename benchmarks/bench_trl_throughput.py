@@ -49,6 +49,7 @@ import protocol  # noqa: E402
 
 SYSTEM = "Respond in the following format:\n<reasoning>\n...\n</reasoning>\n<answer>\n...\n</answer>"
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2}
+PEAK_KEY = {"float32": "fp32_tflops", "bfloat16": "bf16_tflops"}  # bench_matmul_peak.py's keys
 
 SAMPLERS = {
     "transformers": {
@@ -295,8 +296,9 @@ def run_side(args) -> None:
 
 
 # ------------------------------------------------------------------ the parent
-def derived(r: dict, peak: dict) -> dict:
-    """Rates of one side's round: tok/s, generation share, TFLOP/s, MFU, decoding against its bound."""
+def derived(r: dict, peak: dict, dtype: str) -> dict:
+    """Rates of one side's round: tok/s, generation share, TFLOP/s, MFU (against the matmul peak of ``dtype``),
+    decoding against its bound."""
     loop, gen = r["loop_s"], r["gen_s"]
     train_tflops = r["train_flops"] / r["train_s"] / 1e12 if r["train_s"] > 0 else 0.0
     bound = peak["copy_gbs"] * 1e9 / r["weight_bytes"] * r["decode_rows"] if peak.get("copy_gbs") else 0.0
@@ -305,7 +307,7 @@ def derived(r: dict, peak: dict) -> dict:
         "tok_s": r["tokens"] / loop if loop > 0 else 0.0,
         "gen_share": gen / loop if loop > 0 else 0.0,
         "train_tflops": train_tflops,
-        "mfu": train_tflops / peak["fp32_tflops"] if peak.get("fp32_tflops") else float("nan"),
+        "mfu": train_tflops / peak[key] if peak.get(key := PEAK_KEY[dtype]) else float("nan"),
         "decode_tok_s": dec,
         "decode_bound_tok_s": bound,
         "decode_of_bound": dec / bound if bound else float("nan"),
@@ -338,7 +340,7 @@ def compare(args, sampler: str, folder: str, tmp: Path, peak: dict) -> dict:
             argv += ["--dtype", args.dtype]
             run = protocol.spawn(side, r, argv, args)
             if not run.error:
-                run.result |= derived(run.result, peak)
+                run.result |= derived(run.result, peak, args.dtype)
             runs.append(run)
             d = run.result
             line = f"FAILED {run.error.splitlines()[-1][:300]}" if run.error else (
@@ -351,8 +353,9 @@ def compare(args, sampler: str, folder: str, tmp: Path, peak: dict) -> dict:
 
 def report(args, sampler: str, runs: list[protocol.SideRun], peak: dict) -> dict:
     ok = [r for r in runs if not r.error]
-    print(f"\n== sampler {sampler}: model {args.model}, {args.steps} steps a round, {args.rounds} alternating rounds, "
-          f"{args.threads} training threads, peak float32 {peak.get('fp32_tflops', float('nan')) * 1e3:.1f} GFLOP/s "
+    peak_flops = (peak.get(PEAK_KEY[args.dtype]) or float("nan")) * 1e3
+    print(f"\n== sampler {sampler}: model {args.model}, {args.dtype}, {args.steps} steps a round, {args.rounds} "
+          f"alternating rounds, {args.threads} training threads, peak {args.dtype} {peak_flops:.1f} GFLOP/s "
           f"and copy {peak.get('copy_gbs', float('nan'))} GB/s at {args.threads} threads")  # fmt: skip
     named = {side: {r.result["sampler"] for r in ok if r.side == side} for side in ("ours", "trl")}
     for side, names in named.items():
@@ -377,9 +380,9 @@ def report(args, sampler: str, runs: list[protocol.SideRun], peak: dict) -> dict
     if both:
         print(f"ratio ours/TRL (tok/s) per round: {ratio['per_round']}; median {ratio['median']:.2f}x, "
               f"min {ratio['min']:.2f}x, max {ratio['max']:.2f}x, spread {ratio['spread']:.1%}")  # fmt: skip
-        result = f"{args.model} {sampler}: ours/TRL tok/s {ratio['median']:.2f}x"
+        result = f"{args.model} {args.dtype} {sampler}: ours/TRL tok/s {ratio['median']:.2f}x"
     else:
-        result = f"{args.model} {sampler}: no ratio (a side failed)"
+        result = f"{args.model} {args.dtype} {sampler}: no ratio (a side failed)"
     threads = f"{args.threads}/{args.gen_threads if sampler == 'transformers' else 'engine'}"
     row = protocol.results_row(runs, threads, result, ratio)
     print("RESULTS.md row:\n" + row)
