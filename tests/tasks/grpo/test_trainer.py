@@ -234,8 +234,9 @@ def test_checkpoint_mid_round_is_weights_only_and_restores_round_and_rngs(tmp_pa
 
 def test_micro_step_path_keeps_every_tensor_on_the_model_device(tmp_path, monkeypatch):
     """The model on the `meta` device (no data, any op on a CPU tensor mixed in raises): the trainer's round
-    placement, old/reference log-probs, the sampler correction and the micro-batch loss with its backward all run
-    there, so none of them builds a tensor on the CPU by default (the bug a GPU run would hit)."""
+    placement, old/reference log-probs (one forward per distinct prompt), the sampler correction and the micro-batch
+    loss with its backward all run there, so none of them builds a tensor on the CPU by default (the bug a GPU run
+    would hit)."""
     from grpoflow.tasks.grpo.loss import importance_sampling_ratio
     from grpoflow.tasks.grpo.trainer import Round
 
@@ -248,6 +249,11 @@ def test_micro_step_path_keeps_every_tensor_on_the_model_device(tmp_path, monkey
     # kernel's refold of rows whose float32 exp-sum overflowed (a numerical fix-up, no placement in it)
     model.set_attn_implementation("eager")
     monkeypatch.setattr("grpoflow.kernels.chunked_logprobs._refold_overflowed", lambda *a: None)
+    # and the grouping of rows by prompt (torch.unique on values): one group, the shared-prompt pass runs on meta
+    monkeypatch.setattr(
+        "grpoflow.tasks.grpo.batch.prompt_groups",
+        lambda ids, mask: (ids.new_zeros(1), ids.new_zeros(ids.shape[0])),
+    )
     model.to("meta")
     trainer.device = torch.device("meta")
     batch, adv = trainer.place(batch, adv)
