@@ -1,9 +1,11 @@
 """Decoding throughput: our transformers sampling loop against transformers ``model.generate``, like with like, under
 the benchmark protocol (benchmarks/protocol.py, docs/benchmarks.md).
 
-    ours       tasks/generation/transformers_loop.py ``sample``: a plain loop of the model's forward with a KV cache
-               written in place (tasks/generation/kv_cache.py); rows that emitted EOS leave the batch; it also
-               computes each sampled token's log-prob (the trainer needs them), which generate does not
+    ours       tasks/generation/transformers_loop.py ``sample`` as the GRPO sampler calls it: each distinct prompt of
+               a batch prefilled once and its KV cache copied to its rows, then a plain loop of the model's forward
+               with the cache written in place (tasks/generation/kv_cache.py); rows that emitted EOS leave the
+               batch; it also computes each sampled token's log-prob (the trainer needs them), which generate does
+               not
     generate   transformers ``model.generate(do_sample=True)`` with its default dynamic cache
 
 Both sides decode the same rows (``--prompts`` arithmetic prompts in the default config's chat format, each
@@ -48,7 +50,7 @@ MODEL_25M = dict(
 )
 SIDES = ("ours", "generate")
 NAMES = {
-    "ours": "grpoflow transformers_loop.sample (in-place KV cache, finished rows leave the batch)",
+    "ours": "grpoflow transformers_loop.sample (one prefill per prompt, in-place KV cache, finished rows leave)",
     "generate": "transformers model.generate(do_sample=True), dynamic cache",
 }
 
@@ -88,7 +90,7 @@ def setup_side(args):
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from grpoflow.tasks.generation.transformers_loop import sample
+    from grpoflow.tasks.generation.transformers_loop import distinct_prompts, sample
     from grpoflow.tasks.generation.types import left_pad
     from grpoflow.tasks.model.loading import prompt_ids
 
@@ -101,6 +103,10 @@ def setup_side(args):
     rows = arithmetic_rows(args.prompts, seed=3)
     expanded = [prompt_ids(tok, r["prompt"]) for r in rows for _ in range(args.samples)]
     batches = [left_pad(expanded[i : i + args.batch], pad) for i in range(0, len(expanded), args.batch)]
+    shared = []  # ours: the distinct prompts of each batch and each row's index into them (the GRPO sampler's call)
+    for i in range(0, len(expanded), args.batch):
+        unique, index = distinct_prompts(expanded[i : i + args.batch])
+        shared.append((*left_pad(unique, pad), torch.tensor(index)))
     calls = {"n": 0}
 
     def produced(new: torch.Tensor) -> int:
@@ -116,9 +122,9 @@ def setup_side(args):
         torch.manual_seed(args.seed + calls["n"])  # the same seed per call on both sides
         calls["n"] += 1
         tokens = 0
-        for ids, mask in batches:
+        for (ids, mask), (u_ids, u_mask, index) in zip(batches, shared, strict=True):
             if args.side == "ours":
-                _, _, lengths, _ = sample(model, ids, mask, p, eos)
+                _, _, lengths, _ = sample(model, u_ids, u_mask, p, eos, prompt_rows=index)
                 tokens += int(lengths.sum())
             else:
                 out = model.generate(
