@@ -4,9 +4,9 @@ one-pass values and gradients."""
 import pytest
 import torch
 
-from grpoflow.tasks.config import GRPOConfig, load_config
+from grpoflow.tasks.config import load_config
 from grpoflow.tasks.grpo.batch import build_round, completion_lengths, policy_logprobs
-from tests.tasks.grpo.test_trainer import make, make_trainer
+from tests.tasks.grpo.test_trainer import assert_trainers_agree, make
 
 
 def _round(tok, mask_truncated=False):
@@ -55,32 +55,7 @@ def test_chunked_logprobs_and_gradients_equal_one_pass(chunk_rows: int):
 
 
 def test_a_trainer_with_chunks_follows_the_one_pass_trainer(tmp_path):
-    weights = []
-    for chunk in (0, 3):
-        torch.manual_seed(0)  # LoRA's A matrices are drawn from the global generator
-        tok, model = make()
-        cfg = GRPOConfig(
-            max_steps=2,
-            per_device_train_batch_size=8,
-            num_generations=4,
-            max_completion_length=6,
-            learning_rate=1e-2,
-            num_iterations=2,
-            beta=0.1,
-            logprob_chunk_rows=chunk,
-        )
-        trainer = make_trainer(cfg, tok, model, tmp_path / f"ckpt{chunk}", n_rows=8)
-        torch.manual_seed(0)
-        trainer.train()
-        weights.append({n: p.detach() for n, p in model.named_parameters() if p.requires_grad})
-        assert trainer.history[-1]["loss"] == trainer.history[-1]["loss"]  # not NaN
-    torch.manual_seed(0)
-    start = make()[1].state_dict()
-    moved = 0.0
-    for name, w in weights[0].items():
-        torch.testing.assert_close(weights[1][name], w, rtol=0, atol=1e-5)
-        moved = max(moved, float((w - start[name]).abs().max()))
-    assert moved > 1e-3  # the steps did train
+    assert_trainers_agree(tmp_path, "logprob_chunk_rows", (0, 3))
 
 
 def test_fsdp2_with_chunks_is_refused():
