@@ -144,7 +144,7 @@ class SeaweedMini:
         self.starts = 0
 
     def start(self) -> S3Server:
-        """Start the server (again) and wait until it answers and holds the bucket."""
+        """Start the server (again) and wait until it answers, holds the bucket and serves the objects stored before."""
         self.starts += 1
         log = self.root / f"weed-{self.starts}.log"
         with log.open("w") as out:
@@ -179,6 +179,19 @@ class SeaweedMini:
                 ):
                     break  # a reused data folder
                 if time.time() > deadline:
+                    raise
+                time.sleep(0.5)
+        # after a restart the volume servers load their volumes after S3 already answers: until then reading an
+        # object that exists answers 500 InternalError (seen under load for longer than botocore's retries last);
+        # "back" means what was stored can be read again
+        first = client.list_objects_v2(Bucket=bucket, MaxKeys=1).get("Contents", [])
+        deadline = time.time() + self.timeout
+        while first:
+            try:
+                client.get_object(Bucket=bucket, Key=first[0]["Key"])["Body"].read()
+                break
+            except Exception:
+                if time.time() > deadline or proc.poll() is not None:
                     raise
                 time.sleep(0.5)
         return server
