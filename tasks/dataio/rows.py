@@ -53,23 +53,41 @@ def generate_arithmetic(acfg: ArithmeticConfig, seed: int) -> tuple[list[dict[st
     """The built-in task: (train rows, eval rows) of distinct 'What is a op b?' questions, none in both.
 
     Deterministic from ``seed``: every (a, op, b) is a code in [0, space), and ``random.sample`` draws
-    train_size + eval_size distinct codes; the first eval_size are the eval split.
+    train_size + eval_size distinct codes; the first eval_size are the eval split. With
+    ``non_negative_subtraction`` the codes of 'a - b' with a < b are skipped (drawn one at a time instead).
     """
     ops = list(dict.fromkeys(acfg.operations))
     span = acfg.max_operand - acfg.min_operand + 1
     space = span * span * len(ops)
+    skip_negative = acfg.non_negative_subtraction and "-" in ops
+    valid = space - (span * (span - 1) // 2 if skip_negative else 0)
     total = acfg.train_size + acfg.eval_size
-    if total > space:
+    if total > valid:
         raise ValueError(
             f"data.arithmetic: train_size + eval_size = {total} distinct questions, but operands "
-            f"{acfg.min_operand}..{acfg.max_operand} with operations {ops} give only {space}; "
+            f"{acfg.min_operand}..{acfg.max_operand} with operations {ops}"
+            f"{' (subtraction without negative answers)' if skip_negative else ''} give only {valid}; "
             "widen min_operand/max_operand or add operations"
         )
-    rows = []
-    for code in random.Random(seed).sample(range(space), total):
+
+    def question(code: int) -> tuple[int, str, int]:
         code, op_i = divmod(code, len(ops))
         b_i, a_i = divmod(code, span)
-        a, b, op = acfg.min_operand + a_i, acfg.min_operand + b_i, ops[op_i]
+        return acfg.min_operand + a_i, ops[op_i], acfg.min_operand + b_i
+
+    rng = random.Random(seed)
+    if skip_negative:
+        drawn: dict[int, None] = {}  # insertion-ordered: the draw order decides the split
+        while len(drawn) < total:
+            code = rng.randrange(space)
+            a, op, b = question(code)
+            if not (op == "-" and a < b):
+                drawn[code] = None
+        codes = list(drawn)
+    else:
+        codes = rng.sample(range(space), total)
+    rows = []
+    for a, op, b in map(question, codes):
         rows.append({"question": f"What is {a} {op} {b}?", "answer": str(_OPS[op](a, b))})
     return rows[acfg.eval_size :], rows[: acfg.eval_size]
 

@@ -5,7 +5,9 @@ result (base + adapter, or the fully fine-tuned model). For each, on the same ro
 
 - greedy decoding, one completion per row: ``accuracy`` (the ``correctness`` reward > 0: the <answer>
   equals the gold answer; for a run trained with ``code_tests``, that reward > 0: the program passes the
-  tests), ``format_compliance`` (the ``strict_format`` check accepts it),
+  tests), ``format_compliance`` (the ``strict_format`` check accepts it), ``accuracy_in_format`` (accuracy
+  among the completions in the format: whether a model answers better, not only in the format more often; NaN
+  when none is),
   ``mean_completion_length`` (tokens, EOS included) and ``rewards/<f>/mean`` and ``/std`` of every reward
   function the run trained with (plus correctness and strict_format when it did not);
 - sampling, ``eval.num_samples`` (n) completions per row with GRPO's sampling settings (temperature,
@@ -101,10 +103,15 @@ def score(
 def greedy_metrics(funcs: list, rows: list[dict], texts: list[str], lengths: list[int]) -> tuple[dict, dict]:
     """Metrics of one greedy completion per row; also returns the per-row scores (for the completion table)."""
     scores = score(funcs, rows, texts)
+    correct = [v > 0 for v in scores[accuracy_reward(funcs)]]
+    formatted = [v > 0 for v in scores["strict_format"]]
     metrics = {
         "rows": len(rows),
-        "accuracy": sum(v > 0 for v in scores[accuracy_reward(funcs)]) / len(rows),
-        "format_compliance": sum(v > 0 for v in scores["strict_format"]) / len(rows),
+        "accuracy": sum(correct) / len(rows),
+        "format_compliance": sum(formatted) / len(rows),
+        "accuracy_in_format": (
+            sum(c and f for c, f in zip(correct, formatted)) / sum(formatted) if any(formatted) else float("nan")
+        ),
         "mean_completion_length": sum(lengths) / len(lengths),
     }
     for name, vals in scores.items():

@@ -86,6 +86,30 @@ def test_arithmetic_small_space_uses_every_question():
     )
 
 
+def test_arithmetic_non_negative_subtraction():
+    def rows(**arith):
+        acfg = config_from_dict({"data": {"arithmetic": arith}}).data.arithmetic
+        train, eval_ = generate_arithmetic(acfg, seed=5)
+        return train + eval_
+
+    mixed = rows(train_size=400, eval_size=100, non_negative_subtraction=True)
+    assert mixed == rows(train_size=400, eval_size=100, non_negative_subtraction=True)  # deterministic
+    assert len({r["question"] for r in mixed}) == 500
+    minus = [r for r in mixed if " - " in r["question"]]
+    assert len(minus) > 150 and all(int(r["answer"]) >= 0 for r in minus)
+    assert any(" + " in r["question"] and int(r["answer"]) > 0 for r in mixed)  # addition untouched
+    assert any(int(r["answer"]) < 0 for r in rows(train_size=400, eval_size=100))  # the default keeps them
+    # a small space is used whole: the 6 pairs a >= b of 1..3
+    small = rows(
+        train_size=4, eval_size=2, min_operand=1, max_operand=3, operations=["-"], non_negative_subtraction=True
+    )
+    assert sorted(r["question"] for r in small) == sorted(
+        f"What is {a} - {b}?" for a in (1, 2, 3) for b in (1, 2, 3) if a >= b
+    )
+    with pytest.raises(ValueError, match=r"subtraction without negative answers\) give only 6"):
+        rows(train_size=6, eval_size=1, min_operand=1, max_operand=3, operations=["-"], non_negative_subtraction=True)
+
+
 def test_arithmetic_space_too_small():
     acfg = config_from_dict(
         {

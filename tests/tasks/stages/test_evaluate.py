@@ -71,6 +71,10 @@ def test_greedy_metrics_of_known_completions():
     assert scores["correctness"] == [2.0, 0.0, 2.0, 0.0]  # correctness reads <answer> whatever the format
     assert metrics["accuracy"] == 0.5
     assert metrics["format_compliance"] == 0.5
+    assert metrics["accuracy_in_format"] == 0.5  # of the two in the format one is right (the unformatted right one
+    # counts for accuracy only)
+    none_formatted, _ = greedy_metrics(funcs, rows("7"), ["seven"], [2])
+    assert math.isnan(none_formatted["accuracy_in_format"])
     assert metrics["mean_completion_length"] == 12.5
     assert metrics["rewards/strict_format/mean"] == 0.25
     assert metrics["rewards/strict_format/std"] == pytest.approx(torch.tensor([0.5, 0.5, 0, 0]).std().item())
