@@ -14,19 +14,26 @@ import os
 import time
 
 _marks: dict[str, float] = {}
+IMPORTED_AT = time.time()  # imported first thing by grpoflow.flows (its __init__), so this is the interpreter's start
+# plus site imports: well under a second
+EXEC_GAP_S = 5.0
 
 
 def process_start_time() -> float:
-    """This process's start as epoch seconds (Linux: /proc/self/stat's starttime after boot; elsewhere: the
-    first call's time)."""
+    """This process's start as epoch seconds: /proc/self/stat's starttime after boot (Linux), or the import of
+    this module when that is more than EXEC_GAP_S earlier. starttime is when the process was forked, and a shell
+    may exec the last command of a list into itself: in ``bash -c 'pip install ... && grpoflow run'`` the process
+    is the shell's, started before pip, so its starttime would count the installation as the run's start-up.
+    Elsewhere (no /proc): the import time."""
     try:
         with open("/proc/self/stat") as f:
             start_ticks = int(f.read().rsplit(")", 1)[1].split()[19])  # field 22, after "pid (comm)"
         with open("/proc/stat") as f:
             btime = next(int(line.split()[1]) for line in f if line.startswith("btime "))
-        return btime + start_ticks / os.sysconf("SC_CLK_TCK")
+        forked = btime + start_ticks / os.sysconf("SC_CLK_TCK")
     except (OSError, ValueError, IndexError, StopIteration):
-        return _marks.setdefault("_first_call", time.time())
+        return IMPORTED_AT
+    return forked if IMPORTED_AT - forked <= EXEC_GAP_S else IMPORTED_AT
 
 
 def mark(name: str) -> None:

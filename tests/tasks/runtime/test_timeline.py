@@ -1,6 +1,8 @@
 """Time outside the training loops (tasks/runtime/timeline.py): spans between marks, stage overheads, shares."""
 
 import os
+import subprocess
+import sys
 import time
 
 import pytest
@@ -49,3 +51,18 @@ def test_marks_keep_the_first_time_and_process_start_is_in_the_past():
     assert start <= first <= time.time()
     assert time.time() - start < 24 * 3600 or os.getppid() == 1  # this process's start, not the machine's boot
     timeline.reset()
+
+
+def test_a_process_execd_into_an_older_one_is_timed_from_its_import():
+    """`bash -c 'pip install ... && grpoflow run'`: bash may exec the last command into its own process, whose
+    starttime is before pip; the run's start-up must not count the installation."""
+    probe = (
+        "import time; from grpoflow.tasks.runtime import timeline; print(time.time() - timeline.process_start_time())"
+    )
+    gap = timeline.EXEC_GAP_S + 2
+    out = subprocess.run(
+        ["bash", "-c", f'sleep {gap}; exec "{sys.executable}" -c "{probe}"'], capture_output=True, text=True, check=True
+    )
+    assert float(out.stdout) < timeline.EXEC_GAP_S, out.stdout  # not the shell's start, `gap` s before
+    plain = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True)
+    assert 0 <= float(plain.stdout) < timeline.EXEC_GAP_S  # a plain process: its own start
