@@ -209,7 +209,8 @@ class GRPOConfig(OptimizerFields):
         "group over its KV cache (gradients summed back): the same log-probs and gradients up to float rounding, "
         "with n-1 of every n prompt forwards and backwards saved. Off under gradient checkpointing (no cache), for "
         "models whose cache is not transformers' plain DynamicCache, and with distributed.strategy=fsdp2 on "
-        "several processes (two passes over the sharded layers are not tested yet).",
+        "several processes (two passes over the sharded layers are not tested yet). Two runs with it on differ in the "
+        "last float bits (so later in their samples) on one host; set false for bit-identical reruns.",
     )
     logprob_impl: Literal["auto", "triton", "chunked"] = Field(
         "auto",
