@@ -185,15 +185,16 @@ class SeaweedMini:
         # object that exists answers 500 InternalError (seen under load for longer than botocore's retries last);
         # "back" means what was stored can be read again
         first = client.list_objects_v2(Bucket=bucket, MaxKeys=1).get("Contents", [])
-        deadline = time.time() + self.timeout
-        while first:
+
+        def serves_stored() -> bool:
             try:
                 client.get_object(Bucket=bucket, Key=first[0]["Key"])["Body"].read()
-                break
+                return True
             except Exception:
-                if time.time() > deadline or proc.poll() is not None:
-                    raise
-                time.sleep(0.5)
+                return False
+
+        if first:
+            _wait_until(serves_stored, proc, log, "weed mini (reading a stored object)", self.timeout)
         return server
 
     def kill(self) -> None:

@@ -67,12 +67,15 @@ def plot_eval_report(report: dict, path: Path) -> Path:
     and format compliance (greedy and sampled), each a fraction of the held-out rows (of the rows in the format,
     of the samples, for sampled format compliance)."""
     before, after = report["before"], report["after"]
-    keys = ["accuracy", *[k for k in ("accuracy_in_format",) if k in after]]
+    keys = [k for k in ("accuracy", "accuracy_in_format") if k in after]
     keys += sorted((k for k in after if k.startswith("pass_at_")), key=lambda k: int(k[8:]))
     keys += [k for k in ("format_compliance", "sampled/format_compliance") if k in after]
-    labels = {"accuracy": "accuracy\n(greedy)", "format_compliance": "format\n(greedy)"}
-    labels["accuracy_in_format"] = "accuracy among\nformatted (greedy)"
-    labels["sampled/format_compliance"] = "format\n(sampled)"
+    labels = {
+        "accuracy": "accuracy\n(greedy)",
+        "accuracy_in_format": "accuracy among\nformatted (greedy)",
+        "format_compliance": "format\n(greedy)",
+        "sampled/format_compliance": "format\n(sampled)",
+    }
     sampling = report.get("sampling", {})
     fig, ax = plt.subplots(figsize=(max(6.0, 1.4 * len(keys) + 2), 4.5))
     width = 0.38
