@@ -255,7 +255,40 @@ def grpo_cases(device: torch.device, small: bool) -> list[Case]:
             setup.append(Setup())
         return grpo_case(kind, setup[0], device, small, round_trip)
 
-    return [Case(k, lambda k=k, rt=rt: run(k, rt), est_s=est) for k, est, rt in GRPO_KINDS]
+    cases = [Case(k, lambda k=k, rt=rt: run(k, rt), est_s=est) for k, est, rt in GRPO_KINDS]
+    return [*cases, Case("shared_prompt_gradient", lambda: shared_prompt_gradient_case(device), est_s=2.0)]
+
+
+def repeatable_gradient(op, x: torch.Tensor, index: torch.Tensor, g: torch.Tensor, repeats: int = 5) -> bool:
+    """Whether op(x, index)'s gradient wrt x is bitwise the same on every one of ``repeats`` calls."""
+    first = None
+    for _ in range(repeats):
+        (grad,) = torch.autograd.grad(op(x, index), x, g)
+        if first is None:
+            first = grad
+        elif not torch.equal(grad, first):
+            return False
+    return True
+
+
+def shared_prompt_gradient_case(device: torch.device) -> dict:
+    """The shared prompt forward's row expansion (tasks/grpo/batch.py expand_rows: a KV cache of 16 prompts out to
+    64 interleaved rows, as grpo.share_prompt_forward does) sums each prompt's gradient in the same order on every
+    call; the two torch ops it chooses between are recorded too (which is repeatable depends on the device)."""
+    from grpoflow.tasks.grpo.batch import expand_rows
+
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(16, 2, 128, 64, generator=gen).to(device).requires_grad_()
+    index = (torch.arange(64) % 16).to(device)
+    g = torch.randn(64, 2, 128, 64, generator=gen).to(device)
+    out = {
+        "expand_rows_repeatable": repeatable_gradient(expand_rows, x, index, g),
+        "getitem_repeatable": repeatable_gradient(lambda a, i: a[i], x, index, g),
+        "index_select_repeatable": repeatable_gradient(lambda a, i: a.index_select(0, i), x, index, g),
+    }
+    if not out["expand_rows_repeatable"]:
+        out.update(status="failed", reason="expand_rows' gradient differs between calls: reruns will differ")
+    return out
 
 
 def second_device_cases(device: torch.device, small: bool) -> list[Case]:

@@ -74,6 +74,8 @@ def test_gpu_check_cpu_mode_from_the_bare_tree(tmp_path):
     assert grpo["cases"]["full_bf16_autocast"]["autocast"] == "bfloat16"
     assert grpo["cases"]["lora"]["trainable"] < grpo["cases"]["lora"]["parameters"]
     assert grpo["cases"]["qwen_shape_lora"]["all_on_device"]
+    shared = grpo["cases"]["shared_prompt_gradient"]
+    assert shared["expand_rows_repeatable"] and shared["index_select_repeatable"], shared  # the CPU op it picks
 
     timing = report["sections"]["kernel_timing"]
     assert timing["status"] == "passed" and len(timing["cases"]) == 4 * 2 * 3

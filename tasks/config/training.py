@@ -209,8 +209,8 @@ class GRPOConfig(OptimizerFields):
         "group over its KV cache (gradients summed back): the same log-probs and gradients up to float rounding, "
         "with n-1 of every n prompt forwards and backwards saved. Off under gradient checkpointing (no cache), for "
         "models whose cache is not transformers' plain DynamicCache, and with distributed.strategy=fsdp2 on "
-        "several processes (two passes over the sharded layers are not tested yet). Two runs with it on differ in the "
-        "last float bits (so later in their samples) on one host; set false for bit-identical reruns.",
+        "several processes (two passes over the sharded layers are not tested yet). Each prompt's gradient is summed "
+        "over its rows in a fixed order, so reruns on one host are bit-identical with it on or off.",
     )
     logprob_impl: Literal["auto", "triton", "chunked"] = Field(
         "auto",

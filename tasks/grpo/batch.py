@@ -188,15 +188,25 @@ def shared_prompt_hidden(
     cache = DynamicCache(config=backbone.config)
     ids, mask = prompt_ids[first], prompt_mask[first]
     out = backbone(input_ids=ids, attention_mask=mask, past_key_values=cache, use_cache=True)
-    last = out.last_hidden_state[:, -1:][inverse]  # [B, 1, D]
+    last = expand_rows(out.last_hidden_state[:, -1:], inverse)  # [B, 1, D]
     C = completion_ids.shape[1]
     if C == 1:
         return last
     for layer in cache.layers:  # differentiable: each prompt's gradient is the sum over its rows
-        layer.keys, layer.values = layer.keys[inverse], layer.values[inverse]
+        layer.keys, layer.values = expand_rows(layer.keys, inverse), expand_rows(layer.values, inverse)
     attn = torch.cat([prompt_mask, prompt_mask.new_ones((prompt_mask.shape[0], C - 1))], dim=1)
     rest = backbone(input_ids=completion_ids[:, :-1], attention_mask=attn, past_key_values=cache, use_cache=True)
     return torch.cat([last, rest.last_hidden_state], dim=1)
+
+
+def expand_rows(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """``x[index]`` along dim 0, with a backward that sums each source row's gradients in the same order every run.
+
+    Which op that is depends on the device (torch's list of nondeterministic ops, torch.use_deterministic_algorithms):
+    on CPU, advanced indexing's backward (index_put_ with accumulate) adds rows with parallel atomic float adds once
+    the tensor passes the grain size, while index_select's (index_add_) adds them in row order; on CUDA it is the
+    other way round (index_add_ uses atomics, index_put_ with accumulate sorts the indices first)."""
+    return x[index] if x.device.type == "cuda" else x.index_select(0, index)
 
 
 def check_logprob_impl(impl: str, device: torch.device) -> None:
