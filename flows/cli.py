@@ -238,15 +238,16 @@ def _run_pipeline(cfg: PipelineConfig, before=None) -> int:
         s3.S3Store(cfg.storage).check_access(
             cfg.run.output_dir
         )  # bucket, credentials, endpoint: before Prefect and MLflow start
-    if cfg.generation.backend == "vllm":  # fail now, not after data prep and SFT
-        from grpoflow.tasks.generation.vllm_engine import config_problem
-
-        if problem := config_problem(cfg):
-            raise ConfigError(f"generation.backend=vllm: {problem}")
     # Prefect's server starts in its own process (its own session: Ctrl-C reaches the CLI, which stops the server
-    # last) while this one does its heavy imports: on two cores the two starts overlap instead of adding up
+    # last) while this one does its heavy imports (vLLM's too): on two cores the two starts overlap instead of
+    # adding up
     server = start_server()
     try:
+        if cfg.generation.backend == "vllm":  # fail now, not after data prep and SFT
+            from grpoflow.tasks.generation.vllm_engine import config_problem
+
+            if problem := config_problem(cfg):
+                raise ConfigError(f"generation.backend=vllm: {problem}")
         from grpoflow.flows.pipeline import grpo_pipeline  # heavy imports only after the config is valid
     except BaseException:
         if server is not None:
