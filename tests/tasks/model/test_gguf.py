@@ -332,6 +332,32 @@ def test_llama_cpp_matches_transformers_on_smollm2(tmp_path):
     print(f"\nSmolLM2-135M-Instruct: {json.dumps(report, indent=1)}")
 
 
+def load_llama(llama_cpp, path: Path, **kw):
+    """``llama_cpp.Llama`` on the GGUF at ``path``. A file with quantized tensors (Q8_0, Q4_K, ...) on a CPU with
+    AMX (llama.cpp's system info says ``AMX_INT8 = 1``) loads with llama.cpp's extra buffer types off (its CLI's
+    ``--no-repack``): llama-cpp-python 0.3.36's llama.cpp segfaults evaluating quantized tensors through them
+    there, for files its own ``llama_model_quantize`` writes as well as ours (docs/export.md). F32/F16 files take
+    the default path."""
+    reader = gguf.GGUFReader(path)
+    quantized = any(t.tensor_type not in (Q.F32, Q.F16, Q.BF16) for t in reader.tensors)
+    del reader
+    if not quantized or b"AMX_INT8 = 1" not in llama_cpp.llama_print_system_info():
+        return llama_cpp.Llama(model_path=str(path), **kw)
+    low = llama_cpp.llama_cpp
+    default = low.llama_model_default_params
+
+    def without_extra_buffers():
+        params = default()
+        params.use_extra_bufts = False
+        return params
+
+    low.llama_model_default_params = without_extra_buffers  # what Llama() starts its model parameters from
+    try:
+        return llama_cpp.Llama(model_path=str(path), **kw)
+    finally:
+        low.llama_model_default_params = default
+
+
 def check_llama_cpp(hf_dir: Path, out_dir: Path, tolerance: dict[str, tuple[float, bool]]) -> dict[str, str]:
     """Write each GGUF type of ``tolerance`` ({type: (max |logit diff| / max |logit|, greedy exact)}) from the
     transformers folder and compare llama.cpp with transformers on PROMPTS: tokens, logits, greedy tokens.
@@ -354,8 +380,8 @@ def check_llama_cpp(hf_dir: Path, out_dir: Path, tolerance: dict[str, tuple[floa
             assert vocab.tokenize(text.encode(), add_bos=False, special=True) == ids, (out_type, text)
         del vocab
         f32 = llama_cpp.GGML_TYPE_F32
-        llm = llama_cpp.Llama(
-            model_path=str(path), n_ctx=256, n_batch=256, logits_all=True, type_k=f32, type_v=f32, verbose=False
+        llm = load_llama(
+            llama_cpp, path, n_ctx=256, n_batch=256, logits_all=True, type_k=f32, type_v=f32, verbose=False
         )
         assert llm.metadata["tokenizer.chat_template"] == hf_tok.chat_template
         diffs, agree = [], 0
@@ -417,8 +443,9 @@ def test_llama_cpp_q4_k_m(tmp_path, hidden, inner, want_types):
     texts = [hf_tok.apply_chat_template(p, tokenize=False, add_generation_prompt=True) for p in PROMPTS]
     prompts = [hf_tok(t, add_special_tokens=False)["input_ids"] for t in texts]
     f32 = llama_cpp.GGML_TYPE_F32
-    llm = llama_cpp.Llama(
-        model_path=str(tmp_path / "model-q4_k_m.gguf"),
+    llm = load_llama(
+        llama_cpp,
+        tmp_path / "model-q4_k_m.gguf",
         n_ctx=256,
         n_batch=256,
         logits_all=True,
