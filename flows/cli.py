@@ -72,7 +72,11 @@ def _setup_env(cfg: PipelineConfig) -> None:
     out = local_dir(cfg.run.output_dir, cfg.storage.cache_dir)  # an s3:// output_dir: its local mirror
     out.mkdir(parents=True, exist_ok=True)
     _openmp_wait_policy()
-    os.environ.setdefault("PREFECT_HOME", str(out / ".prefect"))
+    home = Path(os.environ.setdefault("PREFECT_HOME", str(out / ".prefect")))
+    home.mkdir(parents=True, exist_ok=True)
+    # Prefect 3.7 puts its server's memo store under ~/.prefect whatever PREFECT_HOME says (the server settings'
+    # default does not see `home`), and warns on a first run where ~/.prefect does not exist
+    os.environ.setdefault("PREFECT_SERVER_MEMO_STORE_PATH", str(home / "memo_store.toml"))
     os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
     # the embedded server migrates its SQLite store on first start: slow on a busy 2-core machine
     os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "180")
@@ -86,7 +90,7 @@ def _setup_env(cfg: PipelineConfig) -> None:
     import logging
 
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
-    for noisy in ("mlflow", "alembic", "httpx", "prefect", "datasets", "transformers"):
+    for noisy in ("mlflow", "alembic", "httpx", "prefect", "datasets", "transformers", "matplotlib"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
     # bitsandbytes (imported by peft) warns on every CPU import that Hugging Face's optional `kernels` package is
     # missing; nothing here uses its CPU gemm kernel (4-bit layers stay on the generic path: model/loading.py)
@@ -232,8 +236,8 @@ def preflight(cfg: PipelineConfig) -> None:
 
 def _run_pipeline(cfg: PipelineConfig, before=None) -> int:
     timeline.mark("config_loaded")
+    _setup_env(cfg)  # first: the environment libraries read as they are imported (preflight imports datasets)
     preflight(cfg)
-    _setup_env(cfg)
     if s3.is_s3_uri(cfg.run.output_dir):
         s3.S3Store(cfg.storage).check_access(
             cfg.run.output_dir

@@ -1,9 +1,14 @@
-"""The CLI's OpenMP wait policy: passive when other processes keep a core busy, never over the user's choice."""
+"""The CLI's environment: the OpenMP wait policy (passive when other processes keep a core busy, never over the
+user's choice), and the libraries' settings in force on a first run."""
 
+import os
 import subprocess
 import sys
 
+import pytest
+
 from grpoflow.flows import cli
+from tests.paths import MICRO
 
 
 def test_busy_cores_sees_a_busy_process():
@@ -26,3 +31,24 @@ def test_wait_policy_follows_the_load_and_keeps_a_set_value(monkeypatch):
     monkeypatch.setenv("OMP_WAIT_POLICY", "ACTIVE")
     cli._openmp_wait_policy()
     assert cli.os.environ["OMP_WAIT_POLICY"] == "ACTIVE"
+
+
+@pytest.mark.slow
+def test_a_first_run_on_a_new_machine_prints_no_library_noise(tmp_path):
+    """A first `grpoflow run` where ~/.prefect does not exist and PREFECT_HOME is not set: Prefect's server keeps
+    its memo store in the run's PREFECT_HOME (Prefect 3.7 would look in ~/.prefect and warn that it cannot write
+    there), and the data stage saves its splits without datasets' progress bars (preflight imports datasets, which
+    reads HF_DATASETS_DISABLE_PROGRESS_BARS as it is imported)."""
+    env = dict(os.environ, OMP_NUM_THREADS="1", HOME=str(tmp_path / "home"))
+    for key in ("PREFECT_HOME", "PREFECT_SERVER_MEMO_STORE_PATH", "PREFECT_API_URL", "MLFLOW_TRACKING_URI"):
+        env.pop(key, None)
+    (tmp_path / "home").mkdir()
+    out = tmp_path / "runs"
+    cmd = [sys.executable, "-m", "grpoflow.flows.cli", "run", str(MICRO), f"run.output_dir={out}"]
+    cmd += ["sft.enabled=false", "eval.enabled=false", "export.enabled=false", "grpo.max_steps=1"]
+    res = subprocess.run(cmd, env=env, cwd=tmp_path, capture_output=True, text=True, timeout=600)
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert "memo_store" not in res.stderr, res.stderr[-3000:]
+    assert "Saving the dataset" not in res.stderr, res.stderr[-3000:]
+    assert (out / ".prefect" / "memo_store.toml").is_file()
+    assert not (tmp_path / "home" / ".prefect").exists()
