@@ -68,6 +68,19 @@ def _openmp_wait_policy() -> None:
         os.environ["OMP_WAIT_POLICY"] = "PASSIVE"
 
 
+def _library_env() -> None:
+    """Settings the libraries read once, as they are imported: set before anything loads a config (its checks
+    import datasets, which reads HF_DATASETS_DISABLE_PROGRESS_BARS then); a value already set wins."""
+    os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
+    os.environ.setdefault("PREFECT_LOGGING_LEVEL", "WARNING")
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    os.environ.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")
+    os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")
+    os.environ.setdefault("MLFLOW_LOGGING_LEVEL", "WARNING")
+    os.environ.setdefault("HF_DATASETS_DISABLE_PROGRESS_BARS", "1")
+    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+
+
 def _setup_env(cfg: PipelineConfig) -> None:
     out = local_dir(cfg.run.output_dir, cfg.storage.cache_dir)  # an s3:// output_dir: its local mirror
     out.mkdir(parents=True, exist_ok=True)
@@ -77,16 +90,8 @@ def _setup_env(cfg: PipelineConfig) -> None:
     # Prefect 3.7 puts its server's memo store under ~/.prefect whatever PREFECT_HOME says (the server settings'
     # default does not see `home`), and warns on a first run where ~/.prefect does not exist
     os.environ.setdefault("PREFECT_SERVER_MEMO_STORE_PATH", str(home / "memo_store.toml"))
-    os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
     # the embedded server migrates its SQLite store on first start: slow on a busy 2-core machine
     os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "180")
-    os.environ.setdefault("PREFECT_LOGGING_LEVEL", "WARNING")
-    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    os.environ.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")
-    os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")
-    os.environ.setdefault("MLFLOW_LOGGING_LEVEL", "WARNING")
-    os.environ.setdefault("HF_DATASETS_DISABLE_PROGRESS_BARS", "1")
-    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
     import logging
 
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
@@ -236,8 +241,8 @@ def preflight(cfg: PipelineConfig) -> None:
 
 def _run_pipeline(cfg: PipelineConfig, before=None) -> int:
     timeline.mark("config_loaded")
-    _setup_env(cfg)  # first: the environment libraries read as they are imported (preflight imports datasets)
     preflight(cfg)
+    _setup_env(cfg)
     if s3.is_s3_uri(cfg.run.output_dir):
         s3.S3Store(cfg.storage).check_access(
             cfg.run.output_dir
@@ -456,6 +461,7 @@ def main(argv: list[str] | None = None) -> int:
     elif extra:
         parser.error(f"unrecognized arguments: {' '.join(extra)}")
     handle_sigterm()
+    _library_env()
     try:
         return args.fn(args)
     except ConfigError as e:

@@ -40,7 +40,8 @@ def test_a_first_run_on_a_new_machine_prints_no_library_noise(tmp_path):
     there), and the data stage saves its splits without datasets' progress bars (preflight imports datasets, which
     reads HF_DATASETS_DISABLE_PROGRESS_BARS as it is imported)."""
     env = dict(os.environ, OMP_NUM_THREADS="1", HOME=str(tmp_path / "home"))
-    for key in ("PREFECT_HOME", "PREFECT_SERVER_MEMO_STORE_PATH", "PREFECT_API_URL", "MLFLOW_TRACKING_URI"):
+    drop = ("PREFECT_HOME", "PREFECT_SERVER_MEMO_STORE_PATH", "PREFECT_API_URL", "MLFLOW_TRACKING_URI")
+    for key in (*drop, "HF_DATASETS_DISABLE_PROGRESS_BARS"):  # the CLI's own settings, not the test suite's
         env.pop(key, None)
     (tmp_path / "home").mkdir()
     out = tmp_path / "runs"
