@@ -198,7 +198,7 @@ def main() -> None:
     if args.side:
         return run_side(args)
     protocol.check_rounds(args)
-    print(f"machine now: {protocol.quiet_now()}, {protocol.cores()} cores")
+    print(f"machine now: {protocol.quiet_now()}, {protocol.cores()} cores, {protocol.cpu_name()}")
     with tempfile.TemporaryDirectory() as tmp:
         folder = build_folder(args.model, args.cache_dir, Path(tmp))
         shared = [a for a in sys.argv[1:]]  # every option the parent got, so the sides decode the same work

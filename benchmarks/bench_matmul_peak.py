@@ -103,8 +103,9 @@ def main() -> None:
     t0 = time.process_time()
     res = measure(args.threads, args.seconds, args.copy_mib, args.sizes)
     res["load"] = {"before": before, "during": watch.stop(time.process_time() - t0)}
+    res["cpu"] = protocol.cpu_name()
     bf16 = res["bf16_tflops"] * 1e3 if res["bf16_tflops"] else float("nan")
-    print(f"{args.threads} threads: float32 {res['fp32_tflops'] * 1e3:.1f} GFLOP/s, bfloat16 "
+    print(f"{res['cpu']}, {args.threads} threads: float32 {res['fp32_tflops'] * 1e3:.1f} GFLOP/s, bfloat16 "
           f"{bf16:.1f} GFLOP/s, copy {res['copy_gbs']} GB/s "
           f"(load {before['load1']}, other cores during {res['load']['during']['other_cores']})")  # fmt: skip
     for dtype, d in res["per_size_tflops"].items():

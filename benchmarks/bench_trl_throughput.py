@@ -320,6 +320,9 @@ def measure_peak(args) -> dict:
         if peak.get("threads") != args.threads:
             raise SystemExit(f"--peak-json {args.peak_json}: measured at {peak.get('threads')} threads, not --threads "
                              f"{args.threads}; the MFU needs the peak at the training thread count")  # fmt: skip
+        if peak.get("cpu", protocol.cpu_name()) != protocol.cpu_name():
+            raise SystemExit(f"--peak-json {args.peak_json}: measured on a {peak['cpu']}, this machine is a "
+                             f"{protocol.cpu_name()}; measure the peak here (drop --peak-json)")  # fmt: skip
         return peak
     script = str(Path(__file__).resolve().parent / "bench_matmul_peak.py")
     run = protocol.spawn("peak", 0, [sys.executable, script, "--emit", "--threads", str(args.threads)], args)
@@ -418,7 +421,7 @@ def main() -> None:
         return run_side(args)
     protocol.check_rounds(args)
     logging.basicConfig(level=logging.WARNING)
-    print(f"machine now: {protocol.quiet_now()}, {protocol.cores()} cores")
+    print(f"machine now: {protocol.quiet_now()}, {protocol.cores()} cores, {protocol.cpu_name()}")
     peak = measure_peak(args)
     results = []
     with tempfile.TemporaryDirectory() as tmp:

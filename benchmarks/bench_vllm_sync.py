@@ -151,7 +151,7 @@ def main() -> None:
     if args.side:
         return run_side(args)
     protocol.check_rounds(args)
-    print(f"machine now: {protocol.quiet_now()}, {protocol.cores()} cores")
+    print(f"machine now: {protocol.quiet_now()}, {protocol.cores()} cores, {protocol.cpu_name()}")
     with tempfile.TemporaryDirectory() as tmp:
         folder = model_folder(args.model, args.cache_dir, arithmetic_rows(400), Path(tmp))
         shared = list(sys.argv[1:])  # every option the parent got, so both sides do the same work

@@ -11,7 +11,7 @@
 - sides alternate (ours, peer, ours, peer, ...) for at least 2 rounds; each round's ratio and the spread of
   the ratios are printed (:func:`ratios`);
 - the result ends with a row to paste into benchmarks/RESULTS.md (:func:`results_row`): date, commit, command,
-  cores, threads, load.
+  cores and CPU model, threads, load.
 
 A side's process prints its measurements as one JSON line prefixed ``BENCH_RESULT `` (:func:`emit`); the time
 its process started is passed to it in ``$BENCH_T0`` (epoch seconds) so it can report time to first step.
@@ -63,6 +63,26 @@ def cores() -> int:
         return len(os.sched_getaffinity(0))
     except AttributeError:
         return os.cpu_count() or 1
+
+
+def cpu_name() -> str:
+    """The CPU's model name (/proc/cpuinfo), so a row says which machine it was measured on: hosts with the same
+    core count differ (the matmul peak, AMX or not)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return " ".join(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    import platform
+
+    return platform.processor() or "unknown CPU"
+
+
+def machine() -> str:
+    """The cores column of a results row: the CPUs a benchmark can use and their model."""
+    return f"{cores()} ({cpu_name()})"
 
 
 def load1() -> float:
@@ -249,7 +269,7 @@ def results_row(runs: list[SideRun], threads: str, result: str, ratio: dict) -> 
     per_round = ", ".join(f"{x:.2f}" for x in ratio["per_round"]) or "-"
     date = dt.datetime.now(dt.UTC).strftime("%Y-%m-%d %H:%M")
     return (
-        f"| {date} | {commit()} | `{command_line()}` | {cores()} | {threads} | {before:.2f} | {other:.2f} | "
+        f"| {date} | {commit()} | `{command_line()}` | {machine()} | {threads} | {before:.2f} | {other:.2f} | "
         f"{contended} | {result} | {per_round} | {ratio['spread']:.1%} |"
     )
 
