@@ -14,6 +14,9 @@ os.environ.setdefault("HF_DATASETS_DISABLE_PROGRESS_BARS", "1")
 os.environ.setdefault("PREFECT_HOME", tempfile.mkdtemp(prefix="grpoflow-prefect-"))
 os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "180")
 os.environ.setdefault("PREFECT_LOGGING_LEVEL", "WARNING")
+# bf16 training tests run on any CPU: their shapes are tiny, a CPU without bf16 matmul instructions only slows them
+# (the refusal itself: tests/tasks/model/test_precision.py)
+os.environ.setdefault("GRPOFLOW_ALLOW_SLOW_BF16", "1")
 
 
 # Real servers on 127.0.0.1 (tests/servers.py), started once and killed (process group) at the end.

@@ -194,7 +194,9 @@ class ModelConfig(_Section):
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
         "float32",
         description="Weights dtype: float32; bfloat16 (with LoRA a bf16 base and float32 adapters, in full "
-        "fine-tuning float32 weights trained under bf16 autocast); auto: the checkpoint's. float16 is refused.",
+        "fine-tuning float32 weights trained under bf16 autocast); auto: the checkpoint's. float16 is refused. "
+        "bf16 training on a CPU whose bf16 matmuls run over 4x slower than float32's (no AMX or AVX512-BF16) stops "
+        "with an error (GRPOFLOW_ALLOW_SLOW_BF16=1 trains anyway).",
     )
     load_in_4bit: bool = Field(False, description="QLoRA: load the base model in 4-bit NF4 with bitsandbytes.")
     trust_remote_code: bool = Field(

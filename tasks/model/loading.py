@@ -17,7 +17,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, P
 
 from grpoflow.tasks.config import LoraConfig, ModelConfig
 from grpoflow.tasks.model.lora import unwrap
-from grpoflow.tasks.model.precision import lora_autocast_dtype, use_float32_attention
+from grpoflow.tasks.model.precision import check_cpu_bf16, lora_autocast_dtype, use_float32_attention
 
 log = logging.getLogger(__name__)
 
@@ -177,6 +177,8 @@ def load_trainable(name_or_path: str, cfg: ModelConfig, use_lora: bool, device: 
             f"model.dtype={cfg.dtype}: {name_or_path} loaded in float16, which grpoflow does not train (no loss "
             "scaler: small gradients underflow); set model.dtype=bfloat16 or float32"
         )
+    computes_bf16 = model.dtype == torch.bfloat16 or compute_dtype(cfg, use_lora) == torch.bfloat16
+    check_cpu_bf16(device or torch.device("cpu"), computes_bf16, f"model.dtype={cfg.dtype}")
     if cfg.gradient_checkpointing:
         enable_gradient_checkpointing(model)
     # bf16 training passes on a CPU: attention in float32 (torch's bf16 flash-attention backward is slow there)

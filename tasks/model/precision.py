@@ -17,12 +17,18 @@ float32 attention 4.8 s (2.4x float32).
 
 from __future__ import annotations
 
+import functools
+import os
+import time
 from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
 
 import torch
 
 SDPA_FLOAT32 = "sdpa_float32"
+# a CPU whose bf16 matmuls take longer than this many float32 ones has no bf16 matrix path: torch runs scalar code
+MAX_CPU_BF16_SLOWDOWN = 4.0
+ALLOW_SLOW_BF16_ENV = "GRPOFLOW_ALLOW_SLOW_BF16"
 
 
 def lora_autocast_dtype(dtype: str, use_lora: bool, load_in_4bit: bool) -> torch.dtype | None:
@@ -86,3 +92,40 @@ def use_float32_attention(model, device: torch.device, computes_bf16: bool) -> b
     register_sdpa_float32()
     base.set_attn_implementation(SDPA_FLOAT32)
     return True
+
+
+@functools.cache
+def cpu_bf16_slowdown(n: int = 256, repeats: int = 3) -> float:
+    """t(bf16) / t(float32) of an n x n x n matmul on this CPU at torch's current thread count, best of ``repeats``
+    each after a warm-up: about 0.15 with AMX (bf16 6x faster), near 1 or below with AVX512-BF16, and 50-150 on
+    CPUs with neither, where torch falls back to scalar code (an AVX2-only AMD EPYC: 1.4 GFLOP/s bf16 against 187
+    float32 at 2 threads, benchmarks/RESULTS.md). Takes about 0.1 s there, milliseconds elsewhere; once a process."""
+    a = torch.randn(n, n)
+
+    def best(x: torch.Tensor) -> float:
+        x @ x  # warm-up: kernel selection, thread pool
+        times = []
+        for _ in range(repeats):
+            t = time.perf_counter()
+            x @ x
+            times.append(time.perf_counter() - t)
+        return min(times)
+
+    return best(a.bfloat16()) / max(best(a), 1e-9)
+
+
+def check_cpu_bf16(device: torch.device, computes_bf16: bool, setting: str, limit: float | None = None) -> None:
+    """Refuse bf16 training on a CPU whose bf16 matmuls are more than ``limit`` (MAX_CPU_BF16_SLOWDOWN) times
+    slower than float32's (:func:`cpu_bf16_slowdown`): there bfloat16 would make a run tens of times slower, not
+    faster. ``setting`` names the config value in the error (``model.dtype=bfloat16``).
+    ``GRPOFLOW_ALLOW_SLOW_BF16=1`` trains anyway (bf16 for its memory, or tiny test shapes where speed does not
+    matter)."""
+    if device.type != "cpu" or not computes_bf16 or os.environ.get(ALLOW_SLOW_BF16_ENV) == "1":
+        return
+    slowdown = cpu_bf16_slowdown()
+    if slowdown > (MAX_CPU_BF16_SLOWDOWN if limit is None else limit):
+        raise ValueError(
+            f"{setting}: this CPU has no fast bfloat16 matrix path (no AMX or AVX512-BF16): a bfloat16 matmul takes "
+            f"{slowdown:.0f}x as long as a float32 one here (measured now), so training would run about that much "
+            f"slower; set model.dtype=float32 (or {ALLOW_SLOW_BF16_ENV}=1 to train in bfloat16 anyway)"
+        )

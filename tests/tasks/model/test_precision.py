@@ -4,7 +4,10 @@ import torch
 from grpoflow.tasks.config import ModelConfig, TinyModelConfig
 from grpoflow.tasks.model.loading import add_lora, compute_dtype, load_trainable
 from grpoflow.tasks.model.precision import (
+    ALLOW_SLOW_BF16_ENV,
     SDPA_FLOAT32,
+    check_cpu_bf16,
+    cpu_bf16_slowdown,
     lora_autocast_dtype,
     sdpa_float32,
     train_precision,
@@ -142,3 +145,43 @@ def test_load_trainable_in_bf16_on_the_cpu_trains_with_float32_attention(tmp_pat
     assert model.get_base_model().dtype == torch.bfloat16
     f32 = load_trainable(str(tmp_path), cfg.model_copy(update={"dtype": "float32"}), use_lora=True)
     assert f32.get_base_model().config._attn_implementation == "sdpa"
+
+
+def test_cpu_bf16_slowdown_is_a_measured_ratio():
+    slowdown = cpu_bf16_slowdown()
+    assert 0 < slowdown < 1e4 and slowdown == cpu_bf16_slowdown()  # measured once a process
+
+
+def test_bf16_training_is_refused_on_a_cpu_whose_bf16_matmuls_are_too_slow(monkeypatch):
+    """The measured slowdown against the limit: every CPU is too slow for a limit of 0 (the error names the
+    setting and the fix), none for an infinite one; a GPU, float32 training and the override skip the check."""
+    monkeypatch.delenv(ALLOW_SLOW_BF16_ENV, raising=False)
+    cpu = torch.device("cpu")
+    with pytest.raises(ValueError, match=r"^model.dtype=bfloat16: this CPU has no fast bfloat16 matrix path") as e:
+        check_cpu_bf16(cpu, True, "model.dtype=bfloat16", limit=0.0)
+    assert "x as long as a float32 one here (measured now)" in str(e.value)
+    assert f"set model.dtype=float32 (or {ALLOW_SLOW_BF16_ENV}=1" in str(e.value)
+    check_cpu_bf16(cpu, True, "model.dtype=bfloat16", limit=float("inf"))
+    check_cpu_bf16(cpu, False, "model.dtype=float32", limit=0.0)
+    check_cpu_bf16(torch.device("cuda", 0), True, "model.dtype=bfloat16", limit=0.0)
+    monkeypatch.setenv(ALLOW_SLOW_BF16_ENV, "1")
+    check_cpu_bf16(cpu, True, "model.dtype=bfloat16", limit=0.0)
+
+
+def test_load_trainable_checks_the_cpu_before_training_in_bf16(tmp_path, monkeypatch):
+    """load_trainable of a bf16 model on this CPU: refused exactly when this CPU's measured bf16 slowdown is over
+    the limit (an AVX2-only CPU: about 60x), else loaded."""
+    from grpoflow.tasks.model import precision
+
+    monkeypatch.delenv(ALLOW_SLOW_BF16_ENV, raising=False)
+    tok = train_tiny_tokenizer(TEXTS, 300)
+    build_tiny_model(SMALL, tok, seed=0).save_pretrained(tmp_path)
+    cfg = ModelConfig(name=str(tmp_path), dtype="bfloat16", lora={"r": 4, "alpha": 8})
+    if cpu_bf16_slowdown() > precision.MAX_CPU_BF16_SLOWDOWN:
+        with pytest.raises(ValueError, match="model.dtype=bfloat16: this CPU has no fast bfloat16"):
+            load_trainable(str(tmp_path), cfg, use_lora=True)
+    else:
+        assert load_trainable(str(tmp_path), cfg, use_lora=True).get_base_model().dtype == torch.bfloat16
+    monkeypatch.setattr(precision, "MAX_CPU_BF16_SLOWDOWN", 0.0)  # any CPU over the limit: refused, loudly
+    with pytest.raises(ValueError, match="model.dtype=bfloat16: this CPU has no fast bfloat16"):
+        load_trainable(str(tmp_path), cfg, use_lora=True)
