@@ -97,9 +97,9 @@ def use_float32_attention(model, device: torch.device, computes_bf16: bool) -> b
 @functools.cache
 def cpu_bf16_slowdown(n: int = 256, repeats: int = 3) -> float:
     """t(bf16) / t(float32) of an n x n x n matmul on this CPU at torch's current thread count, best of ``repeats``
-    each after a warm-up: about 0.15 with AMX (bf16 6x faster), near 1 or below with AVX512-BF16, and 50-150 on
-    CPUs with neither, where torch falls back to scalar code (an AVX2-only AMD EPYC: 1.4 GFLOP/s bf16 against 187
-    float32 at 2 threads, benchmarks/RESULTS.md). Takes about 0.1 s there, milliseconds elsewhere; once a process."""
+    each after a warm-up: about 0.15 with AMX (bf16 6x faster) and tens on CPUs without AMX or AVX512-BF16, where
+    torch falls back to scalar code (an AVX2-only AMD EPYC: 37 on 1 thread, 64 on 2; its GEMM peak 1.4 GFLOP/s bf16
+    against 187 float32, benchmarks/RESULTS.md). Takes about 0.1 s there, milliseconds elsewhere; once a process."""
     a = torch.randn(n, n)
 
     def best(x: torch.Tensor) -> float:

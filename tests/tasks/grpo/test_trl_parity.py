@@ -387,7 +387,9 @@ def test_trainer_micro_step_applies_the_sampler_correction_as_trl(tmp_path, loss
     )
     theirs = trl_loss(logp, inputs, **settings, is_correction=True).item()
     uncorrected = trl_loss(logp, inputs, **settings, is_correction=False).item()
-    assert ours == pytest.approx(theirs, rel=1e-5, abs=1e-7)
+    # float32 sums in another order per CPU's kernels (AVX2-only hosts: 1.5e-5 relative in vespo); the correction's
+    # own effect, checked next, is over 60x that
+    assert ours == pytest.approx(theirs, rel=5e-5, abs=1e-7)
     assert abs(theirs - uncorrected) > 1e-3 * max(abs(theirs), 1e-3)
 
 
