@@ -37,7 +37,6 @@ from __future__ import annotations
 import argparse
 import logging
 import sys
-import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -179,32 +178,33 @@ def report(args, runs: list[protocol.SideRun]) -> None:
     print("RESULTS.md row:\n" + protocol.results_row(runs, f"-/{args.threads}", result, ratio))
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", default="tiny", help="tiny, 25m, smollm2-135m-instruct, a .gguf file or a folder")
+def add_decoding_args(ap: argparse.ArgumentParser, models: str, threads: int, repeats: int) -> None:
+    """The options of a benchmark that samples the default GRPO round's rows from one model folder (this one and
+    bench_vllm_sync.py), the protocol's, and the hidden ones its side processes get."""
+    ap.add_argument("--model", default="tiny", help=f"{models}, a .gguf file or a folder")
     ap.add_argument("--cache-dir", default="~/.cache/grpoflow/models")
-    ap.add_argument("--prompts", type=int, default=16, help="prompts (the default GRPO round: 16)")
+    ap.add_argument("--prompts", type=int, default=16, help="prompts a round (the default GRPO round: 16)")
     ap.add_argument("--samples", type=int, default=8, help="completions per prompt (the default GRPO round: 8)")
-    ap.add_argument("--batch", type=int, default=128, help="rows decoded together")
     ap.add_argument("--max-new-tokens", type=int, default=32)
     ap.add_argument("--stop", default="length", choices=["length", "eos"], help="see above (length)")
-    ap.add_argument("--threads", type=int, default=1, help="torch threads of both sides (1)")
-    ap.add_argument("--repeats", type=int, default=3, help="timed calls per side process, after the first call")
+    ap.add_argument("--threads", type=int, default=threads, help=f"torch threads of both sides ({threads})")
+    ap.add_argument("--repeats", type=int, default=repeats, help="timed calls per side process, after the first")
     ap.add_argument("--seed", type=int, default=0)
     protocol.add_protocol_args(ap)
     for hidden in ("--side", "--folder"):
         ap.add_argument(hidden, help=argparse.SUPPRESS)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_decoding_args(ap, "tiny, 25m, smollm2-135m-instruct", threads=1, repeats=3)
+    ap.add_argument("--batch", type=int, default=128, help="rows decoded together")
     args = ap.parse_args()
     if args.side:
         return run_side(args)
-    protocol.check_rounds(args)
-    print(f"machine now: {protocol.quiet_now()}, {protocol.cores()} cores, {protocol.cpu_name()}")
-    with tempfile.TemporaryDirectory() as tmp:
-        folder = build_folder(args.model, args.cache_dir, Path(tmp))
-        shared = [a for a in sys.argv[1:]]  # every option the parent got, so the sides decode the same work
-        runs = protocol.alternate(
-            args, list(SIDES), lambda side: [sys.executable, __file__, *shared, "--side", side, "--folder", folder]
-        )
+    runs = protocol.alternate_on_folder(
+        args, list(SIDES), __file__, lambda tmp: build_folder(args.model, args.cache_dir, tmp)
+    )
     report(args, runs)
 
 

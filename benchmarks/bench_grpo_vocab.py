@@ -88,7 +88,7 @@ def main() -> None:
     protocol.check_rounds(a)
     shape = ["--b", str(a.b), "--p", str(a.p), "--c", str(a.c), "--repeats", str(a.repeats)]
     shape += ["--threads", str(a.threads)]
-    print(f"machine now: {protocol.quiet_now()}, {protocol.cores()} cores, {protocol.cpu_name()}")
+    print(f"machine now: {protocol.quiet_now()}, {protocol.machine()}")
     sides = [f"{impl}@{vocab}" for vocab in a.vocabs for impl in IMPLS]
     runs = protocol.alternate(a, sides, lambda side: [sys.executable, __file__, "--side", side, *shape])
     print(f"\n== GRPO micro-step (LoRA, tiny Qwen2 hidden 128), B={a.b} P={a.p} C={a.c}: {a.b * a.c} completion "

@@ -159,7 +159,7 @@ def main() -> None:
     if "liger" in cases and (reason := liger_unavailable()):
         print(f"liger: not run ({reason})")
         cases.remove("liger")
-    print(f"machine now: {protocol.quiet_now()}, {protocol.cores()} cores, {protocol.cpu_name()}")
+    print(f"machine now: {protocol.quiet_now()}, {protocol.machine()}")
     shape = ["--n", str(a.n), "--d", str(a.d), "--v", str(a.v), "--repeats", str(a.repeats)]
     shape += ["--threads", str(a.threads)]
     runs = protocol.alternate(a, cases, lambda case: [sys.executable, __file__, "--side", case, *shape])

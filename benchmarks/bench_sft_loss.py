@@ -79,7 +79,7 @@ def run_in_sides(args, sides: list[str], work_rows: list[dict]) -> list[protocol
     """The parent's part for the step benchmarks: the model folder made once, then the protocol's alternating
     rounds, each side this script again with every option the parent got plus --side and --folder."""
     protocol.check_rounds(args)
-    print(f"machine now: {protocol.quiet_now()}, {protocol.cores()} cores, {protocol.cpu_name()}")
+    print(f"machine now: {protocol.quiet_now()}, {protocol.machine()}")
     with tempfile.TemporaryDirectory() as tmp:
         folder = model_folder(args.model, args.cache_dir, work_rows, Path(tmp))
         script = sys.argv[0]

@@ -421,7 +421,7 @@ def main() -> None:
         return run_side(args)
     protocol.check_rounds(args)
     logging.basicConfig(level=logging.WARNING)
-    print(f"machine now: {protocol.quiet_now()}, {protocol.cores()} cores, {protocol.cpu_name()}")
+    print(f"machine now: {protocol.quiet_now()}, {protocol.machine()}")
     peak = measure_peak(args)
     results = []
     with tempfile.TemporaryDirectory() as tmp:

@@ -26,11 +26,11 @@ from __future__ import annotations
 import argparse
 import logging
 import sys
-import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import protocol  # noqa: E402
+from bench_generation import add_decoding_args, sampling  # noqa: E402
 from bench_trl_throughput import arithmetic_rows, model_folder  # noqa: E402
 
 SIDES = ("merge", "adapter")
@@ -38,16 +38,6 @@ NAMES = {
     "merge": "generation.vllm_lora_sync=merge: merged weights streamed in, a plain model decodes",
     "adapter": "generation.vllm_lora_sync=adapter: the adapter's tensors handed over, vLLM's LoRA kernels decode",
 }
-
-
-def sampling(args):
-    """The default config's GRPO sampling settings, with --max-new-tokens."""
-    from dataclasses import replace
-
-    from grpoflow.tasks.config import load_config
-    from grpoflow.tasks.generation.types import SamplingParams
-
-    return replace(SamplingParams.from_grpo(load_config(None, []).grpo), max_new_tokens=args.max_new_tokens)
 
 
 def setup_side(args, stats: dict):
@@ -135,29 +125,13 @@ def report(args, runs: list[protocol.SideRun]) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", default="tiny", help="tiny, smollm2-135m-instruct, a .gguf file or a folder")
-    ap.add_argument("--cache-dir", default="~/.cache/grpoflow/models")
-    ap.add_argument("--prompts", type=int, default=16, help="prompts a round (the default GRPO round: 16)")
-    ap.add_argument("--samples", type=int, default=8, help="completions per prompt (the default GRPO round: 8)")
-    ap.add_argument("--max-new-tokens", type=int, default=32)
-    ap.add_argument("--stop", default="length", choices=["length", "eos"], help="see above (length)")
-    ap.add_argument("--threads", type=int, default=2, help="torch threads of both sides (2; the engine's own too)")
-    ap.add_argument("--repeats", type=int, default=5, help="timed rounds per side process, after the first")
-    ap.add_argument("--seed", type=int, default=0)
-    protocol.add_protocol_args(ap)
-    for hidden in ("--side", "--folder"):
-        ap.add_argument(hidden, help=argparse.SUPPRESS)
+    add_decoding_args(ap, "tiny, smollm2-135m-instruct", threads=2, repeats=5)
     args = ap.parse_args()
     if args.side:
         return run_side(args)
-    protocol.check_rounds(args)
-    print(f"machine now: {protocol.quiet_now()}, {protocol.cores()} cores, {protocol.cpu_name()}")
-    with tempfile.TemporaryDirectory() as tmp:
-        folder = model_folder(args.model, args.cache_dir, arithmetic_rows(400), Path(tmp))
-        shared = list(sys.argv[1:])  # every option the parent got, so both sides do the same work
-        runs = protocol.alternate(
-            args, list(SIDES), lambda side: [sys.executable, __file__, *shared, "--side", side, "--folder", folder]
-        )
+    runs = protocol.alternate_on_folder(
+        args, list(SIDES), __file__, lambda tmp: model_folder(args.model, args.cache_dir, arithmetic_rows(400), tmp)
+    )
     report(args, runs)
 
 

@@ -378,6 +378,20 @@ def alternate(args: argparse.Namespace, sides: list[str], argv: Callable[[str], 
     return runs
 
 
+def alternate_on_folder(
+    args: argparse.Namespace, sides: list[str], script: str, folder_of: Callable[[Path], str]
+) -> list[SideRun]:
+    """The parent of a benchmark whose sides load one model folder: the machine's state printed, the folder built
+    (``folder_of(tmp)``, in a temporary directory that outlives the rounds), then :func:`alternate` over ``sides``,
+    each side ``script`` with every option the parent got plus ``--folder`` and ``--side``, so all do the same
+    work."""
+    check_rounds(args)
+    print(f"machine now: {quiet_now()}, {machine()}")
+    with tempfile.TemporaryDirectory() as tmp:
+        shared = [*sys.argv[1:], "--folder", folder_of(Path(tmp))]
+        return alternate(args, sides, lambda side: [sys.executable, script, *shared, "--side", side])
+
+
 def rate(d: dict) -> float | None:
     """Work per second of a side's timed calls (total work / total seconds), None when its calls report none."""
     work, secs = d.get("work"), sum(d.get("call_s", []))
