@@ -133,7 +133,7 @@ def side_ours(args, rows: list[dict]) -> dict:
     from grpoflow.tasks.grpo.trainer_runtime import TrainerRuntime
     from grpoflow.tasks.model.loading import compute_dtype, load_tokenizer, load_trainable, prompt_ids
     from grpoflow.tasks.rewards import resolve_reward_funcs
-    from grpoflow.tasks.runtime.tracking import RunLogger
+    from grpoflow.tasks.tracking.tracker import RunLogger
 
     imports_s = protocol.since_process_start()
     torch.manual_seed(0)

@@ -31,9 +31,10 @@ from grpoflow.tasks.config import (
     load_run_config,
 )
 from grpoflow.tasks.config.trl_keys import TRLKeyWarning
-from grpoflow.tasks.runtime import s3, timeline
-from grpoflow.tasks.runtime.errors import StageError
-from grpoflow.tasks.runtime.workspace import join_location, local_dir
+from grpoflow.tasks.pipeline.errors import StageError
+from grpoflow.tasks.storage import s3
+from grpoflow.tasks.storage.workspace import join_location, local_dir
+from grpoflow.tasks.tracking import timeline
 
 
 def busy_cores(seconds: float = 0.5) -> float:
@@ -134,7 +135,7 @@ def _load(args) -> PipelineConfig:
     for key, source in (("data.source", d.source), ("data.eval_source", d.eval_source)):
         if source and (problem := file_problem(source, d.question_field, d.answer_field)):
             raise ConfigError(f"{key}: {problem}")
-    from grpoflow.tasks.runtime.preflight import output_dir_problem
+    from grpoflow.tasks.pipeline.preflight import output_dir_problem
 
     if problem := output_dir_problem(cfg.run.output_dir):
         raise ConfigError(problem)
@@ -154,7 +155,7 @@ def cmd_run(args) -> int:
 def cmd_resume(args) -> int:
     """Rerun the pipeline in RUN_DIR with its config.yaml (+ overrides): complete stages whose key matches are
     skipped; --from-stage first forgets that stage and every later one (manifest and files), so they rerun."""
-    from grpoflow.tasks.runtime.workspace import STAGES, Workspace, stages_from
+    from grpoflow.tasks.storage.workspace import STAGES, Workspace, stages_from
 
     if args.from_stage is not None and args.from_stage not in STAGES:
         raise ConfigError(f"--from-stage: unknown stage {args.from_stage!r}; expected one of {', '.join(STAGES)}")
@@ -197,7 +198,7 @@ def cmd_compare(args) -> int:
         refs = [resolve_run(r, uri) for r in (args.run_a, args.run_b)]
     except ValueError as e:
         raise ConfigError(str(e)) from e
-    from grpoflow.tasks.runtime.preflight import tracking_problem
+    from grpoflow.tasks.tracking.reach import tracking_problem
 
     for u in dict.fromkeys(u for u, _ in refs):  # a server that is down: now, not after minutes of retries
         if problem := tracking_problem(u):
@@ -219,11 +220,11 @@ def cmd_compare(args) -> int:
 
 
 def preflight(cfg: PipelineConfig) -> None:
-    """What must be reachable for a run, checked in seconds before any stage (tasks/runtime/preflight.py): the
+    """What must be reachable for a run, checked in seconds before any stage (tasks/pipeline/preflight.py): the
     MLflow tracking server, and hub ids that are not cached. `grpoflow validate` stays offline and skips these."""
     from grpoflow.tasks.dataio.sources import BUILTIN_SOURCE, HUMANEVAL_SOURCE, looks_like_file
     from grpoflow.tasks.model.sources import ALIASES, is_gguf
-    from grpoflow.tasks.runtime import preflight as pf
+    from grpoflow.tasks.pipeline import preflight as pf
 
     uri = cfg.tracking.uri or os.environ.get("MLFLOW_TRACKING_URI") or ""
     key = "tracking.uri" if cfg.tracking.uri else "MLFLOW_TRACKING_URI"
@@ -337,7 +338,7 @@ def print_summary(result: dict, seconds: float) -> None:
 
 
 def timeline_rows(t: dict | None) -> list[tuple[str, str]]:
-    """The summary's rows on time outside the training loops (tasks/runtime/timeline.py; up to the flow's end)."""
+    """The summary's rows on time outside the training loops (tasks/tracking/timeline.py; up to the flow's end)."""
     if not t:
         return []
     s = lambda k: f"{t[k]:.1f} s" if k in t else "-"  # noqa: E731
@@ -355,10 +356,10 @@ def timeline_rows(t: dict | None) -> list[tuple[str, str]]:
 
 def cmd_sync(args) -> int:
     """Send what RUN_DIR's tracking journal holds unsent (a tracking server that was down when the run ended)."""
-    from grpoflow.tasks.runtime.journal import JOURNAL_DIR
-    from grpoflow.tasks.runtime.preflight import tracking_problem
-    from grpoflow.tasks.runtime.sender import replay
-    from grpoflow.tasks.runtime.tracking import tracking_uri
+    from grpoflow.tasks.tracking.journal import JOURNAL_DIR
+    from grpoflow.tasks.tracking.reach import tracking_problem
+    from grpoflow.tasks.tracking.sender import replay
+    from grpoflow.tasks.tracking.tracker import tracking_uri
 
     run_dir = Path(args.run_dir).resolve()
     if not (run_dir / "config.yaml").is_file():

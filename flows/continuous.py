@@ -24,7 +24,7 @@ from prefect import flow, get_run_logger, task
 
 from grpoflow.tasks.config import ConfigError, PipelineConfig, StorageConfig, load_run_config
 from grpoflow.tasks.ops.datasource import DataFile, Ledger, list_source, state_location
-from grpoflow.tasks.runtime.s3 import is_s3_uri, join_uri, local_path
+from grpoflow.tasks.storage.s3 import is_s3_uri, join_uri, local_path
 
 # grpoflow.flows.pipeline (torch, transformers) and grpoflow.tasks.ops.continuous (mlflow) are imported where used:
 # `prefect deploy` imports this module, and a cycle with no new data should start in seconds

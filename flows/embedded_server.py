@@ -27,7 +27,7 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
-from grpoflow.tasks.runtime.launch import die_with_parent
+from grpoflow.tasks.launch.torchrun import die_with_parent
 
 
 class Terminated(KeyboardInterrupt):

@@ -51,7 +51,7 @@ def _api_url() -> str:
             "PREFECT_API_URL: not set; start a server (prefect server start) and "
             "`export PREFECT_API_URL=http://127.0.0.1:4200/api`"
         )
-    from grpoflow.tasks.runtime.preflight import unreachable
+    from grpoflow.tasks.tracking.reach import unreachable
 
     # checked now: unchecked, deploy fails in a raw httpx traceback and data-landed reports an event as emitted
     # that its background worker then drops

@@ -8,8 +8,8 @@ and returns a small summary with the URIs of what it wrote; the flow passes thos
 opens the parent run (tagged with the Prefect flow-run id), each stage task a nested run under it.
 
 Resume: running the flow again on the same workspace skips every stage whose manifest holds its
-current key (tasks/runtime/stage.py) and continues the parent run named in <workspace>/run.json
-(tasks/runtime/resume.py) instead of opening another one.
+current key (tasks/pipeline/shell.py) and continues the parent run named in <workspace>/run.json
+(tasks/pipeline/resume.py) instead of opening another one.
 """
 
 from __future__ import annotations
@@ -21,23 +21,23 @@ import yaml
 from prefect import flow, runtime
 
 from grpoflow.tasks.config import PipelineConfig
-from grpoflow.tasks.runtime import timeline
-from grpoflow.tasks.runtime.registry import register_pipeline_model
-from grpoflow.tasks.runtime.resume import open_pipeline_run
-from grpoflow.tasks.runtime.run_meta import describe
-from grpoflow.tasks.runtime.tracking import NOTE, end_run, run_url, unsent
-from grpoflow.tasks.runtime.workspace import Workspace
+from grpoflow.tasks.pipeline.resume import open_pipeline_run
 from grpoflow.tasks.stages.data import data_task
 from grpoflow.tasks.stages.evaluate import eval_task
 from grpoflow.tasks.stages.export import export_task
 from grpoflow.tasks.stages.grpo import grpo_task
 from grpoflow.tasks.stages.sft import sft_task
+from grpoflow.tasks.storage.workspace import Workspace
+from grpoflow.tasks.tracking import timeline
+from grpoflow.tasks.tracking.registry import register_pipeline_model
+from grpoflow.tasks.tracking.run_meta import describe
+from grpoflow.tasks.tracking.tracker import NOTE, end_run, run_url, unsent
 
 log = logging.getLogger(__name__)
 
 
 def _timed(name: str, task, *args, **kwargs):
-    """Run a stage task between its timeline marks (tasks/runtime/timeline.py: stage/<name>_s)."""
+    """Run a stage task between its timeline marks (tasks/tracking/timeline.py: stage/<name>_s)."""
     timeline.mark(f"stage_start/{name}")
     out = task(*args, **kwargs)
     timeline.mark(f"stage_end/{name}")

@@ -21,7 +21,7 @@ def test_import_contracts_hold():
     for contract in (
         "Layers",
         "Kernels import nothing",
-        "Runtime imports no stage",
+        "Only storage talks to S3",
         "Stages do not import each other",
         "Configuration imports no other",
         "No import cycles",
@@ -45,7 +45,7 @@ def test_no_module_imports_the_old_top_level_names():
 
 def test_task_tests_mirror_the_source_tree():
     """tests/tasks/<sub>/test_*.py sits in a folder that is a package tasks/<sub>/ (the tests mirror the source);
-    directly in tests/tasks/ are only the tests of top-level modules (test_rewards*.py for tasks/rewards.py)."""
+    directly in tests/tasks/ are only the tests of top-level modules."""
     tests = REPO / "tests" / "tasks"
     top_modules = {p.stem for p in (REPO / "tasks").glob("*.py")} - {"__init__"}
     files = sorted(tests.rglob("test_*.py"))

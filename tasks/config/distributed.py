@@ -7,7 +7,7 @@ generation round as in TRL, where the world size is ``num_processes`` (README "D
 
 ``launcher: trainjob`` runs the same torchrun command on ``nnodes`` Kubernetes pods instead: the stage creates a
 Kubeflow Trainer ``TrainJob`` (runtime ``torch-distributed``, which sets the PET_* variables torchrun reads) from
-``trainjob.template`` and waits for it (tasks/runtime/trainjob.py, tasks/stages/grpo_trainjob.py).
+``trainjob.template`` and waits for it (tasks/launch/trainjob.py, tasks/stages/grpo_trainjob.py).
 """
 
 from __future__ import annotations

@@ -16,7 +16,7 @@ import datasets
 from datasets import Dataset
 
 from grpoflow.tasks.config.storage import StorageConfig
-from grpoflow.tasks.runtime import s3
+from grpoflow.tasks.storage import s3
 
 BUILTIN_SOURCE = "arithmetic"
 HUMANEVAL_SOURCE = "humaneval"

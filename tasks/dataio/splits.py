@@ -8,7 +8,7 @@ from pathlib import Path
 import datasets
 from datasets import Dataset
 
-from grpoflow.tasks.runtime.workspace import Workspace
+from grpoflow.tasks.storage.workspace import Workspace
 
 
 def load_split(ws_or_path: Workspace | str | Path, split: str) -> Dataset:

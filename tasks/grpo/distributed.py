@@ -27,7 +27,7 @@ import torch
 
 from grpoflow.tasks.config import Batching, GRPOConfig
 from grpoflow.tasks.grpo.loss import masked_mean
-from grpoflow.tasks.runtime.dist import Comm
+from grpoflow.tasks.launch.dist import Comm
 
 
 def local_rows(b: Batching, rank: int) -> slice:

@@ -54,12 +54,12 @@ from grpoflow.tasks.grpo.regularizers import EntropyControl, mix_reference
 from grpoflow.tasks.grpo.rounds import PromptSampler, Round
 from grpoflow.tasks.grpo.schedule import is_optimizer_step, micro_batch_rows
 from grpoflow.tasks.grpo.trainer_runtime import TrainerRuntime
+from grpoflow.tasks.launch.dist import Comm
 from grpoflow.tasks.model.device import model_device
 from grpoflow.tasks.model.optim import build_optimizer, build_scheduler, clip_and_step
 from grpoflow.tasks.model.precision import train_precision
 from grpoflow.tasks.rewards import UnscoredRounds, score_completions
-from grpoflow.tasks.runtime.dist import Comm
-from grpoflow.tasks.runtime.progress import progress_bar
+from grpoflow.tasks.tracking.progress import progress_bar
 
 log = logging.getLogger(__name__)
 

@@ -12,10 +12,10 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from grpoflow.tasks.generation.types import Generator
-from grpoflow.tasks.runtime.dist import Comm
+from grpoflow.tasks.launch.dist import Comm
 
 if TYPE_CHECKING:  # the trainer only calls log_metrics/log_table: it runs without mlflow (benchmarks/gpu_check.py)
-    from grpoflow.tasks.runtime.tracking import RunLogger
+    from grpoflow.tasks.tracking.tracker import RunLogger
 
 
 @dataclass(frozen=True)

@@ -22,8 +22,8 @@ from typing import Any
 from mlflow.tracking import MlflowClient
 
 from grpoflow.tasks.config.storage import StorageConfig
-from grpoflow.tasks.runtime import s3
-from grpoflow.tasks.runtime.tracking import PARENT_TAG
+from grpoflow.tasks.storage import s3
+from grpoflow.tasks.tracking.tracker import PARENT_TAG
 
 
 def resolve_run(ref: str, tracking_uri: str | None, storage: StorageConfig | None = None) -> tuple[str, str]:

@@ -5,8 +5,8 @@
 The cycle itself is the pipeline flow on that config: data prep on the new files, GRPO warm-started from the
 champion (no SFT), evaluation on the config's fixed held-out file (``data.eval_source``), export, and
 registration, where the champion alias moves only when the new model's held-out accuracy beats the champion's
-(tasks/runtime/registry.py). mlflow, datasets and torch are imported where used: the continuous flow imports this module
-first thing, and a run that finds no new data should not wait for them.
+(tasks/tracking/registry.py). mlflow, datasets and torch are imported where used: the continuous flow imports this
+module first thing, and a run that finds no new data should not wait for them.
 """
 
 from __future__ import annotations
@@ -64,8 +64,8 @@ def champion_model(cfg: PipelineConfig, dest: Path) -> tuple[str, dict] | None:
     from mlflow.exceptions import MlflowException
     from mlflow.tracking import MlflowClient
 
-    from grpoflow.tasks.runtime.registry import ACCURACY_TAG, registered_model_name
-    from grpoflow.tasks.runtime.tracking import tracking_uri
+    from grpoflow.tasks.tracking.registry import ACCURACY_TAG, registered_model_name
+    from grpoflow.tasks.tracking.tracker import tracking_uri
 
     uri = tracking_uri(cfg)
     name = cfg.tracking.registered_model or registered_model_name(cfg.model.name)
@@ -111,7 +111,7 @@ def _merge_adapter(adapter_dir: Path, out: Path, cfg: PipelineConfig) -> Path:
 def cycle_config(cfg: PipelineConfig, name: str, data_file: Path, warm_start: bool) -> PipelineConfig:
     """The pipeline config of one cycle: the new rows as the source, the tracking store pinned (its default lies
     under run.output_dir), and no SFT when GRPO warm-starts from the champion."""
-    from grpoflow.tasks.runtime.tracking import tracking_uri
+    from grpoflow.tasks.tracking.tracker import tracking_uri
 
     update = {
         "run": cfg.run.model_copy(update={"name": name}),

@@ -21,7 +21,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from grpoflow.tasks.config.storage import StorageConfig
-from grpoflow.tasks.runtime.s3 import S3Store, is_s3_uri
+from grpoflow.tasks.storage.s3 import S3Store, is_s3_uri
 
 
 @dataclass(frozen=True)
@@ -102,7 +102,7 @@ class Ledger:
 
     def _read(self) -> str | None:
         if self.store is not None:
-            from grpoflow.tasks.runtime.s3 import S3NoSuchBucketError, S3NotFoundError
+            from grpoflow.tasks.storage.s3 import S3NoSuchBucketError, S3NotFoundError
 
             try:
                 return self.store.get_bytes(self.location).decode()
@@ -151,7 +151,7 @@ def state_location(source: str, state_dir: str | None, output_dir: str) -> str:
     <run.output_dir>/continuous when that is on S3 or the source is local; else, for an s3:// source with a local
     output_dir, <source>/_grpoflow-continuous, so that a worker pod that restarts with an empty disk does not
     retrain on every file of the source. A local location is returned absolute."""
-    from grpoflow.tasks.runtime.s3 import join_uri
+    from grpoflow.tasks.storage.s3 import join_uri
 
     if state_dir:
         return state_dir if is_s3_uri(state_dir) else str(Path(state_dir).expanduser().resolve())

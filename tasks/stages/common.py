@@ -5,7 +5,7 @@ from __future__ import annotations
 from grpoflow.tasks.config import PipelineConfig
 from grpoflow.tasks.dataio.splits import corpus_text, load_split
 from grpoflow.tasks.model.tiny import ensure_base_model
-from grpoflow.tasks.runtime.workspace import Workspace
+from grpoflow.tasks.storage.workspace import Workspace
 
 
 def base_model_path(cfg: PipelineConfig, ws: Workspace) -> str:

@@ -34,9 +34,9 @@ from prefect import task
 from grpoflow.tasks.config import DataConfig, PipelineConfig, StorageConfig, resolve_eval_size
 from grpoflow.tasks.dataio.rows import FEATURES, columns, detect_format, generate_arithmetic, map_rows
 from grpoflow.tasks.dataio.sources import BUILTIN_SOURCE, HUMANEVAL_SOURCE, load_source, looks_like_file, row_locator
-from grpoflow.tasks.runtime.stage import run_stage
-from grpoflow.tasks.runtime.tracking import RunLogger
-from grpoflow.tasks.runtime.workspace import Workspace
+from grpoflow.tasks.pipeline.shell import run_stage
+from grpoflow.tasks.storage.workspace import Workspace
+from grpoflow.tasks.tracking.tracker import RunLogger
 
 log = logging.getLogger(__name__)
 

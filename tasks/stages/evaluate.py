@@ -40,12 +40,12 @@ from grpoflow.tasks.generation.transformers_loop import TransformersGenerator
 from grpoflow.tasks.generation.types import SamplingParams
 from grpoflow.tasks.model.device import select_device
 from grpoflow.tasks.model.loading import load_causal_lm, load_tokenizer, load_with_adapter, prompt_ids
+from grpoflow.tasks.pipeline.shell import run_stage
 from grpoflow.tasks.rewards import BUILTIN_REWARDS, resolve_reward_funcs, score_completions
-from grpoflow.tasks.runtime.plots import plot_eval_report
-from grpoflow.tasks.runtime.progress import progress_bar
-from grpoflow.tasks.runtime.stage import run_stage
-from grpoflow.tasks.runtime.tracking import RunLogger
-from grpoflow.tasks.runtime.workspace import Workspace
+from grpoflow.tasks.storage.workspace import Workspace
+from grpoflow.tasks.tracking.plots import plot_eval_report
+from grpoflow.tasks.tracking.progress import progress_bar
+from grpoflow.tasks.tracking.tracker import RunLogger
 
 log = logging.getLogger(__name__)
 

@@ -44,9 +44,9 @@ from grpoflow.tasks.model.loading import (
 )
 from grpoflow.tasks.model.save import save_merged
 from grpoflow.tasks.model.verify import compare_logprobs, logprob_tolerance, teacher_forced
-from grpoflow.tasks.runtime.stage import run_stage
-from grpoflow.tasks.runtime.tracking import RunLogger
-from grpoflow.tasks.runtime.workspace import Workspace
+from grpoflow.tasks.pipeline.shell import run_stage
+from grpoflow.tasks.storage.workspace import Workspace
+from grpoflow.tasks.tracking.tracker import RunLogger
 
 log = logging.getLogger(__name__)
 

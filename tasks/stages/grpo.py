@@ -5,7 +5,7 @@ adapter (``grpo/final``); the reference for beta > 0 is the same model with adap
 Full fine-tuning saves the whole model and, for beta > 0, loads a frozen reference copy.
 
 With ``distributed.nproc_per_node > 1`` (or several nodes) the stage launches torchrun
-(tasks/runtime/launch.py): every process runs :func:`train_grpo` (tasks/stages/grpo_worker.py), rank 0 logs into
+(tasks/launch/torchrun.py): every process runs :func:`train_grpo` (tasks/stages/grpo_worker.py), rank 0 logs into
 this stage's MLflow run and writes the summary this process reads back and publishes.
 """
 
@@ -27,6 +27,8 @@ from grpoflow.tasks.grpo.batch import PolicyLogProbs
 from grpoflow.tasks.grpo.distributed import full_state_dict, wrap_root
 from grpoflow.tasks.grpo.trainer import GRPOTrainer, list_checkpoints
 from grpoflow.tasks.grpo.trainer_runtime import CheckpointHooks, TrainerRuntime
+from grpoflow.tasks.launch.dist import Comm
+from grpoflow.tasks.launch.torchrun import run_torchrun, torchrun_command
 from grpoflow.tasks.model.context import config_context, context_problem, tokenize_prompts
 from grpoflow.tasks.model.device import select_device
 from grpoflow.tasks.model.loading import (
@@ -37,17 +39,15 @@ from grpoflow.tasks.model.loading import (
     load_trainable,
     train_dtypes,
 )
+from grpoflow.tasks.pipeline.shell import run_stage
 from grpoflow.tasks.rewards import resolve_reward_funcs
-from grpoflow.tasks.runtime import timeline
-from grpoflow.tasks.runtime.dist import Comm
-from grpoflow.tasks.runtime.launch import run_torchrun, torchrun_command
-from grpoflow.tasks.runtime.plots import plot_learning_curves
-from grpoflow.tasks.runtime.stage import run_stage
-from grpoflow.tasks.runtime.tracking import RunLogger
-from grpoflow.tasks.runtime.uploads import UploadQueue
-from grpoflow.tasks.runtime.workspace import Workspace
 from grpoflow.tasks.stages.common import base_model_path
 from grpoflow.tasks.stages.grpo_launch import WORKER, launch_spec
+from grpoflow.tasks.storage.uploads import UploadQueue
+from grpoflow.tasks.storage.workspace import Workspace
+from grpoflow.tasks.tracking import timeline
+from grpoflow.tasks.tracking.plots import plot_learning_curves
+from grpoflow.tasks.tracking.tracker import RunLogger
 
 log = logging.getLogger(__name__)
 

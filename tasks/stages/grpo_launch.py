@@ -8,9 +8,9 @@ import shutil
 from pathlib import Path
 
 from grpoflow.tasks.config import PipelineConfig, config_to_json
-from grpoflow.tasks.runtime.tracking import RunLogger, tracking_uri
-from grpoflow.tasks.runtime.workspace import Workspace
 from grpoflow.tasks.stages.common import base_model_path
+from grpoflow.tasks.storage.workspace import Workspace
+from grpoflow.tasks.tracking.tracker import RunLogger, tracking_uri
 
 WORKER = "grpoflow.tasks.stages.grpo_worker"
 

@@ -1,8 +1,8 @@
 """The GRPO stage on the nodes of a Kubeflow Trainer TrainJob (``distributed.launcher: trainjob``).
 
 The stage (the Prefect task ``grpo``, in its flow-run pod) writes the launch spec to the S3 workspace, creates a
-TrainJob (tasks/runtime/trainjob.py) whose every node runs the torchrun command of a local launch
-(tasks/runtime/launch.py ``torchrun_command``, with the spec's S3 URI and the image's python), waits for its
+TrainJob (tasks/launch/trainjob.py) whose every node runs the torchrun command of a local launch
+(tasks/launch/torchrun.py ``torchrun_command``, with the spec's S3 URI and the image's python), waits for its
 Complete or Failed condition, then pulls the GRPO folder that node 0's rank 0 pushed and reads its summary. A
 failure raises what a local launch raises for the rank that failed first (its error record, on S3 beside the
 spec), followed by the TrainJob's reason and message and the failed pods' last log lines; past
@@ -17,10 +17,8 @@ import time
 from pathlib import Path
 
 from grpoflow.tasks.config import PipelineConfig
-from grpoflow.tasks.runtime import s3
-from grpoflow.tasks.runtime.launch import failure, rank_errors, torchrun_command
-from grpoflow.tasks.runtime.tracking import RunLogger
-from grpoflow.tasks.runtime.trainjob import (
+from grpoflow.tasks.launch.torchrun import failure, rank_errors, torchrun_command
+from grpoflow.tasks.launch.trainjob import (
     JobState,
     KubeTrainJobs,
     failure_message,
@@ -29,8 +27,10 @@ from grpoflow.tasks.runtime.trainjob import (
     trainjob_name,
     wait,
 )
-from grpoflow.tasks.runtime.workspace import Workspace
 from grpoflow.tasks.stages.grpo_launch import WORKER, launch_spec
+from grpoflow.tasks.storage import s3
+from grpoflow.tasks.storage.workspace import Workspace
+from grpoflow.tasks.tracking.tracker import RunLogger
 
 log = logging.getLogger(__name__)
 

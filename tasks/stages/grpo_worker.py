@@ -6,7 +6,7 @@
 The spec holds the run config, the workspace, the stage's MLflow run and where to write the summary. Every rank
 joins the process group (distributed.backend, distributed.timeout_s) and runs :func:`train_grpo`; rank 0 logs
 to the stage's MLflow run and writes the summary; a rank that fails records its error beside the spec
-(tasks/runtime/launch.py reads it) and exits non-zero, and torchrun then stops the others.
+(tasks/launch/torchrun.py reads it) and exits non-zero, and torchrun then stops the others.
 
 A spec on S3 is a Kubeflow TrainJob's (tasks/stages/grpo_trainjob.py): each node pulls the workspace's upstream
 stages and the GRPO folder into its own mirror first (its local rank 0, the others wait), paths in the spec are
@@ -27,14 +27,14 @@ from pathlib import Path
 import torch
 
 from grpoflow.tasks.config import config_from_json
+from grpoflow.tasks.launch.dist import launched_world_size, process_group
+from grpoflow.tasks.launch.torchrun import write_rank_error
 from grpoflow.tasks.model.device import resolve_device
-from grpoflow.tasks.runtime import s3
-from grpoflow.tasks.runtime.dist import launched_world_size, process_group
-from grpoflow.tasks.runtime.launch import write_rank_error
-from grpoflow.tasks.runtime.stage import USER_ERRORS
-from grpoflow.tasks.runtime.tracking import RunLogger, logger_for
-from grpoflow.tasks.runtime.workspace import Workspace, reroot
+from grpoflow.tasks.pipeline.shell import USER_ERRORS
 from grpoflow.tasks.stages.grpo import train_grpo
+from grpoflow.tasks.storage import s3
+from grpoflow.tasks.storage.workspace import Workspace, reroot
+from grpoflow.tasks.tracking.tracker import RunLogger, logger_for
 
 
 def read_spec(where: str) -> dict:

@@ -35,12 +35,12 @@ from grpoflow.tasks.model.loading import (
 from grpoflow.tasks.model.optim import build_optimizer, build_scheduler, clip_and_step
 from grpoflow.tasks.model.precision import train_precision
 from grpoflow.tasks.model.save import merge_into_16bit_base
-from grpoflow.tasks.runtime import timeline
-from grpoflow.tasks.runtime.progress import progress_bar
-from grpoflow.tasks.runtime.stage import run_stage
-from grpoflow.tasks.runtime.tracking import RunLogger
-from grpoflow.tasks.runtime.workspace import Workspace
+from grpoflow.tasks.pipeline.shell import run_stage
 from grpoflow.tasks.stages.common import base_model_path
+from grpoflow.tasks.storage.workspace import Workspace
+from grpoflow.tasks.tracking import timeline
+from grpoflow.tasks.tracking.progress import progress_bar
+from grpoflow.tasks.tracking.tracker import RunLogger
 
 log = logging.getLogger(__name__)
 

@@ -12,11 +12,11 @@ from mlflow.tracking import MlflowClient
 
 from grpoflow.flows.cli import main
 from grpoflow.tasks.config import load_config
-from grpoflow.tasks.runtime.errors import StageError
-from grpoflow.tasks.runtime.stage import run_stage
-from grpoflow.tasks.runtime.workspace import Workspace
+from grpoflow.tasks.pipeline.errors import StageError
+from grpoflow.tasks.pipeline.shell import run_stage
 from grpoflow.tasks.stages.data import prepare_data
 from grpoflow.tasks.stages.grpo import run_grpo
+from grpoflow.tasks.storage.workspace import Workspace
 from tests.paths import MICRO
 
 INF_REWARD = """
@@ -171,7 +171,7 @@ def test_after_a_killed_rank_resume_continues_from_the_last_sharded_checkpoint(t
             "distributed.timeout_s=60",
         ],
     )
-    with caplog.at_level("INFO", "grpoflow.tasks.runtime.launch"):
+    with caplog.at_level("INFO", "grpoflow.tasks.launch.torchrun"):
         summary = run_stage("grpo", run_grpo, cfg, str(tmp_path / "bad"), None, init_model=None)
     assert summary["steps"] == 3 and summary["world_size"] == 2
     assert f"resumed GRPO from {checkpoints / 'checkpoint-2'} (step 2, written by 2 processes)" in caplog.text
@@ -239,7 +239,7 @@ def test_continuous_cycles_on_two_processes_with_an_s3_workspace(tmp_path, seawe
         assert out["consumed"] == [batch]
         decisions.append(out)
 
-    from grpoflow.tasks.runtime import s3
+    from grpoflow.tasks.storage import s3
 
     written = [o["uri"] for o in s3.S3Store().list_objects(f"{state_dir}/cycles/")]
     assert len([u for u in written if u.endswith("/grpo/manifest.json")]) == 2, written  # both cycles' GRPO, on S3

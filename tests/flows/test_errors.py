@@ -201,7 +201,7 @@ def test_an_unreachable_tracking_server_fails_before_any_stage_in_seconds(tmp_pa
 
 
 def test_the_tracking_probe_passes_a_real_server(mlflow_server):
-    from grpoflow.tasks.runtime.preflight import tracking_problem
+    from grpoflow.tasks.tracking.reach import tracking_problem
 
     assert tracking_problem(mlflow_server) is None
     assert tracking_problem("sqlite:///x.db") is None and tracking_problem("databricks") is None

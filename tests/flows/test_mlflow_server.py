@@ -9,7 +9,7 @@ import pytest
 from mlflow.tracking import MlflowClient
 
 from grpoflow.flows.cli import main
-from grpoflow.tasks.runtime.registry import ACCURACY_TAG, register_run_model
+from grpoflow.tasks.tracking.registry import ACCURACY_TAG, register_run_model
 from tests.paths import MICRO
 
 

@@ -12,7 +12,7 @@ from grpoflow.flows.cli import main
 from grpoflow.tasks.config import ConfigError, load_config
 from grpoflow.tasks.ops.continuous import check_continuous_config, cycle_config, gather
 from grpoflow.tasks.ops.datasource import Ledger, list_source
-from grpoflow.tasks.runtime.errors import StageError
+from grpoflow.tasks.pipeline.errors import StageError
 from tests.paths import MICRO
 
 PREFECT_FILE = Path(__file__).parents[2] / "infra" / "prefect.yaml"
@@ -128,7 +128,7 @@ def test_a_cycle_keeps_its_state_on_s3(tmp_path, seaweedfs, monkeypatch):
     whose data stage rejects the new file consumes nothing there; once the file is fixed, the next cycle fails
     no more at data, and the ledger on S3 then holds the file."""
     from grpoflow.flows.continuous import grpo_continuous
-    from grpoflow.tasks.runtime import s3
+    from grpoflow.tasks.storage import s3
 
     for k, v in seaweedfs.env().items():
         monkeypatch.setenv(k, v)

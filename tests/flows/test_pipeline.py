@@ -62,7 +62,7 @@ def test_mlflow_layout(finished_run):
     assert parent.data.tags["prefect_flow_run_id"]
     assert parent.data.params["grpo.loss_type"] == "dapo"
     assert "accuracy_after" in parent.data.metrics
-    # the time outside the training loops (tasks/runtime/timeline.py), measured by the run itself
+    # the time outside the training loops (tasks/tracking/timeline.py), measured by the run itself
     t = parent.data.metrics
     for key in ("startup/imports_s", "startup/prefect_server_s", "startup/to_first_sft_loop_s", "stage/data_s"):
         assert t[key] > 0, key

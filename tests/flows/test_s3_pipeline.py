@@ -16,8 +16,8 @@ import pytest
 from mlflow.artifacts import download_artifacts
 from mlflow.tracking import MlflowClient
 
-from grpoflow.tasks.runtime import s3
-from grpoflow.tasks.runtime.workspace import MANIFEST, STAGES
+from grpoflow.tasks.storage import s3
+from grpoflow.tasks.storage.workspace import MANIFEST, STAGES
 from tests.paths import MICRO
 
 STORE = s3.S3Store()  # the default storage settings: endpoint and credentials from the AWS environment variables

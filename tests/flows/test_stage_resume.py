@@ -14,8 +14,8 @@ from mlflow.tracking import MlflowClient
 
 from grpoflow.flows.cli import main
 from grpoflow.tasks.config import load_config
-from grpoflow.tasks.runtime.resume import stage_keys
-from grpoflow.tasks.runtime.workspace import STAGES, Workspace
+from grpoflow.tasks.pipeline.resume import stage_keys
+from grpoflow.tasks.storage.workspace import STAGES, Workspace
 from tests.paths import MICRO
 
 SLOW_REWARD = """

@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 
 from grpoflow.tasks.grpo.checkpoint import list_checkpoints
-from grpoflow.tasks.runtime.s3 import S3Store
+from grpoflow.tasks.storage.s3 import S3Store
 from tests.paths import MICRO
 from tests.servers import SeaweedMini
 

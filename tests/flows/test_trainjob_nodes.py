@@ -23,13 +23,13 @@ import torch
 from safetensors.torch import load_file
 
 from grpoflow.tasks.config import load_config
-from grpoflow.tasks.runtime.launch import rank_errors
-from grpoflow.tasks.runtime.resume import stage_keys
-from grpoflow.tasks.runtime.tracking import RunLogger
-from grpoflow.tasks.runtime.trainjob import JobState
-from grpoflow.tasks.runtime.workspace import Workspace
+from grpoflow.tasks.launch.torchrun import rank_errors
+from grpoflow.tasks.launch.trainjob import JobState
+from grpoflow.tasks.pipeline.resume import stage_keys
 from grpoflow.tasks.stages.data import prepare_data
 from grpoflow.tasks.stages.grpo_trainjob import collect_summary, prepare_trainjob, trainjob_error
+from grpoflow.tasks.storage.workspace import Workspace
+from grpoflow.tasks.tracking.tracker import RunLogger
 from tests.paths import MICRO, REPO
 from tests.servers import free_port
 

@@ -369,7 +369,7 @@ def test_prefect_yaml_deployments_use_pools_and_images_that_exist(templates, bui
 
 def test_trainjob_template_is_consistent_with_infra_and_the_config(k8s_docs, templates, built_images):
     from grpoflow.tasks.config.distributed import TrainJobConfig
-    from grpoflow.tasks.runtime.trainjob import GPU, RESERVED_ENV, load_template
+    from grpoflow.tasks.launch.trainjob import GPU, RESERVED_ENV, load_template
 
     path = INFRA / "kubeflow" / "trainjob.yaml"
     job = load_template(path)  # a TrainJob of trainer.kubeflow.org/v1alpha1 with a trainer, no PET_* env
@@ -435,7 +435,7 @@ def test_kubernetes_pool_gpu_count_reaches_the_container(templates, n):
 def test_trainjob_rbac_grants_every_call_the_launcher_makes():
     """infra/kubeflow/rbac.yaml: the Role bound to the launcher's ServiceAccount allows each Kubernetes API call of
     KubeTrainJobs (read from its source, so a new call fails here until the Role grants it)."""
-    from grpoflow.tasks.runtime import trainjob
+    from grpoflow.tasks.launch import trainjob
 
     needs = {
         "create_namespaced_custom_object": ("trainer.kubeflow.org", "trainjobs", "create"),

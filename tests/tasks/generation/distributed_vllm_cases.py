@@ -27,10 +27,10 @@ from grpoflow.tasks.config import GenerationConfig, GRPOConfig, ModelConfig, Tin
 from grpoflow.tasks.generation.vllm_engine import VLLMGenerator
 from grpoflow.tasks.grpo.batch import PolicyLogProbs
 from grpoflow.tasks.grpo.distributed import wrap_root
+from grpoflow.tasks.launch.dist import Comm, process_group
 from grpoflow.tasks.model.loading import add_lora
 from grpoflow.tasks.model.optim import build_scheduler
 from grpoflow.tasks.model.tiny import build_tiny_model, train_tiny_tokenizer
-from grpoflow.tasks.runtime.dist import Comm, process_group
 from tests.tasks.grpo.distributed_cases import eos_prone, record, trainable
 from tests.tasks.grpo.test_trainer import TEXTS, addition_rows, make_trainer
 

@@ -31,7 +31,7 @@ from grpoflow.tasks.grpo.trainer import GRPOTrainer
 from grpoflow.tasks.grpo.trainer_runtime import TrainerRuntime
 from grpoflow.tasks.model.loading import add_lora
 from grpoflow.tasks.model.tiny import build_tiny_model, train_tiny_tokenizer
-from grpoflow.tasks.runtime.tracking import RunLogger
+from grpoflow.tasks.tracking.tracker import RunLogger
 
 vllm_problem = unsupported_reason(["Qwen2ForCausalLM"], head_dim=32)
 needs_vllm = pytest.mark.skipif(vllm_problem is not None, reason=f"vLLM unavailable: {vllm_problem}")

@@ -24,8 +24,8 @@ import torch
 from grpoflow.tasks.config import GRPOConfig
 from grpoflow.tasks.grpo.batch import PolicyLogProbs
 from grpoflow.tasks.grpo.distributed import wrap_root
+from grpoflow.tasks.launch.dist import Comm, process_group
 from grpoflow.tasks.model.optim import build_scheduler
-from grpoflow.tasks.runtime.dist import Comm, process_group
 from tests.tasks.grpo.test_trainer import addition_rows, make, make_trainer
 
 ROWS_PER_ROUND = 12  # per_device_train_batch_size (6 on 1 process, 3 on 2) * processes * steps_per_generation 2

@@ -24,7 +24,7 @@ import torch
 from grpoflow.tasks.config import GRPOConfig
 from grpoflow.tasks.grpo.batch import PolicyLogProbs
 from grpoflow.tasks.grpo.distributed import wrap_root
-from grpoflow.tasks.runtime.dist import Comm, process_group
+from grpoflow.tasks.launch.dist import Comm, process_group
 from tests.tasks.grpo.distributed_cases import trainable
 from tests.tasks.grpo.test_trainer import make, make_trainer
 

@@ -18,7 +18,7 @@ from grpoflow.tasks.generation.transformers_loop import TransformersGenerator
 from grpoflow.tasks.grpo.schedule import plan
 from grpoflow.tasks.grpo.trainer import GRPOTrainer
 from grpoflow.tasks.grpo.trainer_runtime import TrainerRuntime
-from grpoflow.tasks.runtime.tracking import RunLogger
+from grpoflow.tasks.tracking.tracker import RunLogger
 from tests.tasks.grpo.test_trainer import addition_rows, length, make
 
 # (GRPOConfig keywords, the tables: per cycle, per micro-step (prompts of the batch, optimizer steps after it))

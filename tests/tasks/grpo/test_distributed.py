@@ -12,9 +12,9 @@ from grpoflow.tasks.config import ConfigError, GRPOConfig, config_from_dict, loa
 from grpoflow.tasks.generation.transformers_loop import TransformersGenerator
 from grpoflow.tasks.generation.types import SamplingParams
 from grpoflow.tasks.grpo.distributed import check_fsdp2_placement, local_rows, rounds_done, row_seed, wrap_root
-from grpoflow.tasks.runtime.dist import Comm, resolve_backend
-from grpoflow.tasks.runtime.launch import failure, rank_errors, torchrun_command, write_rank_error
-from grpoflow.tasks.runtime.stage import USER_ERRORS
+from grpoflow.tasks.launch.dist import Comm, resolve_backend
+from grpoflow.tasks.launch.torchrun import failure, rank_errors, torchrun_command, write_rank_error
+from grpoflow.tasks.pipeline.shell import USER_ERRORS
 from tests.tasks.grpo.test_trainer import make
 
 
@@ -252,7 +252,7 @@ def test_a_launched_child_dies_with_its_parent(tmp_path):
         [
             sys.executable,
             "-c",
-            "import subprocess, sys, time; from grpoflow.tasks.runtime.launch import die_with_parent\n"
+            "import subprocess, sys, time; from grpoflow.tasks.launch.torchrun import die_with_parent\n"
             "c = subprocess.Popen(['sleep', '120'], start_new_session=True, preexec_fn=die_with_parent)\n"
             f"open({str(pid_file)!r}, 'w').write(str(c.pid)); time.sleep(120)",
         ]

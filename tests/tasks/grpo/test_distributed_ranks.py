@@ -13,7 +13,7 @@ import torch
 
 from grpoflow.tasks.config import GRPOConfig
 from grpoflow.tasks.grpo.distributed import local_rows
-from grpoflow.tasks.runtime.dist import Comm
+from grpoflow.tasks.launch.dist import Comm
 from tests.paths import REPO
 from tests.tasks.grpo.distributed_cases import CASES, RESUMED, ROWS_PER_ROUND, run_all, run_case
 

@@ -12,11 +12,11 @@ import pytest
 import torch
 
 from grpoflow.tasks.config import load_config
-from grpoflow.tasks.runtime.tracking import RunLogger
-from grpoflow.tasks.runtime.workspace import Workspace
 from grpoflow.tasks.stages.data import prepare_data
 from grpoflow.tasks.stages.grpo import run_grpo
 from grpoflow.tasks.stages.sft import run_sft
+from grpoflow.tasks.storage.workspace import Workspace
+from grpoflow.tasks.tracking.tracker import RunLogger
 
 # configs/default.yaml, shortened: SFT stops early (the model answers in the format, rarely correctly), GRPO takes
 # one 8-prompt round of 8 completions per step. About a minute of compute on one core.

@@ -12,7 +12,7 @@ from grpoflow.tasks.grpo.trainer_runtime import TrainerRuntime
 from grpoflow.tasks.model.loading import add_lora, prompt_ids
 from grpoflow.tasks.model.tiny import build_tiny_model, train_tiny_tokenizer
 from grpoflow.tasks.rewards import resolve_reward_funcs
-from grpoflow.tasks.runtime.tracking import RunLogger
+from grpoflow.tasks.tracking.tracker import RunLogger
 
 TEXTS = ["What is 3 + 4?", "<reasoning>\n3 + 4 = 7\n</reasoning>\n<answer>\n7\n</answer>"] * 20
 

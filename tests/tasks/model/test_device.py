@@ -136,10 +136,10 @@ def test_grpo_stage_keeps_the_reference_model_in_the_training_dtype(tmp_path):
     """Full fine-tuning in bf16 with beta > 0: the policy trains float32 master weights under bf16 autocast, and its
     frozen reference is loaded in bf16, the dtype its forward runs in (half the memory of a float32 copy)."""
     from grpoflow.tasks.config import load_config
-    from grpoflow.tasks.runtime.tracking import RunLogger
-    from grpoflow.tasks.runtime.workspace import Workspace
     from grpoflow.tasks.stages.data import prepare_data
     from grpoflow.tasks.stages.grpo import run_grpo
+    from grpoflow.tasks.storage.workspace import Workspace
+    from grpoflow.tasks.tracking.tracker import RunLogger
 
     cfg = load_config(MICRO, [*FULL_BF16_KL, "grpo.max_steps=1", "generation.backend=transformers"])
     ws = Workspace(tmp_path / "ws")

@@ -21,9 +21,9 @@ from grpoflow.tasks.config import TinyModelConfig, load_config
 from grpoflow.tasks.model import gguf as gguf_export
 from grpoflow.tasks.model.gguf import GGUFUnavailable, encode, write_gguf
 from grpoflow.tasks.model.tiny import build_tiny_model, train_tiny_tokenizer
-from grpoflow.tasks.runtime.tracking import RunLogger
-from grpoflow.tasks.runtime.workspace import Workspace
 from grpoflow.tasks.stages.export import run_export
+from grpoflow.tasks.storage.workspace import Workspace
+from grpoflow.tasks.tracking.tracker import RunLogger
 from tests.paths import MICRO
 
 TEXTS = [

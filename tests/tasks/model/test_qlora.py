@@ -14,13 +14,13 @@ from transformers import AutoModelForCausalLM
 from grpoflow.tasks.config import GRPOConfig, ModelConfig, load_config
 from grpoflow.tasks.model.loading import load_tokenizer, load_trainable, load_with_adapter
 from grpoflow.tasks.model.verify import logprob_tolerance, teacher_forced
-from grpoflow.tasks.runtime.tracking import RunLogger
-from grpoflow.tasks.runtime.workspace import Workspace
 from grpoflow.tasks.stages.data import prepare_data
 from grpoflow.tasks.stages.evaluate import run_eval
 from grpoflow.tasks.stages.export import run_export
 from grpoflow.tasks.stages.grpo import run_grpo
 from grpoflow.tasks.stages.sft import run_sft
+from grpoflow.tasks.storage.workspace import Workspace
+from grpoflow.tasks.tracking.tracker import RunLogger
 from tests.paths import MICRO
 from tests.tasks.grpo.test_trainer import make, make_trainer
 

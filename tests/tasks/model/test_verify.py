@@ -16,13 +16,13 @@ from grpoflow.tasks.model.verify import (
     compare_logprobs,
     logprob_tolerance,
 )
-from grpoflow.tasks.runtime.tracking import RunLogger
-from grpoflow.tasks.runtime.workspace import Workspace
 from grpoflow.tasks.stages import export as export_stage
 from grpoflow.tasks.stages.common import base_model_path
 from grpoflow.tasks.stages.data import prepare_data
 from grpoflow.tasks.stages.export import run_export
 from grpoflow.tasks.stages.sft import run_sft
+from grpoflow.tasks.storage.workspace import Workspace
+from grpoflow.tasks.tracking.tracker import RunLogger
 from tests.paths import MICRO
 
 FAST = ["export.gguf=[]", "export.adapter=false", "grpo.max_completion_length=24"]

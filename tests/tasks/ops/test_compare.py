@@ -7,7 +7,7 @@ from mlflow.tracking import MlflowClient
 from grpoflow.flows.cli import main
 from grpoflow.tasks.config import load_config
 from grpoflow.tasks.ops.compare import config_differences, run_summary
-from grpoflow.tasks.runtime.tracking import stage_run, start_pipeline_run, tracking_uri
+from grpoflow.tasks.tracking.tracker import stage_run, start_pipeline_run, tracking_uri
 
 
 def logged_run(out, name, overrides, rewards, accuracy):

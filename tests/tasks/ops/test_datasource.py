@@ -74,7 +74,7 @@ def test_s3_prefix_source_lists_fetches_and_gathers(seaweedfs, monkeypatch, tmp_
     from grpoflow.tasks.config import StorageConfig
     from grpoflow.tasks.ops.continuous import gather
     from grpoflow.tasks.ops.datasource import fetch
-    from grpoflow.tasks.runtime import s3
+    from grpoflow.tasks.storage import s3
 
     for k, v in seaweedfs.env().items():
         monkeypatch.setenv(k, v)

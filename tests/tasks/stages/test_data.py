@@ -13,11 +13,11 @@ from grpoflow.tasks.config import GSM8K_SYSTEM_PROMPT, config_from_dict
 from grpoflow.tasks.dataio.rows import generate_arithmetic, parse_row
 from grpoflow.tasks.dataio.sources import file_problem, load_source
 from grpoflow.tasks.dataio.splits import corpus_text, load_split
+from grpoflow.tasks.pipeline.errors import StageError
+from grpoflow.tasks.pipeline.resume import stage_keys
 from grpoflow.tasks.rewards import correctness, strict_format
-from grpoflow.tasks.runtime.errors import StageError
-from grpoflow.tasks.runtime.resume import stage_keys
-from grpoflow.tasks.runtime.workspace import Workspace
 from grpoflow.tasks.stages.data import data_task, prepare_data
+from grpoflow.tasks.storage.workspace import Workspace
 from tests.paths import FIXTURES, REPO
 
 GSM8K_SAMPLE = FIXTURES / "gsm8k_sample.jsonl"

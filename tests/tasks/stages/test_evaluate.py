@@ -14,7 +14,6 @@ from grpoflow.tasks.grpo.trainer import completion_tables
 from grpoflow.tasks.model.loading import prompt_ids
 from grpoflow.tasks.model.tiny import build_tiny_model, train_tiny_tokenizer
 from grpoflow.tasks.rewards import resolve_reward_funcs
-from grpoflow.tasks.runtime.plots import plot_eval_report
 from grpoflow.tasks.stages.evaluate import (
     eval_reward_funcs,
     evaluate_model,
@@ -23,6 +22,7 @@ from grpoflow.tasks.stages.evaluate import (
     report_markdown,
     sampled_metrics,
 )
+from grpoflow.tasks.tracking.plots import plot_eval_report
 
 GOOD = "<reasoning>\n3 + 4 = 7\n</reasoning>\n<answer>\n7\n</answer>"
 PROMPT = [{"role": "user", "content": "What is 3 + 4?"}]

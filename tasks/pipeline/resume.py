@@ -34,8 +34,8 @@ import yaml
 
 from grpoflow.tasks.config import PipelineConfig
 from grpoflow.tasks.config.distributed import DistributedConfig
-from grpoflow.tasks.runtime.tracking import RunLogger, flatten, logger_for, start_pipeline_run, tracking_uri
-from grpoflow.tasks.runtime.workspace import STAGES, Workspace
+from grpoflow.tasks.storage.workspace import STAGES, Workspace
+from grpoflow.tasks.tracking.tracker import RunLogger, flatten, logger_for, start_pipeline_run, tracking_uri
 
 log = logging.getLogger(__name__)
 
@@ -118,7 +118,7 @@ def stage_keys(cfg: dict[str, Any]) -> dict[str, str]:
 def open_pipeline_run(cfg: PipelineConfig, ws: Workspace, tags: dict[str, Any]) -> RunLogger:
     """The parent MLflow run of the workspace: the one <ws>/run.json names, reopened, or a new one.
 
-    First, what an earlier process left in the workspace's tracking journal is sent (tasks/runtime/sender.py
+    First, what an earlier process left in the workspace's tracking journal is sent (tasks/tracking/sender.py
     ``replay``, within tracking.flush_timeout_s). On reopening, stage runs left RUNNING by a killed attempt are
     ended as KILLED (the stage shell sets its own run RUNNING again when it reruns); config values that
     differ from the logged params (MLflow params cannot change) are tagged ``config_changed.<key>``."""
@@ -158,8 +158,8 @@ def open_pipeline_run(cfg: PipelineConfig, ws: Workspace, tags: dict[str, Any]) 
 
 def replay_journal(cfg: PipelineConfig, root, uri: str) -> dict[str, int]:
     """Send what the journals in <root>/tracking-journal hold unsent; {journal: records still unsent}."""
-    from grpoflow.tasks.runtime.journal import JOURNAL_DIR
-    from grpoflow.tasks.runtime.sender import replay
+    from grpoflow.tasks.tracking.journal import JOURNAL_DIR
+    from grpoflow.tasks.tracking.sender import replay
 
     left = replay(root / JOURNAL_DIR, uri, cfg.tracking.flush_timeout_s, cfg.tracking.request_timeout_s)
     if any(left.values()):

@@ -2,16 +2,16 @@
 
 Stages are plain functions ``fn(cfg, ws, tracker, **inputs) -> dict`` that know nothing of
 Prefect; this wraps one in its nested MLflow run (named, tagged, with its settings as params and its datasets as
-inputs: tasks/runtime/run_info.py), samples system metrics around the training stages, and logs the summary it
+inputs: tasks/tracking/run_info.py), samples system metrics around the training stages, and logs the summary it
 returns (results, description, the trained model as a logged model output).
 
-Resume: a stage whose manifest holds the stage's current key (tasks/runtime/resume.py) is complete: its
+Resume: a stage whose manifest holds the stage's current key (tasks/pipeline/resume.py) is complete: its
 stored summary is returned and nothing runs or is logged. Otherwise its manifest and every later
 stage's are removed, its folder is emptied when its last attempt had another key (a same-key attempt
 that was killed keeps its files: GRPO continues from its newest checkpoint), the stage runs and returns its
 summary, and this shell publishes the stage: its manifest, written once, holds the key and the summary (stage
 bodies write no manifest). On an S3 workspace the upstream stages' files are pulled
-into the local mirror first (tasks/runtime/workspace.py), so a resume on an empty cache works.
+into the local mirror first (tasks/storage/workspace.py), so a resume on an empty cache works.
 """
 
 from __future__ import annotations
@@ -25,13 +25,13 @@ from typing import Any
 import torch
 
 from grpoflow.tasks.config import PipelineConfig
-from grpoflow.tasks.runtime.errors import StageError
-from grpoflow.tasks.runtime.mlflow_entities import system_metrics
-from grpoflow.tasks.runtime.resume import stage_keys
-from grpoflow.tasks.runtime.run_info import TRAINING_STAGES, finish_run, prepare_run
-from grpoflow.tasks.runtime.tracking import stage_run
-from grpoflow.tasks.runtime.uploads import retry_outage
-from grpoflow.tasks.runtime.workspace import STAGES, Workspace, stages_from
+from grpoflow.tasks.pipeline.errors import StageError
+from grpoflow.tasks.pipeline.resume import stage_keys
+from grpoflow.tasks.storage.uploads import retry_outage
+from grpoflow.tasks.storage.workspace import STAGES, Workspace, stages_from
+from grpoflow.tasks.tracking.entities import system_metrics
+from grpoflow.tasks.tracking.run_info import TRAINING_STAGES, finish_run, prepare_run
+from grpoflow.tasks.tracking.tracker import stage_run
 
 StageFn = Callable[..., dict[str, Any]]
 log = logging.getLogger(__name__)

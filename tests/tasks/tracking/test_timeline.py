@@ -1,4 +1,4 @@
-"""Time outside the training loops (tasks/runtime/timeline.py): spans between marks, stage overheads, shares."""
+"""Time outside the training loops (tasks/tracking/timeline.py): spans between marks, stage overheads, shares."""
 
 import os
 import subprocess
@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from grpoflow.tasks.runtime import timeline
+from grpoflow.tasks.tracking import timeline
 
 
 def test_spans_stages_and_outside_share():
@@ -57,7 +57,7 @@ def test_a_process_execd_into_an_older_one_is_timed_from_its_import():
     """`bash -c 'pip install ... && grpoflow run'`: bash may exec the last command into its own process, whose
     starttime is before pip; the run's start-up must not count the installation."""
     probe = (
-        "import time; from grpoflow.tasks.runtime import timeline; print(time.time() - timeline.process_start_time())"
+        "import time; from grpoflow.tasks.tracking import timeline; print(time.time() - timeline.process_start_time())"
     )
     gap = timeline.EXEC_GAP_S + 2
     out = subprocess.run(

@@ -1,4 +1,4 @@
-"""The background thread that sends a run's journal (tasks/runtime/journal.py) to MLflow, and ``replay`` for what a
+"""The background thread that sends a run's journal (tasks/tracking/journal.py) to MLflow, and ``replay`` for what a
 previous process left unsent (``grpoflow sync``, ``grpoflow resume``).
 
 While the server does not answer, the thread warns once, then every minute (how long, how much is buffered, where),
@@ -14,7 +14,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from grpoflow.tasks.runtime.journal import WARN_EVERY_S, Journal, backoff_s, group, permanent
+from grpoflow.tasks.tracking.journal import WARN_EVERY_S, Journal, backoff_s, group, permanent
 
 log = logging.getLogger("grpoflow.tracking")
 
@@ -107,7 +107,7 @@ def send(client: FastClient, run_id: str, op: dict[str, Any]) -> None:
 
         client.client.log_table(run_id, data=json.loads(Path(op["path"]).read_text()), artifact_file=op["file"])
     elif kind == "model":
-        from grpoflow.tasks.runtime.mlflow_entities import log_model_output
+        from grpoflow.tasks.tracking.entities import log_model_output
 
         log_model_output(client.client, run_id, op["name"], op["path"], op["params"], op["step"])
     else:

@@ -6,7 +6,7 @@ import logging
 
 import pytest
 
-from grpoflow.tasks.runtime.progress import progress_bar, progress_line
+from grpoflow.tasks.tracking.progress import progress_bar, progress_line
 
 
 @pytest.fixture

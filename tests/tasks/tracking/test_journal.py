@@ -9,9 +9,9 @@ import pytest
 from mlflow.tracking import MlflowClient
 
 from grpoflow.tasks.config import config_from_dict
-from grpoflow.tasks.runtime.journal import JOURNAL_DIR, Journal, backoff_s, group
-from grpoflow.tasks.runtime.sender import replay
-from grpoflow.tasks.runtime.tracking import RunLogger, stage_run, start_pipeline_run
+from grpoflow.tasks.tracking.journal import JOURNAL_DIR, Journal, backoff_s, group
+from grpoflow.tasks.tracking.sender import replay
+from grpoflow.tasks.tracking.tracker import RunLogger, stage_run, start_pipeline_run
 from tests.restartable import RestartableMlflow
 
 

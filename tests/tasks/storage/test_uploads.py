@@ -1,4 +1,4 @@
-"""Uploads that outlive an S3 outage (tasks/runtime/uploads.py, Workspace.push_checkpoint): the retry budget and
+"""Uploads that outlive an S3 outage (tasks/storage/uploads.py, Workspace.push_checkpoint): the retry budget and
 backoff, the background queue (order, bound, failure), and a real `weed mini` killed and restarted under it."""
 
 import logging
@@ -8,10 +8,10 @@ import time
 import pytest
 
 from grpoflow.tasks.config.storage import StorageConfig
-from grpoflow.tasks.runtime import s3
-from grpoflow.tasks.runtime.s3 import S3AccessError, S3Error, S3Store
-from grpoflow.tasks.runtime.uploads import StorageOutage, UploadQueue, backoff_s, retry_outage
-from grpoflow.tasks.runtime.workspace import Workspace
+from grpoflow.tasks.storage import s3
+from grpoflow.tasks.storage.s3 import S3AccessError, S3Error, S3Store
+from grpoflow.tasks.storage.uploads import StorageOutage, UploadQueue, backoff_s, retry_outage
+from grpoflow.tasks.storage.workspace import Workspace
 from tests.servers import SeaweedMini
 
 
@@ -57,7 +57,7 @@ def test_an_outage_inside_the_budget_is_waited_out_with_a_warning_each_way(caplo
             left[0] -= 1
             raise S3Error("connection refused")
 
-    with caplog.at_level(logging.WARNING, "grpoflow.tasks.runtime.uploads"):
+    with caplog.at_level(logging.WARNING, "grpoflow.tasks.storage.uploads"):
         retry_outage(flaky, "http://x:1", "an upload", budget_s=30, backoff_cap_s=0.2, queued=lambda: 2)
     text = caplog.text
     assert "S3 endpoint http://x:1 unreachable (connection refused); retrying an upload for up to 30 s" in text
@@ -82,7 +82,7 @@ def test_the_queue_runs_jobs_in_order_and_bounds_what_waits(caplog):
     assert q.pending() == ["checkpoint-1", "checkpoint-2"]
     threading.Timer(0.5, gate.set).start()
     t0 = time.monotonic()
-    with caplog.at_level(logging.WARNING, "grpoflow.tasks.runtime.uploads"):
+    with caplog.at_level(logging.WARNING, "grpoflow.tasks.storage.uploads"):
         q.submit("checkpoint-3", job("checkpoint-3"))  # full: waits for checkpoint-1
     assert time.monotonic() - t0 >= 0.4
     assert "2 checkpoint upload(s) to http://x:1 pending (storage.max_pending_uploads=2): training waits" in caplog.text
@@ -149,7 +149,7 @@ def test_checkpoints_queued_during_a_real_outage_reach_s3_in_order(weed, tmp_pat
     q.drain()
     weed.kill()
     t0 = time.monotonic()
-    with caplog.at_level(logging.WARNING, "grpoflow.tasks.runtime.uploads"):
+    with caplog.at_level(logging.WARNING, "grpoflow.tasks.storage.uploads"):
         for step in (2, 3, 4):
             submit(step)  # returns at once: the trainer goes on
         assert time.monotonic() - t0 < 2 and q.pending() == ["checkpoint-2", "checkpoint-3", "checkpoint-4"]

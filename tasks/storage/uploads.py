@@ -25,7 +25,7 @@ import time
 from collections import deque
 from collections.abc import Callable
 
-from grpoflow.tasks.runtime.s3 import S3AccessError, S3Error, bounded_attempt
+from grpoflow.tasks.storage.s3 import S3AccessError, S3Error, bounded_attempt
 
 log = logging.getLogger(__name__)
 

@@ -11,8 +11,8 @@ import pytest
 import yaml
 
 from grpoflow.tasks.config import ConfigError, config_from_dict
-from grpoflow.tasks.runtime.launch import torchrun_command
-from grpoflow.tasks.runtime.trainjob import (
+from grpoflow.tasks.launch.torchrun import torchrun_command
+from grpoflow.tasks.launch.trainjob import (
     GPU,
     JobState,
     failed_pods,

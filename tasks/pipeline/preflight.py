@@ -3,9 +3,8 @@ line naming the config key) or None. Nothing here retries: a server or hub that 
 seconds is reported now, not after the data stage and minutes of a client's own retries.
 
 - :func:`output_dir_problem`: run.output_dir under an existing file (no workspace can be made there).
-- :func:`tracking_problem`: an http(s) MLflow tracking URI that does not answer. One GET with a short timeout;
-  any HTTP answer (even 404 behind a proxy) counts as reachable. MLflow's client keeps its own retries for
-  errors later in the run: those settings are not touched.
+- :func:`tracking_problem` (tasks/tracking/reach.py): an http(s) MLflow tracking URI that does not answer. One GET
+  with a short timeout; any HTTP answer (even 404 behind a proxy) counts as reachable.
 - :func:`hub_problem`: a Hugging Face model or dataset id that is not in the local cache while the hub cannot
   be reached (HF_HUB_OFFLINE set, or its endpoint, $HF_ENDPOINT or https://huggingface.co, not answering).
 """
@@ -14,11 +13,10 @@ from __future__ import annotations
 
 import os
 import re
-import urllib.error
-import urllib.request
 from pathlib import Path
 
-PROBE_TIMEOUT_S = 5.0
+from grpoflow.tasks.tracking.reach import PROBE_TIMEOUT_S, tracking_problem, unreachable
+
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[A-Za-z0-9][\w.-]*)?$")  # "name" or "owner/name"
 _TRUE = ("1", "on", "yes", "true")
 
@@ -35,32 +33,6 @@ def output_dir_problem(output_dir: str) -> str | None:
             what = "is a file" if p == path else f"lies under {p}, which is a file"
             return f"run.output_dir: {output_dir} {what}; a run workspace needs a folder there"
     return None
-
-
-def unreachable(url: str, timeout: float = PROBE_TIMEOUT_S) -> str | None:
-    """Why ``url`` gives no HTTP answer within ``timeout`` seconds (refused, no route, timed out, DNS); None when
-    any HTTP status comes back."""
-    try:
-        with urllib.request.urlopen(urllib.request.Request(url, method="GET"), timeout=timeout):
-            return None
-    except urllib.error.HTTPError:  # an answer: the server is there
-        return None
-    except (urllib.error.URLError, OSError, ValueError) as e:
-        reason = getattr(e, "reason", e)
-        return f"{type(reason).__name__}: {reason}" if not isinstance(reason, str) else reason
-
-
-def tracking_problem(uri: str, timeout: float = PROBE_TIMEOUT_S) -> str | None:
-    """An http(s) tracking URI whose server does not answer GET <uri>/health within ``timeout`` seconds."""
-    if not uri.lower().startswith(("http://", "https://")):
-        return None
-    why = unreachable(uri.rstrip("/") + "/health", timeout)
-    if why is None:
-        return None
-    return (
-        f"MLflow tracking server {uri} does not answer ({why}); start it, or fix tracking.uri / "
-        "$MLFLOW_TRACKING_URI (unset both to track in <output_dir>/mlflow.db)"
-    )
 
 
 def _env_true(name: str) -> bool:
@@ -125,3 +97,6 @@ def hub_problem(key: str, repo_id: str, kind: str, revision: str | None = None) 
         "where the hub is reachable, then copy the cache or point HF_HOME at it), or, once cached, set "
         "HF_HUB_OFFLINE=1"
     )
+
+
+__all__ = ["PROBE_TIMEOUT_S", "hub_problem", "output_dir_problem", "tracking_problem", "unreachable"]

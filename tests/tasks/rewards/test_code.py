@@ -15,9 +15,9 @@ from grpoflow.tasks.rewards import (
     build_program,
     extract_program,
     resolve_reward_funcs,
+    sandbox,
     score_completions,
 )
-from grpoflow.tasks.runtime import sandbox
 
 # allow_unsafe: the containment tests also run where bwrap cannot isolate (each says what it needs). FAST has
 # room for a busy machine where a result must be a pass; SHORT ends the programs that only a timeout ends.
@@ -199,8 +199,8 @@ def test_refuses_without_isolation_unless_unsafe(monkeypatch: pytest.MonkeyPatch
 # ---------------------------------------------------------------------------- data and the trainer
 def _prepare(tmp_path, **data):
     from grpoflow.tasks.config import config_from_dict
-    from grpoflow.tasks.runtime.workspace import Workspace
     from grpoflow.tasks.stages.data import prepare_data
+    from grpoflow.tasks.storage.workspace import Workspace
 
     cfg = config_from_dict({"run": {"output_dir": str(tmp_path), "seed": 7}, "sft": {"enabled": False}, "data": data})
     ws = Workspace(tmp_path / "ws")

@@ -1,7 +1,7 @@
 """The MLflow model registry: every finished run registers its model; the best one carries an alias.
 
 After export, the run's model becomes a new version of ``tracking.registered_model``: the merged weights as an
-MLflow transformers model (a LoggedModel of the export run, tasks/runtime/model_registry.py; loadable with
+MLflow transformers model (a LoggedModel of the export run, tasks/tracking/model_registry.py; loadable with
 ``mlflow.pyfunc.load_model("models:/NAME@champion")``), else the adapter folder of the export run's artifacts.
 The version is tagged with the run's held-out accuracy after GRPO; it takes the alias ``tracking.champion_alias`` when
 
@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from mlflow.exceptions import MlflowException
 from mlflow.tracking import MlflowClient
 
-from grpoflow.tasks.runtime.model_registry import log_merged_model
+from grpoflow.tasks.tracking.model_registry import log_merged_model
 
 log = logging.getLogger(__name__)
 ACCURACY_TAG = "accuracy_after"

@@ -1,4 +1,4 @@
-"""What the stage shell (tasks/runtime/stage.py) logs on a stage run before and after the stage itself.
+"""What the stage shell (tasks/pipeline/shell.py) logs on a stage run before and after the stage itself.
 
 Before: the settings that shaped the stage as params (run_meta.stage_params: its config section under TRL's names,
 model, dataset and the train split's digest, seed, device), the prepared splits it reads as dataset inputs, and,
@@ -16,10 +16,10 @@ from typing import Any
 import torch
 
 from grpoflow.tasks.config import PipelineConfig
-from grpoflow.tasks.runtime import run_meta
-from grpoflow.tasks.runtime.mlflow_entities import STAGE_SPLITS, log_datasets, split_dataset
-from grpoflow.tasks.runtime.tracking import NOTE, RunLogger
-from grpoflow.tasks.runtime.workspace import Workspace
+from grpoflow.tasks.storage.workspace import Workspace
+from grpoflow.tasks.tracking import run_meta
+from grpoflow.tasks.tracking.entities import STAGE_SPLITS, log_datasets, split_dataset
+from grpoflow.tasks.tracking.tracker import NOTE, RunLogger
 
 log = logging.getLogger(__name__)
 TRAINING_STAGES = ("sft", "grpo")

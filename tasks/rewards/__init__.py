@@ -34,7 +34,7 @@ from functools import partial
 from typing import Any
 
 from grpoflow.tasks.config import CodeRewardConfig
-from grpoflow.tasks.runtime import sandbox
+from grpoflow.tasks.rewards import sandbox
 
 log = logging.getLogger(__name__)
 
@@ -211,7 +211,7 @@ def build_program(question: str | None, code: str, tests: str) -> str:
 
 class CodeTests:
     """The ``code_tests`` reward: 1.0 when the completion's program passes the row's tests (the ``answer``
-    column: Python that raises on a failure) in the sandbox (:mod:`grpoflow.tasks.runtime.sandbox`), 0.0 when it
+    column: Python that raises on a failure) in the sandbox (:mod:`grpoflow.tasks.rewards.sandbox`), 0.0 when it
     fails, raises, or hits a limit, None when the sandbox itself could not start. ``reasons`` counts the outcome
     of every program run (passed, failed, timeout, cpu_limit, memory, output_limit, killed, sandbox_error)."""
 

@@ -1,13 +1,13 @@
-"""Run names, params, tags, descriptions and constant-metric rules of the MLflow runs (tasks/runtime/run_meta.py),
+"""Run names, params, tags, descriptions and constant-metric rules of the MLflow runs (tasks/tracking/run_meta.py),
 and the RunLogger behaviour they rely on, against a real SQLite MLflow store."""
 
 import pytest
 from mlflow.tracking import MlflowClient
 
 from grpoflow.tasks.config import PipelineConfig
-from grpoflow.tasks.runtime import run_meta as m
-from grpoflow.tasks.runtime.mlflow_entities import adaptive_interval, next_system_step
-from grpoflow.tasks.runtime.tracking import RunLogger
+from grpoflow.tasks.tracking import run_meta as m
+from grpoflow.tasks.tracking.entities import adaptive_interval, next_system_step
+from grpoflow.tasks.tracking.tracker import RunLogger
 
 
 def cfg(**grpo) -> PipelineConfig:

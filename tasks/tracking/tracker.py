@@ -26,9 +26,9 @@ from mlflow.entities import Metric, Param, RunTag
 from mlflow.tracking import MlflowClient
 
 from grpoflow.tasks.config import PipelineConfig
-from grpoflow.tasks.runtime import run_meta
-from grpoflow.tasks.runtime.run_meta import omitted
-from grpoflow.tasks.runtime.workspace import join_location, local_dir
+from grpoflow.tasks.storage.workspace import join_location, local_dir
+from grpoflow.tasks.tracking import run_meta
+from grpoflow.tasks.tracking.run_meta import omitted
 
 log = logging.getLogger(__name__)
 PARENT_TAG = "mlflow.parentRunId"
@@ -76,7 +76,7 @@ class RunLogger:
     """Logs to one MLflow run by id; ``RunLogger.disabled()`` logs nothing (plain function use, tests).
 
     With a ``journal`` folder (every pipeline and stage run) nothing here waits on the network: each call appends
-    to the run's journal and a background thread sends it (tasks/runtime/journal.py, sender.py); :meth:`end`
+    to the run's journal and a background thread sends it (tasks/tracking/journal.py, sender.py); :meth:`end`
     sends the run's status and waits at most ``flush_timeout_s`` for the rest. Without one, calls go straight to
     the client. ``skip``: {metric key: last step the run holds} of a reopened run: points at those steps or
     before are not logged again (a resumed stage redoes the steps after its checkpoint)."""
@@ -98,8 +98,8 @@ class RunLogger:
         self.flush_timeout_s = flush_timeout_s
         self.journal = self.sender = None
         if client is not None and journal is not None:
-            from grpoflow.tasks.runtime.journal import Journal
-            from grpoflow.tasks.runtime.sender import Sender
+            from grpoflow.tasks.tracking.journal import Journal
+            from grpoflow.tasks.tracking.sender import Sender
 
             self.journal = Journal(journal, run_id, name)
             self.sender = Sender(self.journal, client.tracking_uri, request_timeout_s)
@@ -248,7 +248,7 @@ class RunLogger:
         if self.client is None:
             return
         if self.journal is None:
-            from grpoflow.tasks.runtime.mlflow_entities import log_model_output
+            from grpoflow.tasks.tracking.entities import log_model_output
 
             log_model_output(self.client, self.run_id, name, path, params, step)
             return
@@ -294,7 +294,7 @@ def logger_for(
 ) -> RunLogger:
     """The journaled logger of ``run_id``: journal <workspace>/tracking-journal/<name or run_id>.jsonl (another
     process logging to the same run, rank 0 of a launch, uses its own name), timeouts from tracking.*."""
-    from grpoflow.tasks.runtime.journal import JOURNAL_DIR
+    from grpoflow.tasks.tracking.journal import JOURNAL_DIR
 
     t = cfg.tracking
     folder = (root or workspace_dir(cfg)) / JOURNAL_DIR
@@ -339,7 +339,7 @@ def run_url(client: MlflowClient, run_id: str, base: str | None = None) -> str:
 
 def unsent(root: Path) -> int:
     """Records the journals of the workspace at ``root`` still hold unsent."""
-    from grpoflow.tasks.runtime.journal import JOURNAL_DIR, Journal
+    from grpoflow.tasks.tracking.journal import JOURNAL_DIR, Journal
 
     paths = sorted((root / JOURNAL_DIR).glob("*.jsonl"))
     return sum(Journal(p.parent, Journal.run_of(p), p.stem).pending_count() for p in paths)
@@ -415,7 +415,7 @@ def stage_run(
     if parent_run_id is None:
         yield RunLogger.disabled()
         return
-    from grpoflow.tasks.runtime.preflight import tracking_problem
+    from grpoflow.tasks.tracking.reach import tracking_problem
 
     uri = tracking_uri(cfg)
     if problem := tracking_problem(uri):  # the run must be created or reopened: seconds, not minutes of retries

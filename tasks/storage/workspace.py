@@ -2,14 +2,14 @@
 
     <output_dir>/<run name>/
         config.yaml            the resolved config
-        run.json               the MLflow parent run (tasks/runtime/resume.py)
+        run.json               the MLflow parent run (tasks/pipeline/resume.py)
         base_model/  data/   sft/   grpo/   eval/   export/
             attempt.json       the key of the stage's latest attempt
             manifest.json      written last: a stage is complete iff its manifest exists
 
-The stage shell (tasks/runtime/stage.py) writes the manifest once, atomically (temp file + rename), after
+The stage shell (tasks/pipeline/shell.py) writes the manifest once, atomically (temp file + rename), after
 everything else of the stage (:meth:`Workspace.publish`), so a killed stage leaves no manifest and is recomputed.
-Resuming (tasks/runtime/resume.py): the manifest holds the stage's ``key`` and the ``summary`` it returned, and
+Resuming (tasks/pipeline/resume.py): the manifest holds the stage's ``key`` and the ``summary`` it returned, and
 ``attempt.json``
 (written when a stage starts) the key of its latest attempt, so that files an attempt with another key
 left behind (GRPO checkpoints) are removed rather than resumed. Stages only use the methods below, never
@@ -17,7 +17,7 @@ raw paths outside their own folder.
 
 S3 (``run.output_dir: s3://bucket/prefix``): the workspace is s3://bucket/prefix/<run name>, the source of
 truth, and stages still read and write plain files in its local mirror <storage.cache_dir>/<bucket>/<prefix>/
-<run name> (tasks/runtime/s3.py). Publishing a stage uploads its folder (what differs), then its manifest, so on S3
+<run name> (tasks/storage/s3.py). Publishing a stage uploads its folder (what differs), then its manifest, so on S3
 too a stage is complete or absent. Manifests, attempt records, config.yaml and run.json are read from and
 written to S3; before a stage runs, the complete upstream stages are pulled into the mirror when the local
 copy is not theirs (its manifest differs), and its own folder is pulled (a killed GRPO's checkpoints, which
@@ -38,7 +38,7 @@ from pathlib import Path
 from typing import Any
 
 from grpoflow.tasks.config.storage import StorageConfig
-from grpoflow.tasks.runtime import s3
+from grpoflow.tasks.storage import s3
 
 STAGES = ("data", "sft", "grpo", "eval", "export")
 MANIFEST = "manifest.json"
@@ -120,7 +120,7 @@ class Workspace:
 
     # ------------------------------------------------------------------ publishing a stage
     def publish(self, stage: str, key: str, summary: dict[str, Any]) -> Path:
-        """Publish a finished stage, once (the stage shell, tasks/runtime/stage.py, calls it): on S3 upload its
+        """Publish a finished stage, once (the stage shell, tasks/pipeline/shell.py, calls it): on S3 upload its
         files first (and the base model's, for sft/grpo), then write its manifest (the key and the summary) last,
         atomically."""
         if self.uri is not None:

@@ -10,9 +10,9 @@ import pytest
 
 from grpoflow.tasks.config import ConfigError, StorageConfig, config_from_dict, load_config
 from grpoflow.tasks.dataio.splits import load_split
-from grpoflow.tasks.runtime import s3
-from grpoflow.tasks.runtime.workspace import MANIFEST, Workspace
 from grpoflow.tasks.stages.data import prepare_data
+from grpoflow.tasks.storage import s3
+from grpoflow.tasks.storage.workspace import MANIFEST, Workspace
 from tests.paths import FIXTURES
 from tests.servers import free_port
 

@@ -4,7 +4,7 @@ A TrainJob (apiVersion trainer.kubeflow.org/v1alpha1) names a runtime (``torch-d
 image, command, ``numNodes`` pods with ``numProcPerNode`` processes each, ``resourcesPerNode``. The runtime's torch
 policy sets, in every pod, PET_NNODES, PET_NPROC_PER_NODE, PET_NODE_RANK (the pod's completion index),
 PET_MASTER_ADDR (``<name>-node-0-0.<name>``) and PET_MASTER_PORT (29400), which torchrun reads for every option
-its command line leaves out (tasks/runtime/launch.py ``torchrun_command``). Its controller copies the JobSet's
+its command line leaves out (tasks/launch/torchrun.py ``torchrun_command``). Its controller copies the JobSet's
 terminal condition into ``status.conditions``: type Complete or Failed, status "True", with the JobSet's reason
 and message (FailedJobs: "jobset failed due to one or more job failures", AllJobsCompleted, DeadlineExceeded...).
 

@@ -3,7 +3,7 @@
 ``log_merged_model`` writes the merged folder with ``mlflow.transformers.save_model`` (task text-generation, explicit
 pip requirements, a signature with generation params and an input example, ``return_full_text: False`` so an answer
 holds the completion only), uploads it as the artifacts of a LoggedModel produced by the export run (linked to the
-run as an output), and returns what the registry needs (tasks/runtime/registry.py registers that location under
+run as an output), and returns what the registry needs (tasks/tracking/registry.py registers that location under
 the model's name; the champion alias loads with ``mlflow.pyfunc.load_model("models:/NAME@champion")``). The
 adapter and GGUF files stay plain artifacts of the export run.
 """
