@@ -1,6 +1,7 @@
 """The layout keeps its shape: the import contracts of pyproject.toml ([tool.importlinter]) hold, and the installed
 wheel holds one namespace, grpoflow, with the configs inside it."""
 
+import ast
 import os
 import shutil
 import subprocess
@@ -59,6 +60,19 @@ def test_task_tests_mirror_the_source_tree():
             bad.append(f"tests/tasks/{rel}: tasks/{rel.parent}/ is no package of the source tree")
     assert not bad, bad
     assert sum(len(p.relative_to(tests).parts) > 1 for p in files) > len(files) // 2  # mostly in subfolders
+
+
+def test_stage_functions_read_like_recipes():
+    """No function in tasks/stages is longer than 60 lines: each stage body is a short recipe (setup, train, save)
+    over steps that each do one thing."""
+    long = []
+    for path in sorted((REPO / "tasks" / "stages").glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                lines = node.end_lineno - min([node.lineno] + [d.lineno for d in node.decorator_list]) + 1
+                if lines > 60:
+                    long.append(f"tasks/stages/{path.name}:{node.lineno} {node.name}: {lines} lines")
+    assert not long, long
 
 
 @pytest.fixture(scope="module")

@@ -69,6 +69,7 @@ def _load_eval(src: str, d: DataConfig, storage: StorageConfig) -> tuple[Dataset
 
 
 def _held_out(examples: list[dict[str, Any]], eval_size: float, seed: int) -> tuple[list, list]:
+    """(train, eval): a seeded shuffle's first data.eval_size rows are the eval split, the rest train."""
     order = list(range(len(examples)))
     random.Random(seed).shuffle(order)
     k = resolve_eval_size(eval_size, len(examples))
@@ -76,6 +77,7 @@ def _held_out(examples: list[dict[str, Any]], eval_size: float, seed: int) -> tu
 
 
 def _save(rows: list[dict[str, Any]], path: Path) -> None:
+    """Save ``rows`` as a Dataset of FEATURES at ``path``, replacing what a previous run left there."""
     if path.exists():
         shutil.rmtree(path)
     columns = {name: [r[name] for r in rows] for name in FEATURES}
@@ -84,61 +86,17 @@ def _save(rows: list[dict[str, Any]], path: Path) -> None:
 
 def prepare_data(cfg: PipelineConfig, ws: Workspace) -> dict[str, Any]:
     """Build and save the train/eval datasets of cfg.data; returns a small summary (paths and counts)."""
-    d, seed = cfg.data, cfg.run.seed
-    skipped: dict[str, list[tuple[int, str]]] = {}
-
-    if d.source == BUILTIN_SOURCE:
-        if d.format == "gsm8k":
-            raise ValueError("data.format 'gsm8k' does not apply to the built-in arithmetic source")
-        fmt = "arithmetic" if d.format == "auto" else d.format
-        train_raw, eval_raw = generate_arithmetic(d.arithmetic, seed)
-        train_rows, _ = map_rows([r["question"] for r in train_raw], [r["answer"] for r in train_raw], fmt, d, d.source)
-        eval_rows, _ = map_rows([r["question"] for r in eval_raw], [r["answer"] for r in eval_raw], fmt, d, d.source)
-    else:
-        source_name = d.source if looks_like_file(d.source) else f"{d.source} (split {d.split!r})"
-        questions, answers = columns(
-            load_source(d.source, d.split, d.subset, cfg.storage), d.question_field, d.answer_field, source_name
-        )
-        fmt = d.format if d.format != "auto" else "code" if d.source == HUMANEVAL_SOURCE else detect_format(answers)
-        where = row_locator(d.source, cfg.storage)
-        examples, skipped[source_name] = map_rows(questions, answers, fmt, d, source_name, where)
-        if d.eval_source is None:
-            train_rows, eval_rows = _held_out(examples, d.eval_size, seed)
-        else:
-            train_rows = examples
-    if d.eval_source is not None:
-        eval_ds, eval_name = _load_eval(d.eval_source, d, cfg.storage)
-        eval_q, eval_a = columns(eval_ds, d.question_field, d.answer_field, eval_name)
-        eval_where = row_locator(d.eval_source, cfg.storage)
-        eval_rows, skipped[eval_name] = map_rows(eval_q, eval_a, fmt, d, eval_name, eval_where)
-        if d.source == BUILTIN_SOURCE:  # keep eval questions out of the generated train split
-            held = {r["question"] for r in eval_rows}
-            train_rows = [r for r in train_rows if r["question"] not in held]
-
+    d = cfg.data
+    skipped: dict[str, list[tuple[int, str]]] = {}  # per source name: (row index, why) of each invalid row
+    train_rows, eval_rows, fmt = _split_rows(cfg, skipped)
     train_rows = train_rows[: d.max_train_rows]
     eval_rows = eval_rows[: d.max_eval_rows]
     n_skipped = sum(len(s) for s in skipped.values())
     if not train_rows:
-        first: list[str] = []
-        for name, rows in skipped.items():  # the first three, each named by line as the file shows it
-            if rows and len(first) < 3:
-                where = row_locator(name, cfg.storage)
-                first += [f"{where(i)}: {why}" for i, why in rows[: 3 - len(first)]]
-        raise ValueError(
-            f"data.source {d.source!r}: no usable training rows: {n_skipped} invalid rows skipped"
-            + (f" ({', '.join(first)}{', ...' if n_skipped > len(first) else ''})" if first else "")
-        )
+        raise _no_training_rows(d, skipped, n_skipped, cfg.storage)
     if not eval_rows:
         log.warning("data.source %r: the eval split is empty", d.source)
-
-    out = ws.stage_dir("data")
-    train_path, eval_path, samples_path = out / "train", out / "eval", out / "samples.jsonl"
-    _save(train_rows, train_path)
-    _save(eval_rows, eval_path)
-    with samples_path.open("w") as f:
-        for row in train_rows[:SAMPLE_ROWS]:
-            f.write(json.dumps(row) + "\n")
-
+    train_path, eval_path, samples_path = _write_splits(ws, train_rows, eval_rows)
     return {
         "train_path": str(train_path),
         "eval_path": str(eval_path),
@@ -152,6 +110,78 @@ def prepare_data(cfg: PipelineConfig, ws: Workspace) -> dict[str, Any]:
         "split": d.split,
         "eval_source": d.eval_source,
     }
+
+
+def _split_rows(cfg: PipelineConfig, skipped: dict) -> tuple[list[dict], list[dict], str]:
+    """The train and eval rows of cfg.data (before max_train_rows / max_eval_rows) and their row format; the
+    invalid rows of each source go into ``skipped`` under its name."""
+    d = cfg.data
+    if d.source == BUILTIN_SOURCE:
+        train_rows, eval_rows, fmt = _arithmetic_rows(d, cfg.run.seed)
+    else:
+        train_rows, eval_rows, fmt = _source_rows(cfg, skipped)
+    if d.eval_source is not None:
+        eval_ds, eval_name = _load_eval(d.eval_source, d, cfg.storage)
+        eval_q, eval_a = columns(eval_ds, d.question_field, d.answer_field, eval_name)
+        eval_where = row_locator(d.eval_source, cfg.storage)
+        eval_rows, skipped[eval_name] = map_rows(eval_q, eval_a, fmt, d, eval_name, eval_where)
+        if d.source == BUILTIN_SOURCE:  # keep eval questions out of the generated train split
+            held = {r["question"] for r in eval_rows}
+            train_rows = [r for r in train_rows if r["question"] not in held]
+    return train_rows, eval_rows, fmt
+
+
+def _arithmetic_rows(d: DataConfig, seed: int) -> tuple[list[dict], list[dict], str]:
+    """The built-in arithmetic task's seeded train and eval rows, and their format."""
+    if d.format == "gsm8k":
+        raise ValueError("data.format 'gsm8k' does not apply to the built-in arithmetic source")
+    fmt = "arithmetic" if d.format == "auto" else d.format
+    train_raw, eval_raw = generate_arithmetic(d.arithmetic, seed)
+    train_rows, _ = map_rows([r["question"] for r in train_raw], [r["answer"] for r in train_raw], fmt, d, d.source)
+    eval_rows, _ = map_rows([r["question"] for r in eval_raw], [r["answer"] for r in eval_raw], fmt, d, d.source)
+    return train_rows, eval_rows, fmt
+
+
+def _source_rows(cfg: PipelineConfig, skipped: dict) -> tuple[list[dict], list[dict], str]:
+    """The rows of data.source (a file or HF dataset) and their format (data.format, or detected): the train rows
+    and a seeded held-out eval slice, or all of them and no eval rows when data.eval_source is set."""
+    d = cfg.data
+    source_name = d.source if looks_like_file(d.source) else f"{d.source} (split {d.split!r})"
+    questions, answers = columns(
+        load_source(d.source, d.split, d.subset, cfg.storage), d.question_field, d.answer_field, source_name
+    )
+    fmt = d.format if d.format != "auto" else "code" if d.source == HUMANEVAL_SOURCE else detect_format(answers)
+    where = row_locator(d.source, cfg.storage)
+    examples, skipped[source_name] = map_rows(questions, answers, fmt, d, source_name, where)
+    if d.eval_source is None:
+        train_rows, eval_rows = _held_out(examples, d.eval_size, cfg.run.seed)
+        return train_rows, eval_rows, fmt
+    return examples, [], fmt
+
+
+def _no_training_rows(d: DataConfig, skipped: dict, n_skipped: int, storage: StorageConfig) -> ValueError:
+    """The error of a source without a usable training row, naming the first three invalid rows by line."""
+    first: list[str] = []
+    for name, rows in skipped.items():  # the first three, each named by line as the file shows it
+        if rows and len(first) < 3:
+            where = row_locator(name, storage)
+            first += [f"{where(i)}: {why}" for i, why in rows[: 3 - len(first)]]
+    return ValueError(
+        f"data.source {d.source!r}: no usable training rows: {n_skipped} invalid rows skipped"
+        + (f" ({', '.join(first)}{', ...' if n_skipped > len(first) else ''})" if first else "")
+    )
+
+
+def _write_splits(ws: Workspace, train_rows: list[dict], eval_rows: list[dict]) -> tuple[Path, Path, Path]:
+    """Save data/train, data/eval and data/samples.jsonl (the first train rows, for humans); their paths."""
+    out = ws.stage_dir("data")
+    train_path, eval_path, samples_path = out / "train", out / "eval", out / "samples.jsonl"
+    _save(train_rows, train_path)
+    _save(eval_rows, eval_path)
+    with samples_path.open("w") as f:
+        for row in train_rows[:SAMPLE_ROWS]:
+            f.write(json.dumps(row) + "\n")
+    return train_path, eval_path, samples_path
 
 
 # --------------------------------------------------------------------------------------------

@@ -66,6 +66,7 @@ def pass_at_k(n: int, c: int, k: int) -> float:
 
 
 def _mean(values: list[float]) -> float:
+    """The mean of the real values (NaN: a row a reward skipped); NaN when there is none."""
     real = [v for v in values if v == v]  # a reward may skip a row (None -> NaN)
     return sum(real) / len(real) if real else float("nan")
 
@@ -194,6 +195,7 @@ def evaluate_model(
 
 
 def _cell(v: float) -> str:
+    """A report cell: n/a for NaN, one decimal from 10 up, else three."""
     return "n/a" if v != v else f"{v:.1f}" if abs(v) >= 10 else f"{v:.3f}"
 
 
@@ -216,6 +218,38 @@ def report_markdown(report: dict) -> str:
 def run_eval(
     cfg: PipelineConfig, ws: Workspace, tracker: RunLogger, before_model: str, after_model: str, after_is_adapter: bool
 ) -> dict:
+    """The eval stage: both models on the same held-out rows, then report.json, report.md and the bar chart;
+    returns the summary."""
+    rows, reward_funcs, params = eval_inputs(cfg, ws)
+    n = cfg.eval.samples_per_row
+    tokenizer = load_tokenizer(before_model, cfg.model)
+    t0 = time.perf_counter()
+    report: dict = {
+        "rows": len(rows),
+        "sampling": {
+            "n": n,
+            "pass_k": cfg.eval.pass_k,
+            **{k: v for k, v in dataclasses.asdict(params).items() if k != "greedy"},
+        },
+    }
+    models = eval_models(cfg, before_model, after_model, after_is_adapter)
+    out = ws.stage_dir("eval")
+    for label, load in models.items():
+        report[label] = evaluate_and_log(cfg, tracker, load(), tokenizer, rows, reward_funcs, params, label)
+    report["accuracy_gain"] = report["after"]["accuracy"] - report["before"]["accuracy"]
+    save_report(report, out, tracker)
+    return {
+        "report_path": str(out / "report.json"),
+        "rows": len(rows),
+        "accuracy_before": report["before"]["accuracy"],
+        "accuracy_after": report["after"]["accuracy"],
+        "seconds": time.perf_counter() - t0,
+    }
+
+
+def eval_inputs(cfg: PipelineConfig, ws: Workspace) -> tuple[list[dict], list, SamplingParams]:
+    """The eval rows (at most eval.max_samples; an empty split fails), the run's reward functions and GRPO's
+    sampling settings (eval.max_new_tokens, when set, in place of grpo.max_completion_length)."""
     e = cfg.eval
     rows = list(load_split(ws, "eval"))
     if e.max_samples:
@@ -226,17 +260,12 @@ def run_eval(
     params = SamplingParams.from_grpo(cfg.grpo)
     if e.max_new_tokens:
         params = dataclasses.replace(params, max_new_tokens=e.max_new_tokens)
-    n = e.samples_per_row
-    tokenizer = load_tokenizer(before_model, cfg.model)
-    t0 = time.perf_counter()
-    report: dict = {
-        "rows": len(rows),
-        "sampling": {
-            "n": n,
-            "pass_k": e.pass_k,
-            **{k: v for k, v in dataclasses.asdict(params).items() if k != "greedy"},
-        },
-    }
+    return rows, reward_funcs, params
+
+
+def eval_models(cfg: PipelineConfig, before_model: str, after_model: str, after_is_adapter: bool) -> dict:
+    """{"before": loader, "after": loader}: each model is loaded only when its turn comes (one in memory at a
+    time); "after" is the GRPO adapter on the "before" model, or the fully fine-tuned model."""
     device = select_device(cfg.run.device)
     models: dict[str, Callable] = {
         "before": lambda: load_causal_lm(before_model, cfg.model, device=device).eval(),
@@ -246,40 +275,42 @@ def run_eval(
             else load_causal_lm(after_model, cfg.model, device=device).eval()
         ),
     }
-    out = ws.stage_dir("eval")
-    for label, load in models.items():
-        metrics, table = evaluate_model(
-            load(),
-            tokenizer,
-            rows,
-            reward_funcs,
-            params,
-            e.pass_k,
-            n,
-            e.batch_size,
-            label,
-            cfg.grpo.max_prompt_length,
-            threads=cfg.generation.torch_threads,
-            seed=cfg.run.seed,
-        )
-        report[label] = metrics
-        tracker.log_metrics({f"{label}/{k}": v for k, v in metrics.items()})
-        tracker.log_table(table, f"eval/completions_{label}.json")
-    report["accuracy_gain"] = report["after"]["accuracy"] - report["before"]["accuracy"]
+    return models
+
+
+def evaluate_and_log(
+    cfg: PipelineConfig, tracker: RunLogger, model, tokenizer, rows, reward_funcs, params, label: str
+) -> dict:
+    """:func:`evaluate_model` with the run's eval settings; logs the metrics under ``<label>/`` and the table of
+    greedy completions as eval/completions_<label>.json. Returns the metrics."""
+    e = cfg.eval
+    metrics, table = evaluate_model(
+        model,
+        tokenizer,
+        rows,
+        reward_funcs,
+        params,
+        e.pass_k,
+        e.samples_per_row,
+        e.batch_size,
+        label,
+        cfg.grpo.max_prompt_length,
+        threads=cfg.generation.torch_threads,
+        seed=cfg.run.seed,
+    )
+    tracker.log_metrics({f"{label}/{k}": v for k, v in metrics.items()})
+    tracker.log_table(table, f"eval/completions_{label}.json")
+    return metrics
+
+
+def save_report(report: dict, out, tracker: RunLogger) -> None:
+    """Write report.json and report.md into ``out``; log both, the accuracy chart, and the Markdown table."""
     (out / "report.json").write_text(json.dumps(report, indent=2))
     (out / "report.md").write_text(report_markdown(report))
     tracker.log_artifact(out / "report.json")
     tracker.log_artifact(out / "report.md")
     tracker.log_artifact(plot_eval_report(report, out / "accuracy.png"))
     log.info("evaluation:\n%s", report_markdown(report))
-    summary = {
-        "report_path": str(out / "report.json"),
-        "rows": len(rows),
-        "accuracy_before": report["before"]["accuracy"],
-        "accuracy_after": report["after"]["accuracy"],
-        "seconds": time.perf_counter() - t0,
-    }
-    return summary
 
 
 @task(name="evaluate")

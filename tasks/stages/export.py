@@ -52,6 +52,7 @@ log = logging.getLogger(__name__)
 
 
 def greedy_tokens(model, tokenizer, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
+    """The greedy completion ids of each prompt, in one batch."""
     gen = TransformersGenerator(model, tokenizer, batch_size=len(prompts) or 1)
     return gen.generate(prompts, 1, SamplingParams(max_new_tokens=max_new_tokens, greedy=True)).completion_ids
 
@@ -115,26 +116,16 @@ def verify_merged(trained_logprobs, prompts, completions, merged_dir: Path, merg
 def run_export(
     cfg: PipelineConfig, ws: Workspace, tracker: RunLogger, base_model: str, trained_model: str, is_adapter: bool
 ) -> dict:
+    """The export stage: the trained model and its verify batch, then the adapter, the merged folder (verified)
+    and the GGUF files as export asks; returns the summary."""
     x = cfg.export
     t0 = time.perf_counter()
     out = ws.stage_dir("export")
     tokenizer = load_tokenizer(trained_model, cfg.model)
-    if is_adapter:
-        # QLoRA too merges into the 16-bit base (base + B @ A), never into a 4-bit copy
-        require_unquantized(base_model, cfg.model, "export merges the adapter into its base model")
-        trained = load_with_adapter(base_model, trained_model, cfg.model, quantize=False)
-    else:
-        require_unquantized(trained_model, cfg.model, "export saves the trained model")
-        trained = load_causal_lm(trained_model, cfg.model).eval()
+    trained = load_trained(cfg, base_model, trained_model, is_adapter)
     trained_dtype = str(next(trained.parameters()).dtype).removeprefix("torch.")
-    rows = list(load_split(ws, "eval"))[: x.verify_prompts]
-    prompts = [prompt_ids(tokenizer, r["prompt"], cfg.grpo.max_prompt_length) for r in rows]
-    max_new = cfg.eval.max_new_tokens or cfg.grpo.max_completion_length
-    completions = greedy_tokens(trained, tokenizer, prompts, max_new) if prompts else []
-    # before the merge below folds the adapter into ``trained`` in place
-    trained_logprobs = [teacher_forced(trained, p, c)[0] for p, c in zip(prompts, completions)]
+    prompts, completions, trained_logprobs = verify_batch(cfg, ws, trained, tokenizer)
     summary: dict = {"seconds": 0.0}
-
     if x.adapter and is_adapter:
         adapter_dir = out / "adapter"
         shutil.rmtree(adapter_dir, ignore_errors=True)
@@ -142,7 +133,6 @@ def run_export(
         tokenizer.save_pretrained(adapter_dir)
         summary["adapter_path"] = str(adapter_dir)
         tracker.log_artifact(adapter_dir, "adapter")
-
     if x.merged:
         merged_dir = out / "merged"
         save_merged(trained, tokenizer, merged_dir, x.merged_dtype, is_adapter)
@@ -157,6 +147,27 @@ def run_export(
                 summary["gguf_skipped"] = skipped
     summary["seconds"] = time.perf_counter() - t0
     return summary
+
+
+def load_trained(cfg: PipelineConfig, base_model: str, trained_model: str, is_adapter: bool):
+    """The trained model in ``model.dtype``: the adapter on its 16-bit base (QLoRA too: the merge folds it into
+    the 16-bit weights, never a 4-bit copy), or the fully fine-tuned model. A quantized base is refused."""
+    if is_adapter:
+        require_unquantized(base_model, cfg.model, "export merges the adapter into its base model")
+        return load_with_adapter(base_model, trained_model, cfg.model, quantize=False)
+    require_unquantized(trained_model, cfg.model, "export saves the trained model")
+    return load_causal_lm(trained_model, cfg.model).eval()
+
+
+def verify_batch(cfg: PipelineConfig, ws: Workspace, trained, tokenizer) -> tuple[list, list, list]:
+    """The first export.verify_prompts eval prompts, the trained model's greedy completions of them and their
+    teacher-forced log-probs; taken before the merge folds the adapter into ``trained`` in place."""
+    rows = list(load_split(ws, "eval"))[: cfg.export.verify_prompts]
+    prompts = [prompt_ids(tokenizer, r["prompt"], cfg.grpo.max_prompt_length) for r in rows]
+    max_new = cfg.eval.max_new_tokens or cfg.grpo.max_completion_length
+    completions = greedy_tokens(trained, tokenizer, prompts, max_new) if prompts else []
+    trained_logprobs = [teacher_forced(trained, p, c)[0] for p, c in zip(prompts, completions)]
+    return prompts, completions, trained_logprobs
 
 
 @task(name="export")

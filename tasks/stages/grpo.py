@@ -11,11 +11,14 @@ this stage's MLflow run and writes the summary this process reads back and publi
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 import logging
 import shutil
 import time
+from pathlib import Path
+from typing import Any
 
 import torch
 from prefect import task
@@ -75,6 +78,26 @@ def launch_grpo(cfg: PipelineConfig, ws: Workspace, tracker: RunLogger, init_mod
     return json.loads((folder / "summary.json").read_text())
 
 
+@dataclasses.dataclass(frozen=True)
+class GRPOSetup:
+    """What :func:`setup_grpo` builds for one process's GRPO run: the policy and its wrapped root (what DDP/FSDP2
+    own), the frozen reference (full fine-tuning with beta > 0, else None), the prompts and the generator."""
+
+    start: str  # the starting model: the SFT checkpoint, the init model, or the base model
+    use_lora: bool
+    tokenizer: Any
+    model: Any
+    ref_model: Any
+    root: Any
+    autocast_dtype: torch.dtype | None  # the training passes' precision (LoRA's over a bf16 base too)
+    reward_funcs: list
+    rows: list[dict]
+    prompts: list[list[int]]
+    cut: dict  # tokenize_prompts' counts of prompts cut to grpo.max_prompt_length
+    generator: Any
+    out_dir: Path
+
+
 def train_grpo(
     cfg: PipelineConfig,
     ws: Workspace,
@@ -87,6 +110,17 @@ def train_grpo(
     Only rank 0 writes files and logs (the other ranks get a disabled ``tracker``). With ``node_mirrors`` each node
     has its own mirror of the S3 workspace (a TrainJob's): each node uploads its own checkpoint shards."""
     comm = comm or Comm()
+    setup = setup_grpo(cfg, ws, tracker, init_model, comm)
+    trainer, uploads = build_trainer(cfg, ws, tracker, setup, comm, node_mirrors)
+    t0 = time.perf_counter()
+    timeline.mark("grpo/loop_start")
+    result = train(trainer, setup.generator, comm)
+    return save_grpo(setup, trainer, result, tracker, comm, uploads, t0)
+
+
+def setup_grpo(cfg: PipelineConfig, ws: Workspace, tracker: RunLogger, init_model: str | None, comm: Comm) -> GRPOSetup:
+    """Seed, then load the policy (and reference), the prompts and the generator, and wrap the policy for
+    DDP/FSDP2. Seeding comes before any loading (LoRA's and the tiny model's initial weights draw from it)."""
     g = cfg.grpo
     torch.manual_seed(cfg.run.seed)
     # fail on a bad import path (or a code_tests sandbox that cannot isolate) before loading anything
@@ -94,23 +128,56 @@ def train_grpo(
     start = init_model or base_model_path(cfg, ws)
     tokenizer = load_tokenizer(start, cfg.model)
     use_lora = cfg.model.lora.enabled
-    model_cfg = cfg.model
-    if g.gradient_checkpointing is not None:
-        model_cfg = model_cfg.model_copy(update={"gradient_checkpointing": g.gradient_checkpointing})
     device = select_device(cfg.run.device, local_rank=comm.local_rank if comm.world > 1 else None)
+    model, ref_model, wrap_dtype = load_policy(cfg, start, device)
+    counts = count_parameters(model)
+    rows, prompts, cut = load_prompts(cfg, ws, tracker, tokenizer, model, start)
+    generator = start_generator(cfg, model, tokenizer, start, prompts)
+    log_setup_params(cfg, tracker, counts, generator, ref_model, comm)
+    share = g.share_prompt_forward and not (cfg.distributed.strategy == "fsdp2" and comm.world > 1)
+    policy = PolicyLogProbs(model, share_prompts=share)
+    root = wrap_root(policy, comm, cfg.distributed.strategy, wrap_dtype)  # what DDP/FSDP2 own
+    autocast_dtype = compute_dtype(cfg.model, use_lora)  # and LoRA's over a bf16 base: the passes' precision
+    log_plan(cfg, device, model, autocast_dtype, len(rows), comm)
+    return GRPOSetup(
+        start, use_lora, tokenizer, model, ref_model, root, autocast_dtype, reward_funcs, rows, prompts, cut,
+        generator, ws.stage_dir("grpo"),
+    )  # fmt: skip
+
+
+def load_policy(cfg: PipelineConfig, start: str, device: torch.device) -> tuple[Any, Any, torch.dtype | None]:
+    """The trainable policy on ``device``, the frozen reference (full fine-tuning with beta > 0: in
+    :func:`reference_dtype`; LoRA disables its adapters instead, so None) and full fine-tuning's autocast dtype
+    (FSDP2's mixed-precision policy)."""
+    use_lora = cfg.model.lora.enabled
+    model_cfg = cfg.model
+    if cfg.grpo.gradient_checkpointing is not None:
+        model_cfg = model_cfg.model_copy(update={"gradient_checkpointing": cfg.grpo.gradient_checkpointing})
     model = load_trainable(start, model_cfg, use_lora, device)
     weights_dtype, autocast_dtype = train_dtypes(cfg.model, use_lora)  # full fine-tuning's (FSDP2's policy)
     ref_model = None
-    if g.beta > 0 and not use_lora:
+    if cfg.grpo.beta > 0 and not use_lora:
         ref_dtype = reference_dtype(cfg)
         ref_model = load_causal_lm(start, cfg.model, device=device, dtype=ref_dtype).eval().requires_grad_(False)
-    trainable, total = count_parameters(model)
+    return model, ref_model, autocast_dtype
+
+
+def load_prompts(
+    cfg: PipelineConfig, ws: Workspace, tracker: RunLogger, tokenizer, model, start: str
+) -> tuple[list[dict], list[list[int]], dict]:
+    """The train rows, their prompt ids (cut to grpo.max_prompt_length, the counts logged) and the counts; fails
+    when the model's context cannot hold the longest prompt plus a completion."""
     rows = list(load_split(ws, "train"))
-    prompts, cut = tokenize_prompts(tokenizer, rows, g.max_prompt_length)  # warns once when prompts are cut
+    prompts, cut = tokenize_prompts(tokenizer, rows, cfg.grpo.max_prompt_length)  # warns once when prompts are cut
     tracker.log_metrics({f"prompts/{k}": v for k, v in cut.items()})
     fed = max(map(len, prompts), default=0)  # the context of a model downloaded or converted in this stage:
     if problem := context_problem(cfg, config_context(model.config), start, sft=False, prompt_tokens=fed):
         raise ValueError(problem)
+    return rows, prompts, cut
+
+
+def start_generator(cfg: PipelineConfig, model, tokenizer, start: str, prompts: list[list[int]]):
+    """The generation backend of generation.backend, sized for the longest prompt plus a completion."""
     timeline.mark("grpo/generator_start")
     generator = make_generator(  # on several processes: one engine per rank (vLLM's starts are collective)
         cfg.generation,
@@ -119,29 +186,35 @@ def train_grpo(
         model_path=start,
         dtype=cfg.model.dtype,
         load_in_4bit=cfg.model.load_in_4bit,
-        max_model_len=max(len(p) for p in prompts) + g.max_completion_length,
+        max_model_len=max(len(p) for p in prompts) + cfg.grpo.max_completion_length,
         seed=cfg.run.seed,
     )
     timeline.mark("grpo/generator_up")
-    b = g.batching(comm.world)
+    return generator
+
+
+def log_setup_params(cfg: PipelineConfig, tracker: RunLogger, counts: tuple[int, int], generator, ref_model, comm):
+    """Log the run's parameters: parameter counts, the generation backend, the reference dtype, the batching."""
+    trainable, total = counts
     tracker.log_params(
         {
             "trainable_params": trainable,
             "total_params": total,
             "generation_backend": generator.name,
             "reference_dtype": dtype_name(ref_model),
-            **b.model_dump(),
+            **cfg.grpo.batching(comm.world).model_dump(),
         }
     )
-    share = g.share_prompt_forward and not (cfg.distributed.strategy == "fsdp2" and comm.world > 1)
-    policy = PolicyLogProbs(model, share_prompts=share)
-    root = wrap_root(policy, comm, cfg.distributed.strategy, autocast_dtype)  # what DDP/FSDP2 own
-    autocast_dtype = compute_dtype(cfg.model, use_lora)  # and LoRA's over a bf16 base: the passes' precision
+
+
+def log_plan(cfg: PipelineConfig, device, model, autocast_dtype, n_rows: int, comm: Comm) -> None:
+    """Say where and in what precision the run trains, and how its rounds divide into micro-batches."""
+    g, b = cfg.grpo, cfg.grpo.batching(comm.world)
     log.info("GRPO on %s: weights %s, autocast %s", device, model.dtype, autocast_dtype or "off")
     log.info(
         "GRPO: %d prompts, %d per round x %d generations, %d micro-batches of %d per round and process, "
         "%d process(es), %d optimizer steps",
-        len(rows),
+        n_rows,
         b.unique_prompts,
         g.num_generations,
         b.steps_per_generation,
@@ -149,7 +222,14 @@ def train_grpo(
         comm.world,
         g.max_steps,
     )
-    out_dir = ws.stage_dir("grpo")
+
+
+def build_trainer(
+    cfg: PipelineConfig, ws: Workspace, tracker: RunLogger, s: GRPOSetup, comm: Comm, node_mirrors: bool
+) -> tuple[GRPOTrainer, UploadQueue | None]:
+    """The trainer over ``s`` with its checkpoint hooks (on S3: uploaded in the background, the queue returned),
+    resumed from the newest checkpoint in grpo/checkpoints when grpo.resume is auto."""
+    g, out_dir = cfg.grpo, s.out_dir
     uploads = checkpoint_uploads(ws, out_dir / "checkpoints") if comm.is_main else None  # S3: in the background
 
     def on_checkpoint(final):  # S3: a killed stage resumes from there (a TrainJob's node 0 keeps others' shards)
@@ -163,46 +243,56 @@ def train_grpo(
         pinned=uploads.pending if uploads is not None else None,  # never pruned before they are on S3
     )
     runtime = TrainerRuntime(
-        model, tokenizer, rows, prompts, reward_funcs, generator, tracker, out_dir / "checkpoints",
-        ref_model=ref_model, autocast_dtype=autocast_dtype, comm=comm, root=root, hooks=hooks,
+        s.model, s.tokenizer, s.rows, s.prompts, s.reward_funcs, s.generator, tracker, out_dir / "checkpoints",
+        ref_model=s.ref_model, autocast_dtype=s.autocast_dtype, comm=comm, root=s.root, hooks=hooks,
     )  # fmt: skip
     trainer = GRPOTrainer(g, runtime, seed=cfg.run.seed, row_seeded=cfg.distributed.row_seeded)
     checkpoints = list_checkpoints(trainer.checkpoint_dir)
     if g.resume == "auto" and checkpoints:
         trainer.load_checkpoint(checkpoints[-1])
-    t0 = time.perf_counter()
-    timeline.mark("grpo/loop_start")
+    return trainer, uploads
+
+
+def train(trainer: GRPOTrainer, generator, comm: Comm) -> dict:
+    """Run the loop; on one process the generator closes right after it, even when it fails (frees the engine
+    before eval and export). On several, :func:`save_grpo` closes it after the last collective."""
     try:
-        result = trainer.train()  # a vLLM generator syncs the trained weights before each generation round
+        return trainer.train()  # a vLLM generator syncs the trained weights before each generation round
     finally:
         if comm.world == 1 and hasattr(generator, "close"):
             generator.close()  # free the engine before eval and export
-    final_dir = out_dir / "final"
-    gathered = full_state_dict(root, comm)  # FSDP2: the shards gathered on rank 0 (every rank takes part)
-    if comm.world > 1 and hasattr(generator, "close"):  # after the last collective: vLLM's shutdown destroys
-        generator.close()  # the default process group (a rank that failed leaves its engine to the process's end)
+
+
+def save_grpo(
+    s: GRPOSetup, trainer: GRPOTrainer, result: dict, tracker: RunLogger, comm: Comm, uploads, t0: float
+) -> dict:
+    """Write grpo/final (the adapter, or the whole model gathered from FSDP2's shards), history.jsonl and the
+    learning curves (rank 0), wait for the checkpoint uploads; return the summary (``t0``: the loop's start)."""
+    final_dir = s.out_dir / "final"
+    gathered = full_state_dict(s.root, comm)  # FSDP2: the shards gathered on rank 0 (every rank takes part)
+    if comm.world > 1 and hasattr(s.generator, "close"):  # after the last collective: vLLM's shutdown destroys
+        s.generator.close()  # the default process group (a rank that failed leaves its engine to the process's end)
     if comm.is_main:  # DDP: every rank holds the same weights; rank 0 writes them
-        model.save_pretrained(final_dir, **({} if gathered is None else {"state_dict": gathered}))
-        tokenizer.save_pretrained(final_dir)
-        history_path = out_dir / "history.jsonl"
+        s.model.save_pretrained(final_dir, **({} if gathered is None else {"state_dict": gathered}))
+        s.tokenizer.save_pretrained(final_dir)
+        history_path = s.out_dir / "history.jsonl"
         history_path.write_text("".join(json.dumps(h) + "\n" for h in trainer.history))
         tracker.log_artifact(history_path)
         if trainer.history:
-            tracker.log_artifact(plot_learning_curves(trainer.history, out_dir / "learning_curves.png"))
+            tracker.log_artifact(plot_learning_curves(trainer.history, s.out_dir / "learning_curves.png"))
     if uploads is not None:
         finish_uploads(uploads, trainer.checkpoint_dir)
-    final = result["final"]
     summary = {
         "model_path": str(final_dir),
-        "base_model": start,
-        "adapter": use_lora,
+        "base_model": s.start,
+        "adapter": s.use_lora,
         "steps": result["steps"],
-        "final_reward": final.get("reward"),
+        "final_reward": result["final"].get("reward"),
         "first_reward": trainer.history[0].get("reward") if trainer.history else None,
         "seconds": time.perf_counter() - t0,
-        "generation_backend": generator.name,
-        "reference_dtype": dtype_name(ref_model),  # full fine-tuning with beta > 0: the frozen copy's dtype
-        **cut,
+        "generation_backend": s.generator.name,
+        "reference_dtype": dtype_name(s.ref_model),  # full fine-tuning with beta > 0: the frozen copy's dtype
+        **s.cut,
     }
     if comm.world > 1:
         summary["world_size"] = comm.world
@@ -241,6 +331,7 @@ def reference_dtype(cfg: PipelineConfig) -> torch.dtype | None:
 
 
 def dtype_name(model) -> str | None:
+    """A model's dtype as the params and summary name it ("bfloat16"); None for no model."""
     return None if model is None else str(model.dtype).removeprefix("torch.")
 
 

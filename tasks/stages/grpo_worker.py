@@ -55,10 +55,27 @@ def report(where: str, folder: Path, rank: int, exc: BaseException) -> None:
 
 
 def main(argv: list[str]) -> int:
+    """Run this rank of the launch whose spec is ``argv[0]``; 0 on success, 1 on a user error (recorded beside
+    the spec); a bug of ours is recorded and raised."""
     where = argv[0]
     remote = s3.is_s3_uri(where)
     folder = Path(tempfile.mkdtemp(prefix="grpo-launch-")) if remote else Path(where).parent
     rank = int(os.environ.get("RANK", "0"))
+    configure_logging(rank)
+    try:
+        run_rank(where, remote)
+    except USER_ERRORS as e:  # the user's input: one line (its traceback is in the error record), as on one process
+        report(where, folder, rank, e)
+        logging.getLogger(__name__).error("rank %d failed: %s", rank, e)
+        return 1
+    except BaseException as e:  # a bug of ours: the traceback too
+        report(where, folder, rank, e)
+        raise
+    return 0
+
+
+def configure_logging(rank: int) -> None:
+    """Rank 0 reports (INFO); the others log only their problems, with no progress bars; lines name the rank."""
     logging.basicConfig(
         level=logging.INFO if rank == 0 else logging.WARNING,  # rank 0 reports; the others only their problems
         format=f"[rank{rank}] %(levelname)s %(name)s: %(message)s",
@@ -68,53 +85,68 @@ def main(argv: list[str]) -> int:
     if rank != 0:
         os.environ["GRPOFLOW_PROGRESS"] = "0"
         os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")  # its engine's start-up chatter is rank 0's to log
-    try:
-        spec = read_spec(where)
-        cfg = config_from_json(spec["config"])  # the process boundary (grpo_launch.py wrote it)
-        if launched_world_size() != cfg.distributed.world_size:
-            raise ValueError(
-                f"distributed: torchrun started {launched_world_size()} processes, the config asks for "
-                f"{cfg.distributed.world_size} (nproc_per_node * nnodes)"
-            )
-        if cfg.run.torch_threads:
-            torch.set_num_threads(cfg.run.torch_threads)
-        d = cfg.distributed
-        with process_group(d.backend, d.timeout_s, resolve_device(cfg.run.device).type) as comm:
-            ws = Workspace(spec["workspace"], cfg.storage)
-            if remote:  # a node of a TrainJob: its own mirror of the workspace
-                if comm.local_rank == 0:
-                    ws.fetch(("data", "sft", "base_model"))
-                    ws.pull("grpo")
-                comm.barrier()
-                launcher_root = spec["root"]
-                spec = reroot(spec, launcher_root, str(ws.root))
-            tracker = RunLogger.disabled()
-            if comm.is_main and spec["run_id"]:
-                from mlflow.tracking import MlflowClient
 
-                client = MlflowClient(spec["tracking_uri"])
-                tracker = logger_for(cfg, client, spec["run_id"], ws.root, f"{spec['run_id']}.rank0")
-            try:
-                summary = train_grpo(cfg, ws, tracker, spec["init_model"], comm, node_mirrors=remote)
-            finally:
-                tracker.close()  # within tracking.flush_timeout_s; the rest stays in its journal
-            if comm.is_main:
-                out = Path(spec["summary"])
-                out.parent.mkdir(parents=True, exist_ok=True)
-                if remote:  # the launcher reads it under its own mirror
-                    summary = reroot(summary, str(ws.root), launcher_root)
-                out.with_suffix(".tmp").write_text(json.dumps(summary))
-                os.replace(out.with_suffix(".tmp"), out)
-                if remote:
-                    ws.push_merged("grpo")  # the final model, history, summary (the other nodes' shards kept)
-    except USER_ERRORS as e:  # the user's input: one line (its traceback is in the error record), as on one process
-        report(where, folder, rank, e)
-        logging.getLogger(__name__).error("rank %d failed: %s", rank, e)
-        return 1
-    except BaseException as e:  # a bug of ours: the traceback too
-        report(where, folder, rank, e)
-        raise
-    return 0
+
+def run_rank(where: str, remote: bool) -> None:
+    """Join the process group, run :func:`train_grpo` and (rank 0) write the summary; on a TrainJob's node
+    (``remote``) first mirror the workspace, and push the GRPO folder at the end."""
+    spec = read_spec(where)
+    cfg = spec_config(spec)
+    d = cfg.distributed
+    with process_group(d.backend, d.timeout_s, resolve_device(cfg.run.device).type) as comm:
+        ws = Workspace(spec["workspace"], cfg.storage)
+        launcher_root = None  # a TrainJob node's: the launcher's mirror, which spec paths and the summary name
+        if remote:  # a node of a TrainJob: its own mirror of the workspace
+            if comm.local_rank == 0:
+                ws.fetch(("data", "sft", "base_model"))
+                ws.pull("grpo")
+            comm.barrier()
+            launcher_root = spec["root"]
+            spec = reroot(spec, launcher_root, str(ws.root))
+        tracker = rank_tracker(cfg, spec, comm, ws)
+        try:
+            summary = train_grpo(cfg, ws, tracker, spec["init_model"], comm, node_mirrors=remote)
+        finally:
+            tracker.close()  # within tracking.flush_timeout_s; the rest stays in its journal
+        if comm.is_main:
+            write_summary(spec, summary, ws, launcher_root)
+
+
+def spec_config(spec: dict):
+    """The run config of the spec; fails when torchrun started another number of processes than it asks for.
+    Sets run.torch_threads."""
+    cfg = config_from_json(spec["config"])  # the process boundary (grpo_launch.py wrote it)
+    if launched_world_size() != cfg.distributed.world_size:
+        raise ValueError(
+            f"distributed: torchrun started {launched_world_size()} processes, the config asks for "
+            f"{cfg.distributed.world_size} (nproc_per_node * nnodes)"
+        )
+    if cfg.run.torch_threads:
+        torch.set_num_threads(cfg.run.torch_threads)
+    return cfg
+
+
+def rank_tracker(cfg, spec: dict, comm, ws: Workspace) -> RunLogger:
+    """Rank 0 logs into the stage's MLflow run (journaled under its own name); the other ranks log nothing."""
+    if comm.is_main and spec["run_id"]:
+        from mlflow.tracking import MlflowClient
+
+        client = MlflowClient(spec["tracking_uri"])
+        return logger_for(cfg, client, spec["run_id"], ws.root, f"{spec['run_id']}.rank0")
+    return RunLogger.disabled()
+
+
+def write_summary(spec: dict, summary: dict, ws: Workspace, launcher_root: str | None) -> None:
+    """Write the summary where the spec says (atomically: the launcher reads it). On a TrainJob's node
+    (``launcher_root`` set) its paths are re-rooted to the launcher's mirror and the GRPO folder is pushed."""
+    out = Path(spec["summary"])
+    out.parent.mkdir(parents=True, exist_ok=True)
+    if launcher_root is not None:  # the launcher reads it under its own mirror
+        summary = reroot(summary, str(ws.root), launcher_root)
+    out.with_suffix(".tmp").write_text(json.dumps(summary))
+    os.replace(out.with_suffix(".tmp"), out)
+    if launcher_root is not None:
+        ws.push_merged("grpo")  # the final model, history, summary (the other nodes' shards kept)
 
 
 if __name__ == "__main__":

@@ -11,11 +11,13 @@ quantization_config, and GRPO quantizes it itself when ``model.load_in_4bit`` as
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 import random
 import tempfile
 import time
+from typing import Any
 
 import torch
 from prefect import task
@@ -46,6 +48,8 @@ log = logging.getLogger(__name__)
 
 
 def tokenize_sft(rows, tokenizer, max_length: int, completion_only: bool) -> list[tuple[list[int], list[int]]]:
+    """(ids, labels) of each row: chat-templated prompt + reference + EOS, cut to ``max_length``; with
+    ``completion_only`` the prompt's labels are -100."""
     examples = []
     for row in rows:
         p = prompt_ids(tokenizer, row["prompt"])
@@ -57,6 +61,7 @@ def tokenize_sft(rows, tokenizer, max_length: int, completion_only: bool) -> lis
 
 
 def collate(batch: list[tuple[list[int], list[int]]], pad_id: int):
+    """Right-padded ids (``pad_id``), labels (-100) and attention mask of a batch of (ids, labels)."""
     width = max(len(ids) for ids, _ in batch)
     ids = torch.full((len(batch), width), pad_id, dtype=torch.long)
     labels = torch.full((len(batch), width), -100, dtype=torch.long)
@@ -82,7 +87,39 @@ def labelled_token_loss(model, ids: torch.Tensor, labels: torch.Tensor, mask: to
     return torch.nn.functional.cross_entropy(logits, targets[keep], reduction="sum")
 
 
+@dataclasses.dataclass(frozen=True)
+class SFTSetup:
+    """What :func:`setup_sft` prepares besides the model (which :func:`run_sft` alone holds, so that a QLoRA run can
+    drop its 4-bit copy before the 16-bit merge loads): the tokenized examples and the step plan."""
+
+    base: str  # the model SFT starts from (and, with LoRA, merges into)
+    tokenizer: Any
+    device: torch.device
+    autocast_dtype: torch.dtype | None
+    use_lora: bool
+    qlora: bool  # LoRA over a 4-bit base: merged into the base reloaded in 16 bits
+    examples: list[tuple[list[int], list[int]]]
+    per_step: int  # examples per optimizer step (batch size x gradient accumulation)
+    total_steps: int
+
+
 def run_sft(cfg: PipelineConfig, ws: Workspace, tracker: RunLogger) -> dict:
+    """The SFT stage: setup (seed, load, tokenize), train, merge a LoRA adapter, save; returns the summary."""
+    s, model = setup_sft(cfg, ws, tracker)
+    loss_val, t0 = train_sft(cfg, s, model, tracker)
+    if s.qlora:
+        with tempfile.TemporaryDirectory() as adapter_dir:
+            model.save_pretrained(adapter_dir)
+            del model  # the 4-bit training copy goes before the 16-bit one loads (its optimizer went with train_sft)
+            model = merge_into_16bit_base(s.base, adapter_dir, cfg.model, "sft")
+    elif s.use_lora:
+        model = model.merge_and_unload()  # a 16-bit base in model.dtype: the merge is exact up to its rounding
+    return save_sft(ws, s, model, loss_val, t0)
+
+
+def setup_sft(cfg: PipelineConfig, ws: Workspace, tracker: RunLogger) -> tuple[SFTSetup, Any]:
+    """Seed, then load the tokenizer and the trainable model and tokenize the train split; logs the parameter
+    counts and the step count. A QLoRA run fails here, before training, when its base is not 16-bit."""
     s = cfg.sft
     torch.manual_seed(cfg.run.seed)
     base = base_model_path(cfg, ws)
@@ -101,34 +138,28 @@ def run_sft(cfg: PipelineConfig, ws: Workspace, tracker: RunLogger) -> dict:
     total_steps = s.max_steps or max(1, math.ceil(s.num_train_epochs * steps_per_epoch))
     tracker.log_params({"trainable_params": trainable, "total_params": total, "total_steps": total_steps})
     log.info("SFT: %d examples, %d steps, %d/%d trainable parameters", len(examples), total_steps, trainable, total)
+    setup = SFTSetup(base, tokenizer, device, autocast_dtype, use_lora, qlora, examples, per_step, total_steps)
+    return setup, model
 
-    optimizer = build_optimizer(model.parameters(), s)
-    scheduler = build_scheduler(optimizer, s, total_steps)
+
+def train_sft(cfg: PipelineConfig, s: SFTSetup, model, tracker: RunLogger) -> tuple[float, float]:
+    """The training loop: sft.total steps over seeded shuffled epochs of the examples; logs loss, grad norm,
+    learning rate, throughput and epoch every sft.logging_steps. Returns the last step's loss and the loop's start
+    (perf_counter)."""
+    c = cfg.sft
+    optimizer = build_optimizer(model.parameters(), c)
+    scheduler = build_scheduler(optimizer, c, s.total_steps)
     rng = random.Random(cfg.run.seed)
     order: list[int] = []
     loss_val, t0, tokens = float("nan"), time.perf_counter(), 0
     timeline.mark("sft/loop_start")
-    with progress_bar("sft", total_steps) as advance:
-        for step in range(1, total_steps + 1):
-            micro = []
-            for _ in range(per_step):
-                if not order:
-                    order = list(range(len(examples)))
-                    rng.shuffle(order)
-                micro.append(examples[order.pop()])
-            n_label = sum(sum(1 for t in y[1:] if t != -100) for _, y in micro)
-            step_loss = 0.0
-            for k in range(0, per_step, s.per_device_train_batch_size):
-                batch = collate(micro[k : k + s.per_device_train_batch_size], tokenizer.pad_token_id)
-                ids, labels, mask = (t.to(device) for t in batch)
-                with train_precision(model, device.type, autocast_dtype):
-                    loss = labelled_token_loss(model, ids, labels, mask) / max(1, n_label)
-                loss.backward()
-                step_loss += loss.item()
-                tokens += int(mask.sum())
-            grad_norm = clip_and_step(model, optimizer, scheduler, s.max_grad_norm)
-            loss_val = step_loss
-            if step % s.logging_steps == 0 or step == total_steps:
+    with progress_bar("sft", s.total_steps) as advance:
+        for step in range(1, s.total_steps + 1):
+            micro = draw_examples(s.examples, order, rng, s.per_step)
+            loss_val, step_tokens = accumulate_gradients(s, model, micro, c.per_device_train_batch_size)
+            tokens += step_tokens
+            grad_norm = clip_and_step(model, optimizer, scheduler, c.max_grad_norm)
+            if step % c.logging_steps == 0 or step == s.total_steps:
                 elapsed = time.perf_counter() - t0
                 tracker.log_metrics(
                     {
@@ -136,31 +167,56 @@ def run_sft(cfg: PipelineConfig, ws: Workspace, tracker: RunLogger) -> dict:
                         "grad_norm": grad_norm,
                         "learning_rate": scheduler.get_last_lr()[0],
                         "tokens_per_second": tokens / max(elapsed, 1e-9),
-                        "epoch": step * per_step / len(examples),
+                        "epoch": step * s.per_step / len(s.examples),
                     },
                     step=step,
                 )
             advance(loss=loss_val)
+    return loss_val, t0
 
+
+def draw_examples(examples: list, order: list[int], rng: random.Random, n: int) -> list:
+    """The next ``n`` examples of the epoch ``order`` (a shuffled permutation consumed from its end), starting a
+    new seeded shuffle whenever it runs out; ``order`` is updated in place."""
+    micro = []
+    for _ in range(n):
+        if not order:
+            order.extend(range(len(examples)))
+            rng.shuffle(order)
+        micro.append(examples[order.pop()])
+    return micro
+
+
+def accumulate_gradients(s: SFTSetup, model, micro: list, batch_size: int) -> tuple[float, int]:
+    """Backward over the micro-batches of one optimizer step. Each micro-batch's summed loss is divided by the
+    step's labelled tokens, so the gradient is the token mean over the whole step. Returns the step's loss and the
+    tokens it saw."""
+    n_label = sum(sum(1 for t in y[1:] if t != -100) for _, y in micro)
+    step_loss, tokens = 0.0, 0
+    for k in range(0, s.per_step, batch_size):
+        batch = collate(micro[k : k + batch_size], s.tokenizer.pad_token_id)
+        ids, labels, mask = (t.to(s.device) for t in batch)
+        with train_precision(model, s.device.type, s.autocast_dtype):
+            loss = labelled_token_loss(model, ids, labels, mask) / max(1, n_label)
+        loss.backward()
+        step_loss += loss.item()
+        tokens += int(mask.sum())
+    return step_loss, tokens
+
+
+def save_sft(ws: Workspace, s: SFTSetup, model, loss_val: float, t0: float) -> dict:
+    """Write sft/model (model and tokenizer) and return the summary (``t0``: the loop's start)."""
     out = ws.stage_dir("sft") / "model"
-    if qlora:
-        with tempfile.TemporaryDirectory() as adapter_dir:
-            model.save_pretrained(adapter_dir)
-            del model, optimizer, scheduler  # the 4-bit training copy goes before the 16-bit one loads
-            model = merge_into_16bit_base(base, adapter_dir, cfg.model, "sft")
-    elif use_lora:
-        model = model.merge_and_unload()  # a 16-bit base in model.dtype: the merge is exact up to its rounding
     model.save_pretrained(out)
-    tokenizer.save_pretrained(out)
-    summary = {
+    s.tokenizer.save_pretrained(out)
+    return {
         "model_path": str(out),
-        "base_model": base,
-        "steps": total_steps,
+        "base_model": s.base,
+        "steps": s.total_steps,
         "final_loss": loss_val,
-        "train_examples": len(examples),
+        "train_examples": len(s.examples),
         "seconds": time.perf_counter() - t0,
     }
-    return summary
 
 
 @task(name="sft")

@@ -2,6 +2,7 @@
 from a tiny model taught one answer, and the accuracy plot."""
 
 import itertools
+import json
 import math
 
 import pytest
@@ -20,9 +21,13 @@ from grpoflow.tasks.stages.evaluate import (
     greedy_metrics,
     pass_at_k,
     report_markdown,
+    run_eval,
     sampled_metrics,
 )
+from grpoflow.tasks.stages.grpo import train_grpo
 from grpoflow.tasks.tracking.plots import plot_eval_report
+from grpoflow.tasks.tracking.tracker import RunLogger
+from tests.tasks.stages.test_grpo import make_cfg, workspace
 
 GOOD = "<reasoning>\n3 + 4 = 7\n</reasoning>\n<answer>\n7\n</answer>"
 PROMPT = [{"role": "user", "content": "What is 3 + 4?"}]
@@ -199,3 +204,19 @@ def test_plot_without_sampling(tmp_path):
     }
     with Image.open(plot_eval_report(report, tmp_path / "a.png")) as im:
         assert im.format == "PNG"
+
+
+def test_run_eval_reports_both_models_of_a_grpo_run(tmp_path):
+    """The stage on a 2-step LoRA GRPO run of the tiny model: report.json and report.md, the chart, the summary."""
+    cfg = make_cfg(tmp_path)
+    ws = workspace(cfg, tmp_path)
+    grpo = train_grpo(cfg, ws, RunLogger.disabled())
+    summary = run_eval(cfg, ws, RunLogger.disabled(), grpo["base_model"], grpo["model_path"], grpo["adapter"])
+    out = ws.stage_dir("eval")
+    report = json.loads((out / "report.json").read_text())
+    assert summary["report_path"] == str(out / "report.json") and summary["rows"] == report["rows"] == 4
+    assert summary["accuracy_before"] == report["before"]["accuracy"]
+    assert summary["accuracy_after"] == report["after"]["accuracy"]
+    assert report["accuracy_gain"] == report["after"]["accuracy"] - report["before"]["accuracy"]
+    assert report["sampling"]["n"] == cfg.eval.samples_per_row and "greedy" not in report["sampling"]
+    assert (out / "report.md").read_text() == report_markdown(report) and (out / "accuracy.png").is_file()

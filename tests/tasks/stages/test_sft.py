@@ -1,10 +1,14 @@
 """The SFT loss: cross-entropy of the labelled next tokens, the head applied to those positions only."""
 
+import random
+
 import pytest
 import torch
 
-from grpoflow.tasks.stages.sft import collate, labelled_token_loss, tokenize_sft
+from grpoflow.tasks.stages.sft import collate, draw_examples, labelled_token_loss, run_sft, tokenize_sft
+from grpoflow.tasks.tracking.tracker import RunLogger
 from tests.tasks.grpo.test_trainer import make
+from tests.tasks.stages.test_grpo import make_cfg, workspace
 
 
 def _full_logits_loss(model, ids, labels, mask) -> torch.Tensor:
@@ -36,3 +40,23 @@ def test_labelled_token_loss_equals_the_full_logits_loss_and_its_gradient(lora: 
     for a, b in zip(ours_grads, full_grads, strict=True):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
     assert any(g.abs().sum() > 0 for g in ours_grads)
+
+
+def test_draw_examples_covers_every_example_once_per_epoch():
+    rng, order = random.Random(0), []
+    drawn = [draw_examples(list(range(10)), order, rng, 4) for _ in range(5)]  # two epochs of 10
+    flat = [x for d in drawn for x in d]
+    assert all(len(d) == 4 for d in drawn) and sorted(flat[:10]) == sorted(flat[10:]) == list(range(10))
+    assert flat[:10] != list(range(10)) and flat[:10] != flat[10:]  # shuffled, and anew each epoch
+
+
+@pytest.mark.parametrize("lora", [False, True])
+def test_run_sft_trains_and_saves_a_plain_model(tmp_path, lora):
+    cfg = make_cfg(tmp_path, lora=lora)
+    cfg = cfg.model_copy(update={"sft": cfg.sft.model_copy(update={"use_lora": lora, "max_steps": 2})})
+    ws = workspace(cfg, tmp_path)
+    summary = run_sft(cfg, ws, RunLogger.disabled())
+    out = ws.stage_dir("sft") / "model"
+    assert summary["model_path"] == str(out) and summary["steps"] == 2 and summary["final_loss"] > 0
+    assert summary["train_examples"] == 40 and summary["base_model"] == str(ws.stage_dir("base_model"))
+    assert (out / "model.safetensors").is_file() and not (out / "adapter_config.json").exists()  # LoRA merged
