@@ -164,7 +164,7 @@ def cmd_resume(args) -> int:
         run_dir = s3.join_uri(args.run_dir)
         storage = config_from_dict({"storage": apply_overrides({}, list(args.overrides)).get("storage", {})}).storage
         try:
-            config = s3.S3Store(storage).download_file(
+            config = s3.S3Client(storage).download_file(
                 s3.join_uri(run_dir, "config.yaml"), local_dir(run_dir, storage.cache_dir) / "config.yaml"
             )
         except s3.S3NoSuchBucketError:
@@ -245,7 +245,7 @@ def _run_pipeline(cfg: PipelineConfig, before=None) -> int:
     preflight(cfg)
     _setup_env(cfg)
     if s3.is_s3_uri(cfg.run.output_dir):
-        s3.S3Store(cfg.storage).check_access(
+        s3.S3Client(cfg.storage).check_access(
             cfg.run.output_dir
         )  # bucket, credentials, endpoint: before Prefect and MLflow start
     # Prefect's server starts in its own process (its own session: Ctrl-C reaches the CLI, which stops the server

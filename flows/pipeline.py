@@ -75,7 +75,7 @@ def grpo_pipeline(config: PipelineConfig, workspace: str, init_model: str | None
         grpo = _timed("grpo", grpo_task, *args, init_model=sft["model_path"] if sft else init_model)
         result = {"workspace": ws.location, "mlflow_run_id": parent.run_id, "data": data, "sft": sft, "grpo": grpo}
         result["mlflow_url"] = url
-        if ws.uri is not None:
+        if str(ws.root) != ws.location:  # S3: the mirror the stages worked in
             result["local_copy"] = str(ws.root)
         if cfg.eval.enabled:
             result["eval"] = _timed(

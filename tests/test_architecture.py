@@ -157,3 +157,11 @@ def test_installed_wheel_validates_from_another_folder(wheel, tmp_path):
     )
     assert res.returncode == 2 and "config file not found: nope.yaml" in res.stderr
     assert "default.yaml" in res.stderr  # the message lists the packaged configs
+
+
+def test_the_workspace_does_not_know_where_its_files_are():
+    """tasks/storage/workspace.py is written once against the Store interface (tasks/storage/store.py): no S3 URI
+    test, no S3 client, no branch on a URI attribute; the store keeps the local-versus-S3 difference to itself."""
+    text = (REPO / "tasks" / "storage" / "workspace.py").read_text()
+    found = [word for word in ("is_s3_uri", ".uri", "S3Client", "s3.") if word in text]
+    assert not found, f"tasks/storage/workspace.py names {found}"

@@ -57,7 +57,7 @@ def _load_file(path: Path, source: str) -> Dataset:
 def fetch_s3_file(uri: str, storage: StorageConfig | None = None) -> Path:
     """Download an s3:// data file into the local cache (<storage.cache_dir>/<bucket>/<key>); its local path."""
     _builder(uri, Path(s3.split_s3_uri(uri)[1]).suffix)  # an unsupported suffix fails before any download
-    store = s3.S3Store(storage)
+    store = s3.S3Client(storage)
     try:
         return store.download_file(uri, store.local_path(uri))
     except s3.S3NotFoundError as e:
@@ -110,7 +110,7 @@ def row_locator(source: str, storage: StorageConfig | None = None) -> Callable[[
     quoted CSV field over several lines starts its record's line), else the record's 1-based number."""
     path: Path | None = None
     if s3.is_s3_uri(source):
-        local = s3.S3Store(storage).local_path(source)
+        local = s3.S3Client(storage).local_path(source)
         path = local if local.is_file() else None
     elif Path(source).expanduser().is_file():
         path = Path(source).expanduser()

@@ -30,7 +30,7 @@ def resolve_run(ref: str, tracking_uri: str | None, storage: StorageConfig | Non
     """(tracking uri, parent run id) of a workspace (a folder or an s3:// URI, read with ``storage``) or an MLflow
     run id."""
     if s3.is_s3_uri(ref):
-        data = s3.S3Store(storage).get_json(s3.join_uri(ref, "run.json"), None)
+        data = s3.S3Client(storage).get_json(s3.join_uri(ref, "run.json"), None)
         if data is None:
             raise ValueError(f"{ref}: no run.json; not a run workspace (<output_dir>/<run name>)")
         return data["tracking_uri"], data["mlflow_run_id"]

@@ -21,7 +21,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from grpoflow.tasks.config.storage import StorageConfig
-from grpoflow.tasks.storage.s3 import S3Store, is_s3_uri
+from grpoflow.tasks.storage.s3 import S3Client, is_s3_uri
 
 
 @dataclass(frozen=True)
@@ -65,7 +65,7 @@ def list_source(source: str, storage: StorageConfig | None = None) -> list[DataF
         prefix = source.rstrip("/") + "/"
         files = [
             DataFile(o["uri"][len(prefix) :], o["uri"], int(o["size"]), str(o["etag"]).strip('"'))
-            for o in S3Store(storage).list_objects(prefix)
+            for o in S3Client(storage).list_objects(prefix)
             if o["uri"].startswith(prefix) and _is_data_name(o["uri"][len(prefix) :])
         ]
         return sorted(files, key=lambda f: f.name)
@@ -86,7 +86,7 @@ def fetch(file: DataFile, dest_dir: Path, storage: StorageConfig | None = None) 
         return Path(file.uri)
     dest = dest_dir / file.name
     dest.parent.mkdir(parents=True, exist_ok=True)
-    S3Store(storage).download_file(file.uri, str(dest))
+    S3Client(storage).download_file(file.uri, str(dest))
     return dest
 
 
@@ -97,7 +97,7 @@ class Ledger:
 
     def __init__(self, path: str | Path, storage: StorageConfig | None = None):
         self.location = str(path)
-        self.store = S3Store(storage) if is_s3_uri(self.location) else None
+        self.store = S3Client(storage) if is_s3_uri(self.location) else None
         self.path = None if self.store else Path(path)
 
     def _read(self) -> str | None:

@@ -27,7 +27,6 @@ import torch
 from grpoflow.tasks.config import PipelineConfig
 from grpoflow.tasks.pipeline.errors import StageError
 from grpoflow.tasks.pipeline.resume import stage_keys
-from grpoflow.tasks.storage.uploads import retry_outage
 from grpoflow.tasks.storage.workspace import STAGES, Workspace, stages_from
 from grpoflow.tasks.tracking.entities import system_metrics
 from grpoflow.tasks.tracking.run_info import TRAINING_STAGES, finish_run, prepare_run
@@ -50,13 +49,10 @@ def write_error_log(ws: Workspace, stage: str, exc: BaseException) -> Path:
 
 
 def publish(ws: Workspace, name: str, key: str, summary: dict[str, Any]) -> None:
-    """Write the stage's manifest (its key and summary), once; on S3 its files go up first, retried through an
-    outage within storage.outage_budget_s (a GRPO stage's final model is large), the manifest last."""
-    if ws.uri is None:
-        ws.publish(name, key, summary)
-    else:
-        where, budget = ws.s3.where, ws.s3.settings.outage_budget_s
-        retry_outage(lambda: ws.publish(name, key, summary), where, f"publishing {name}", budget)
+    """Write the stage's manifest (its key and summary), once; its files go up first (on S3: retried through an
+    outage within storage.outage_budget_s, a GRPO stage's final model is large), the manifest last."""
+    also = ("base_model",) if name in ("sft", "grpo") else ()  # the stages that may build the tiny base model
+    ws.store.guarded(lambda: ws.publish(name, key, summary, also=also), f"publishing {name}")
 
 
 def run_stage(
@@ -71,7 +67,7 @@ def run_stage(
         return stored
     ws.forget(stages_from(name))
     if upstream := STAGES[: STAGES.index(name)]:
-        ws.fetch((*upstream, "base_model"))  # S3: the upstream files this stage reads, when not local yet
+        ws.fetch(upstream, loose=("base_model",))  # S3: the upstream files this stage reads, when not local yet
     ws.begin(name, key)
     if name in ("sft", "grpo"):  # the stages that may build the tiny base model from the data
         ws.begin("base_model", keys["base_model"])

@@ -299,15 +299,14 @@ def save_grpo(
     return summary
 
 
-def checkpoint_uploads(ws: Workspace, folder) -> UploadQueue | None:
-    """The background queue of checkpoint uploads of an S3 workspace (None for a local one), bounded by
-    storage.outage_budget_s and storage.max_pending_uploads."""
-    if ws.uri is None:
-        return None
-    st = ws.s3.settings
+def checkpoint_uploads(ws: Workspace, folder) -> UploadQueue:
+    """The background queue of checkpoint uploads, bounded by storage.outage_budget_s and
+    storage.max_pending_uploads. Built for every workspace: for a local one its jobs upload nothing and only prune
+    what the trainer prunes too (a file either removes first is fine for the other)."""
+    st = ws.store.settings
     cap = min(30.0, max(1.0, st.outage_budget_s / 5))  # several attempts fit in a small budget
     done = [p.name for p in list_checkpoints(folder)]  # pulled from S3 when the stage began
-    return UploadQueue(ws.s3.where, st.outage_budget_s, st.max_pending_uploads, backoff_cap_s=cap, done=done)
+    return UploadQueue(ws.store.where, st.outage_budget_s, st.max_pending_uploads, backoff_cap_s=cap, done=done)
 
 
 def finish_uploads(uploads: UploadQueue, folder) -> None:

@@ -28,8 +28,8 @@ from grpoflow.tasks.launch.trainjob import (
     wait,
 )
 from grpoflow.tasks.stages.grpo_launch import WORKER, launch_spec
-from grpoflow.tasks.storage import s3
-from grpoflow.tasks.storage.workspace import Workspace
+from grpoflow.tasks.storage.s3 import is_s3_uri
+from grpoflow.tasks.storage.workspace import Workspace, join_location
 from grpoflow.tasks.tracking.tracker import RunLogger
 
 log = logging.getLogger(__name__)
@@ -58,7 +58,7 @@ def prepare_trainjob(cfg: PipelineConfig, ws: Workspace, tracker: RunLogger, ini
     """Everything before the Kubernetes API: the spec on S3 (with the launcher's mirror root, for the nodes to
     re-root its paths), the last attempt's launch files removed there, and the TrainJob to create."""
     d, t = cfg.distributed, cfg.distributed.trainjob
-    if ws.uri is None:  # the config check covers run.output_dir; this covers a workspace given another way
+    if not is_s3_uri(ws.location):  # the config check covers run.output_dir; this covers a workspace given another way
         raise ValueError("distributed.launcher=trainjob needs an s3:// workspace (run.output_dir)")
     template = load_template(t.template)
     folder = ws.stage_dir("grpo") / "launch"
@@ -77,8 +77,8 @@ def prepare_trainjob(cfg: PipelineConfig, ws: Workspace, tracker: RunLogger, ini
     if (ws.root / "base_model").is_dir():
         ws.push("base_model")  # the tiny model the launcher may just have built, for the nodes to fetch
     ws.push("grpo", "launch")  # empties the last attempt's spec, errors and summary on S3
-    spec_uri = s3.join_uri(ws.uri, "grpo", "launch", "spec.json")
-    ws.s3.put_bytes(json.dumps({**spec, "root": str(ws.root)}).encode(), spec_uri)
+    ws.store.write("grpo/launch/spec.json", json.dumps({**spec, "root": str(ws.root)}).encode())
+    spec_uri = join_location(ws.location, "grpo/launch/spec.json")
     name = trainjob_name(cfg.run.name or "run", time.time())
     tracker.set_tags({"distributed.launcher": "trainjob", "trainjob.name": f"{t.namespace}/{name}"})
     return render(template, d, name, trainjob_command(cfg, spec_uri))

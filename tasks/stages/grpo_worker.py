@@ -32,24 +32,35 @@ from grpoflow.tasks.launch.torchrun import write_rank_error
 from grpoflow.tasks.model.device import resolve_device
 from grpoflow.tasks.pipeline.shell import USER_ERRORS
 from grpoflow.tasks.stages.grpo import train_grpo
-from grpoflow.tasks.storage import s3
+from grpoflow.tasks.storage.s3 import is_s3_uri
+from grpoflow.tasks.storage.store import Store, open_store, write_atomic
 from grpoflow.tasks.storage.workspace import Workspace, reroot
 from grpoflow.tasks.tracking.tracker import RunLogger, logger_for
 
 
+def _spec_store(where: str) -> tuple[Store, str]:
+    """The store holding the launch spec (its folder, or for a TrainJob its S3 prefix, reached through the
+    environment's endpoint) and the spec's name in it."""
+    parent, _, name = where.rpartition("/")
+    return open_store(parent), name
+
+
 def read_spec(where: str) -> dict:
-    """The launch spec, from a file or (a TrainJob's) from S3, reached through the environment's endpoint."""
-    if s3.is_s3_uri(where):
-        return json.loads(s3.S3Store().get_bytes(where))
-    return json.loads(Path(where).read_text())
+    """The launch spec, from a file or (a TrainJob's) from S3."""
+    store, name = _spec_store(where)
+    data = store.read(name)
+    if data is None:
+        raise FileNotFoundError(f"{where}: no launch spec there")
+    return json.loads(data)
 
 
 def report(where: str, folder: Path, rank: int, exc: BaseException) -> None:
-    """Record this rank's error beside the spec: in its folder, and on S3 too for a TrainJob's spec."""
+    """Record this rank's error beside the spec: in its folder, and in the spec's store too (a TrainJob's S3)."""
     path = write_rank_error(folder, rank, exc, USER_ERRORS)
-    if s3.is_s3_uri(where):
+    store, _ = _spec_store(where)
+    if path.parent != store.local_root:
         try:
-            s3.S3Store().put_bytes(path.read_bytes(), where.rsplit("/", 1)[0] + "/" + path.name)
+            store.write(path.name, path.read_bytes())
         except Exception as e:  # S3 itself may be what failed: the pod's log still has the error
             logging.getLogger(__name__).error("rank %d: its error record could not reach S3: %s", rank, e)
 
@@ -58,7 +69,7 @@ def main(argv: list[str]) -> int:
     """Run this rank of the launch whose spec is ``argv[0]``; 0 on success, 1 on a user error (recorded beside
     the spec); a bug of ours is recorded and raised."""
     where = argv[0]
-    remote = s3.is_s3_uri(where)
+    remote = is_s3_uri(where)
     folder = Path(tempfile.mkdtemp(prefix="grpo-launch-")) if remote else Path(where).parent
     rank = int(os.environ.get("RANK", "0"))
     configure_logging(rank)
@@ -98,7 +109,7 @@ def run_rank(where: str, remote: bool) -> None:
         launcher_root = None  # a TrainJob node's: the launcher's mirror, which spec paths and the summary name
         if remote:  # a node of a TrainJob: its own mirror of the workspace
             if comm.local_rank == 0:
-                ws.fetch(("data", "sft", "base_model"))
+                ws.fetch(("data", "sft"), loose=("base_model",))
                 ws.pull("grpo")
             comm.barrier()
             launcher_root = spec["root"]
@@ -139,12 +150,9 @@ def rank_tracker(cfg, spec: dict, comm, ws: Workspace) -> RunLogger:
 def write_summary(spec: dict, summary: dict, ws: Workspace, launcher_root: str | None) -> None:
     """Write the summary where the spec says (atomically: the launcher reads it). On a TrainJob's node
     (``launcher_root`` set) its paths are re-rooted to the launcher's mirror and the GRPO folder is pushed."""
-    out = Path(spec["summary"])
-    out.parent.mkdir(parents=True, exist_ok=True)
     if launcher_root is not None:  # the launcher reads it under its own mirror
         summary = reroot(summary, str(ws.root), launcher_root)
-    out.with_suffix(".tmp").write_text(json.dumps(summary))
-    os.replace(out.with_suffix(".tmp"), out)
+    write_atomic(spec["summary"], json.dumps(summary).encode())
     if launcher_root is not None:
         ws.push_merged("grpo")  # the final model, history, summary (the other nodes' shards kept)
 

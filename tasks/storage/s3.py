@@ -12,8 +12,9 @@ exponential backoff ("standard" mode, ``storage.max_attempts`` attempts). Failur
 FileNotFoundError) for a missing bucket or key, :class:`S3AccessError` (a PermissionError) for refused or
 missing credentials, plain S3Error for an unreachable endpoint.
 
-Every call goes through an :class:`S3Store` built from the run's ``storage`` settings (passed, never
-process-global). Folder sync (:meth:`S3Store.upload_dir`, :meth:`S3Store.download_dir`) skips files whose size
+Every call goes through an :class:`S3Client` built from the run's ``storage`` settings (passed, never
+process-global). Folder sync (:meth:`S3Client.upload_dir`, :meth:`S3Client.download_dir`) runs
+through one s3transfer ``TransferManager`` per call (``TRANSFER_CONCURRENCY`` files at once) and skips files whose size
 and ETag already match, where the ETag of a local file is computed as S3 computes it: md5 of the bytes, or for
 an object uploaded in N parts, md5 of the concatenated part md5s followed by "-N". ``markers`` name files that
 mark a folder complete (a checkpoint's trainer_state.json): they are uploaded after, and deleted before,
@@ -36,6 +37,7 @@ from typing import Any
 from grpoflow.tasks.config.storage import StorageConfig
 
 MiB = 1024 * 1024
+TRANSFER_CONCURRENCY = 8  # files (or parts) in flight at once in a folder sync: within botocore's pool of 10
 
 _BUCKET = re.compile(r"^[a-z0-9][a-z0-9.-]{1,61}[a-z0-9]$")
 
@@ -204,11 +206,27 @@ def local_etag(path: Path, size: int, parts: int | None, chunksize: int) -> str:
     return f"{hashlib.md5(b''.join(digests), usedforsecurity=False).hexdigest()}-{parts}"
 
 
+class _KnownSize:
+    """An s3transfer subscriber that gives a download the object's size from the listing."""
+
+    def __init__(self, size: int):
+        self.size = size
+
+    def on_queued(self, future, **kwargs) -> None:
+        future.meta.provide_transfer_size(self.size)
+
+    def on_progress(self, **kwargs) -> None:
+        pass
+
+    def on_done(self, **kwargs) -> None:
+        pass
+
+
 def _files(folder: Path) -> list[str]:
     return sorted(p.relative_to(folder).as_posix() for p in folder.rglob("*") if p.is_file())
 
 
-class S3Store:
+class S3Client:
     """S3 with one set of ``storage`` settings: endpoint, addressing, retries, multipart sizes and the local cache
     folder. Built where the settings are known (the workspace, the data stage, the CLI) and passed on."""
 
@@ -216,7 +234,7 @@ class S3Store:
         self.settings = settings if settings is not None else StorageConfig()
 
     def __repr__(self) -> str:
-        return f"S3Store({self.where})"
+        return f"S3Client({self.where})"
 
     @property
     def client(self):
@@ -236,7 +254,9 @@ class S3Store:
 
         s = self.settings
         return TransferConfig(
-            multipart_threshold=s.multipart_threshold_mb * MiB, multipart_chunksize=s.multipart_chunksize_mb * MiB
+            multipart_threshold=s.multipart_threshold_mb * MiB,
+            multipart_chunksize=s.multipart_chunksize_mb * MiB,
+            max_concurrency=TRANSFER_CONCURRENCY,
         )
 
     @contextlib.contextmanager
@@ -428,6 +448,27 @@ class S3Store:
             return False
         return local_etag(path, obj["size"], parts, chunk) == etag
 
+    @contextlib.contextmanager
+    def _transfers(self) -> Iterator[Any]:
+        """One s3transfer TransferManager over this client: up to ``TRANSFER_CONCURRENCY`` requests at once (files,
+        or parts of a multipart file). Leaving the block waits for (or, after an error, cancels) what is left."""
+        from s3transfer.manager import TransferManager
+
+        with TransferManager(self.client, self._transfer_config()) as manager:
+            yield manager
+
+    def _wait(self, futures: list[tuple[str, Any]]) -> None:
+        """Wait for every transfer; then raise the first failure (as an S3Error naming its URI and the endpoint)."""
+        first: BaseException | None = None
+        for uri, future in futures:
+            try:
+                with self._errors(uri):
+                    future.result()
+            except Exception as e:  # noqa: BLE001 - the others still finish before the first failure is raised
+                first = first or e
+        if first is not None:
+            raise first
+
     def upload_dir(
         self,
         path: str | Path,
@@ -437,11 +478,13 @@ class S3Store:
         markers: Sequence[str] = (),
         exclude: Sequence[str] = (),
     ) -> list[str]:
-        """Make s3 prefix_uri/ hold the files of folder ``path``: upload what differs (``markers`` last); with
-        ``delete``, remove objects that have no local file (``markers`` first). Relative names in ``exclude`` are
-        neither uploaded nor deleted. Returns the uploaded URIs."""
+        """Make s3 prefix_uri/ hold the files of folder ``path``: upload what differs, many files at once through
+        one TransferManager, ``markers`` only after every other file is up; with ``delete``, first remove objects
+        that have no local file (``markers`` first). Relative names in ``exclude`` are neither uploaded nor
+        deleted. Returns the uploaded URIs."""
         folder = Path(path)
         prefix = prefix_uri.rstrip("/") + "/"
+        bucket, key_prefix = split_s3_uri(prefix)
         remote = {o["uri"][len(prefix) :]: o for o in self.list_objects(prefix)}
         remote = {name: o for name, o in remote.items() if name not in exclude}
         names = [n for n in _files(folder) if n not in exclude] if folder.is_dir() else []
@@ -450,13 +493,14 @@ class S3Store:
             stale.sort(key=lambda u: u.rsplit("/", 1)[-1] not in markers)  # markers first
             if stale:
                 self.delete_objects(stale)
-        names.sort(key=lambda n: n.rsplit("/", 1)[-1] in markers)  # markers last (stable: otherwise sorted)
-        uploaded = []
-        for name in names:
-            if name in remote and self.same_content(folder / name, remote[name]):
-                continue
-            uploaded.append(self.upload_file(folder / name, prefix + name))
-        return uploaded
+        changed = [n for n in names if not (n in remote and self.same_content(folder / n, remote[n]))]
+        batches = [[n for n in changed if n.rsplit("/", 1)[-1] not in markers]]
+        batches.append([n for n in changed if n.rsplit("/", 1)[-1] in markers])  # after all the rest is up
+        with self._transfers() as manager:
+            for batch in batches:
+                futures = [(prefix + n, manager.upload(str(folder / n), bucket, key_prefix + n)) for n in batch]
+                self._wait(futures)
+        return [prefix + n for batch in batches for n in batch]
 
     def download_dir(
         self,
@@ -467,9 +511,10 @@ class S3Store:
         markers: Sequence[str] = (),
         exclude: Sequence[str] = (),
     ) -> list[Path]:
-        """Make folder ``path`` hold the objects under s3 prefix_uri/: download what differs (``markers`` last);
-        with ``delete``, remove local files that have no object (``markers`` first). Relative names in ``exclude``
-        are neither downloaded nor deleted. Returns the downloaded paths."""
+        """Make folder ``path`` hold the objects under s3 prefix_uri/: download what differs, many files at once
+        through one TransferManager (each written beside its target and renamed), ``markers`` last; with
+        ``delete``, first remove local files that have no object (``markers`` first). Relative names in
+        ``exclude`` are neither downloaded nor deleted. Returns the downloaded paths."""
         folder = Path(path)
         prefix = prefix_uri.rstrip("/") + "/"
         remote = {o["uri"][len(prefix) :]: o for o in self.list_objects(prefix)}
@@ -477,10 +522,17 @@ class S3Store:
         if delete and folder.is_dir():
             stale = [n for n in _files(folder) if n not in remote and n not in exclude]
             for name in sorted(stale, key=lambda n: n.rsplit("/", 1)[-1] not in markers):  # markers first
-                (folder / name).unlink()
-        got = []
-        for name, obj in sorted(remote.items(), key=lambda item: item[0].rsplit("/", 1)[-1] in markers):
-            target = folder / name
-            if not self.same_content(target, obj):
-                got.append(self.download_file(obj["uri"], target))
-        return got
+                (folder / name).unlink(missing_ok=True)
+        changed = [n for n, obj in sorted(remote.items()) if not self.same_content(folder / n, obj)]
+        batches = [[n for n in changed if n.rsplit("/", 1)[-1] not in markers]]
+        batches.append([n for n in changed if n.rsplit("/", 1)[-1] in markers])
+        with self._transfers() as manager:
+            for batch in batches:
+                futures = []
+                for name in batch:
+                    (folder / name).parent.mkdir(parents=True, exist_ok=True)
+                    bucket, key = split_s3_uri(remote[name]["uri"])
+                    size = [_KnownSize(remote[name]["size"])]  # listed already: no HEAD request per file
+                    futures.append((remote[name]["uri"], manager.download(bucket, key, str(folder / name), None, size)))
+                self._wait(futures)
+        return [folder / n for batch in batches for n in batch]

@@ -1,4 +1,4 @@
-"""The run workspace: one folder per pipeline run, one sub-folder per stage, on local disk or on S3.
+"""The run workspace: one folder per pipeline run, one sub-folder per stage, in one store (a local folder or S3).
 
     <output_dir>/<run name>/
         config.yaml            the resolved config
@@ -7,30 +7,32 @@
             attempt.json       the key of the stage's latest attempt
             manifest.json      written last: a stage is complete iff its manifest exists
 
-The stage shell (tasks/pipeline/shell.py) writes the manifest once, atomically (temp file + rename), after
-everything else of the stage (:meth:`Workspace.publish`), so a killed stage leaves no manifest and is recomputed.
-Resuming (tasks/pipeline/resume.py): the manifest holds the stage's ``key`` and the ``summary`` it returned, and
-``attempt.json``
-(written when a stage starts) the key of its latest attempt, so that files an attempt with another key
-left behind (GRPO checkpoints) are removed rather than resumed. Stages only use the methods below, never
-raw paths outside their own folder.
+The workspace is written once against :class:`~grpoflow.tasks.storage.store.Store` (``self.store``), which keeps
+the local-versus-S3 difference to itself: stages work on plain files under ``root`` (= store.local_root: the
+folder itself, or the S3 mirror <storage.cache_dir>/<bucket>/<prefix>/<run name>), and every bookkeeping file
+(manifest.json, attempt.json, config.yaml, run.json) is written through the store, atomically (whole or absent,
+on S3 the mirror's copy in step). What the store guarantees and what its sync compares (size and content
+digest, markers last up and first down) is in tasks/storage/store.py.
 
-S3 (``run.output_dir: s3://bucket/prefix``): the workspace is s3://bucket/prefix/<run name>, the source of
-truth, and stages still read and write plain files in its local mirror <storage.cache_dir>/<bucket>/<prefix>/
-<run name> (tasks/storage/s3.py). Publishing a stage uploads its folder (what differs), then its manifest, so on S3
-too a stage is complete or absent. Manifests, attempt records, config.yaml and run.json are read from and
-written to S3; before a stage runs, the complete upstream stages are pulled into the mirror when the local
-copy is not theirs (its manifest differs), and its own folder is pulled (a killed GRPO's checkpoints, which
-``push`` uploads as they are saved). So the mirror is a cache: delete it, or resume on another machine,
-and the run continues from S3. Summaries hold mirror paths; the manifest records the root they were written
-under and :meth:`Workspace.completed` re-roots them, so they stay valid under another cache_dir (or a local
-workspace that was moved).
+The stage shell (tasks/pipeline/shell.py) publishes a stage once, after everything else of it
+(:meth:`Workspace.publish`): its folder is synced up, then the manifest written last, so a killed stage leaves no
+manifest and is recomputed, on S3 as locally. Resuming (tasks/pipeline/resume.py): the manifest holds the
+stage's ``key`` and the ``summary`` it returned, and ``attempt.json`` (written when a stage starts) the key of its
+latest attempt, so that files an attempt with another key left behind (GRPO checkpoints) are removed rather than
+resumed. Stages only use the methods below, never raw paths outside their own folder.
+
+On S3 the store is the source of truth: manifests, attempt records, config.yaml and run.json are read from it;
+before a stage runs, the complete upstream stages are synced into the mirror when the local copy is not theirs
+(its manifest differs), and its own folder is synced down (a killed GRPO's checkpoints, which ``push`` uploads
+as they are saved). So the mirror is a cache: delete it, or resume on another machine, and the run continues
+from S3. For a local store the same calls find the local copy already current and move nothing. Summaries hold
+local paths; the manifest records the root they were written under and :meth:`Workspace.completed` re-roots
+them, so they stay valid under another cache_dir (or a local workspace that was moved).
 """
 
 from __future__ import annotations
 
 import json
-import os
 import re
 import shutil
 import time
@@ -38,7 +40,8 @@ from pathlib import Path
 from typing import Any
 
 from grpoflow.tasks.config.storage import StorageConfig
-from grpoflow.tasks.storage import s3
+from grpoflow.tasks.storage.store import Store, open_store, write_atomic
+from grpoflow.tasks.storage.store import join_location as join_location  # re-exported: callers name it here
 
 STAGES = ("data", "sft", "grpo", "eval", "export")
 MANIFEST = "manifest.json"
@@ -58,14 +61,7 @@ DEFAULT_CACHE_DIR = StorageConfig().cache_dir
 
 def local_dir(location: str | Path, cache_dir: str | Path = DEFAULT_CACHE_DIR) -> Path:
     """A local folder, resolved; or the local mirror of an s3:// location under ``cache_dir``."""
-    if s3.is_s3_uri(str(location)):
-        return s3.local_path(str(location), cache_dir)
-    return Path(location).resolve()
-
-
-def join_location(location: str | Path, name: str) -> str:
-    """<location>/<name> for a folder or an s3:// prefix."""
-    return s3.join_uri(str(location), name) if s3.is_s3_uri(str(location)) else str(Path(location).resolve() / name)
+    return open_store(location, StorageConfig(cache_dir=str(cache_dir))).local_root
 
 
 def reroot(value: Any, old: str, new: str) -> Any:
@@ -79,22 +75,24 @@ def reroot(value: Any, old: str, new: str) -> Any:
     return value
 
 
-def _write_atomic(path: Path, text: str) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(path.suffix + ".tmp")
-    tmp.write_text(text)
-    os.replace(tmp, path)
+def _name(*parts: str) -> str:
+    """'grpo', 'checkpoints', '' -> 'grpo/checkpoints': a name relative to the workspace."""
+    return "/".join(p.strip("/") for p in parts if p.strip("/"))
+
+
+def _dumps(value: Any) -> bytes:
+    return json.dumps(value, indent=2, sort_keys=True, default=str).encode()
+
+
+_CHECKPOINT = re.compile(r"checkpoint-(\d+)/(.+)")
 
 
 class Workspace:
     def __init__(self, root: str | Path, storage: StorageConfig | None = None):
         """A local folder, or an s3://bucket/prefix URI reached with the ``storage`` settings (endpoint, retries)
-        and mirrored under storage.cache_dir."""
-        self.uri = s3.join_uri(str(root)) if s3.is_s3_uri(str(root)) else None
-        self.s3 = s3.S3Store(storage)
-        if self.uri is not None:
-            s3.split_s3_uri(self.uri)  # a clear error for a malformed URI
-        self.root = local_dir(self.uri or root, self.s3.settings.cache_dir)
+        and mirrored under storage.cache_dir: :func:`~grpoflow.tasks.storage.store.open_store` decides."""
+        self.store: Store = open_store(root, storage)
+        self.root = self.store.local_root
         self.root.mkdir(parents=True, exist_ok=True)
 
     def __repr__(self) -> str:
@@ -103,14 +101,10 @@ class Workspace:
     @property
     def location(self) -> str:
         """What names the workspace: its s3:// URI, or its local folder."""
-        return self.uri or str(self.root)
-
-    def _remote(self, *parts: str) -> str:
-        return s3.join_uri(self.uri, *parts)
+        return self.store.location
 
     def stage_dir(self, stage: str) -> Path:
-        if stage not in STAGES and stage != "base_model":
-            raise ValueError(f"unknown stage {stage!r}; expected one of {STAGES}")
+        """<root>/<stage>, created: where the stage works on plain files."""
         path = self.root / stage
         path.mkdir(parents=True, exist_ok=True)
         return path
@@ -119,97 +113,85 @@ class Workspace:
         return self.root / stage / MANIFEST
 
     # ------------------------------------------------------------------ publishing a stage
-    def publish(self, stage: str, key: str, summary: dict[str, Any]) -> Path:
-        """Publish a finished stage, once (the stage shell, tasks/pipeline/shell.py, calls it): on S3 upload its
-        files first (and the base model's, for sft/grpo), then write its manifest (the key and the summary) last,
-        atomically."""
-        if self.uri is not None:
-            self.push(stage)
-            if stage in ("sft", "grpo") and (self.root / "base_model").is_dir():
-                self.push("base_model")
-        return self._write_manifest(stage, {"key": key, "summary": summary})
+    def publish(
+        self,
+        stage: str,
+        key: str,
+        summary: dict[str, Any],
+        also: tuple[str, ...] = (),
+        record: dict[str, Any] | None = None,
+    ) -> Path:
+        """Publish a finished stage, once (the stage shell, tasks/pipeline/shell.py, calls it): sync its folder up
+        first (and each folder of ``also`` that exists, e.g. the base model a stage built), then write its
+        manifest (the key, the summary and the fields of ``record``) last, atomically."""
+        self.push(stage)
+        for other in also:
+            if (self.root / other).is_dir():
+                self.push(other)
+        return self._write_manifest(stage, {**(record or {}), "key": key, "summary": summary})
 
     def _write_manifest(self, stage: str, payload: dict[str, Any]) -> Path:
         body = {"stage": stage, "finished_at": time.time(), **payload, "root": str(self.root)}
-        path = self.manifest_path(stage)
-        _write_atomic(path, json.dumps(body, indent=2, sort_keys=True, default=str))
-        if self.uri is not None:
-            self.s3.put_bytes(path.read_bytes(), self._remote(stage, MANIFEST))
-        return path
+        self.store.write(_name(stage, MANIFEST), _dumps(body))
+        return self.manifest_path(stage)
 
     def push(self, stage: str, sub: str = "") -> None:
-        """Upload <stage>/<sub> to S3 now, making the remote copy match (a no-op for a local workspace).
-        GRPO calls it after each checkpoint, so a killed stage resumes from S3."""
-        if self.uri is None:
-            return
-        self.s3.upload_dir(
-            self.root / stage / sub, self._remote(stage, sub), delete=True, markers=MARKERS, exclude=(MANIFEST,)
-        )
+        """Make the store's <stage>/<sub> match the local folder now (nothing moves for a local workspace). GRPO
+        calls it after each checkpoint, so a killed stage resumes from S3."""
+        self.store.sync_up(_name(stage, sub), delete=True, markers=MARKERS, exclude=(MANIFEST,))
 
     def push_added(self, stage: str, sub: str = "") -> None:
-        """Upload <stage>/<sub> to S3 without deleting anything there (a no-op for a local workspace): a TrainJob's
-        other nodes add their own checkpoint shards to the folder node 0 publishes."""
-        if self.uri is None:
-            return
-        self.s3.upload_dir(self.root / stage / sub, self._remote(stage, sub), markers=MARKERS, exclude=(MANIFEST,))
+        """Sync <stage>/<sub> up without deleting anything in the store: a TrainJob's other nodes add their own
+        checkpoint shards to the folder node 0 publishes."""
+        self.store.sync_up(_name(stage, sub), markers=MARKERS, exclude=(MANIFEST,))
 
     def push_merged(self, stage: str, sub: str = "") -> None:
         """:meth:`push` for a folder other nodes add to (a TrainJob's node 0): the same, except that the files in a
-        checkpoint folder this mirror holds are kept on S3 though absent here (the other nodes' shards); a
-        checkpoint folder gone here is removed on S3 with every node's files."""
-        if self.uri is None:
-            return
-        prefix = self._remote(stage, sub) + "/"
-        local = self.root / stage / sub
+        checkpoint folder this mirror holds are kept in the store though absent here (the other nodes' shards); a
+        checkpoint folder gone here is removed from the store with every node's files."""
+        folder = _name(stage, sub)
+        local = self.root / folder
         others = []
-        for obj in self.s3.list_objects(prefix):
-            name = obj["uri"][len(prefix) :]
+        for entry in self.store.list(folder + "/"):
+            name = entry.name[len(folder) + 1 :]
             parts = name.split("/")
             ckpt = next((i for i, p in enumerate(parts[:-1]) if re.fullmatch(r"checkpoint-\d+", p)), None)
             if ckpt is not None and (local / "/".join(parts[: ckpt + 1])).is_dir() and not (local / name).exists():
                 others.append(name)
-        self.s3.upload_dir(local, prefix, delete=True, markers=MARKERS, exclude=(MANIFEST, *others))
+        self.store.sync_up(folder, delete=True, markers=MARKERS, exclude=(MANIFEST, *others))
 
     def push_checkpoint(self, stage: str, sub: str, name: str, keep: int = 2, merged: bool = False) -> None:
-        """Upload checkpoint folder <stage>/<sub>/<name> to S3, its marker last, then remove the checkpoint folders
-        on S3 below it but the newest ``keep`` complete ones (each marker first), as the trainer prunes locally.
-        ``merged``: files on S3 in that folder but absent here are kept (a TrainJob's other nodes' shards).
-        A no-op for a local workspace; uploads of several checkpoints must run in their order."""
-        if self.uri is None:
-            return
-        prefix = self._remote(stage, sub) + "/"
-        self.s3.upload_dir(self.root / stage / sub / name, prefix + name, delete=not merged, markers=MARKERS)
-        folders: dict[int, list[str]] = {}
+        """Sync checkpoint folder <stage>/<sub>/<name> up, its marker last, then remove the checkpoint folders
+        below it but the newest ``keep`` complete ones (each marker first), as the trainer prunes locally (for a
+        local workspace these are the trainer's own folders: a file it removed meanwhile is fine).
+        ``merged``: files in the store in that folder but absent here are kept (a TrainJob's other nodes' shards).
+        Uploads of several checkpoints must run in their order."""
+        folder = _name(stage, sub)
+        self.store.sync_up(_name(folder, name), delete=not merged, markers=MARKERS)
+        files: dict[int, list[str]] = {}
         complete = set()
-        for obj in self.s3.list_objects(prefix):
-            found = re.fullmatch(r"checkpoint-(\d+)/(.+)", obj["uri"][len(prefix) :])
+        for entry in self.store.list(folder + "/"):
+            found = _CHECKPOINT.fullmatch(entry.name[len(folder) + 1 :])
             if found:
-                folders.setdefault(int(found[1]), []).append(obj["uri"])
+                files.setdefault(int(found[1]), []).append(entry.name)
                 if found[2] in MARKERS:
                     complete.add(int(found[1]))
         step = int(name.rsplit("-", 1)[1])
         kept = set(sorted(n for n in complete if n <= step)[-keep:])
-        stale = [uri for n, uris in folders.items() if n < step and n not in kept for uri in uris]
-        stale.sort(key=lambda u: u.rsplit("/", 1)[-1] not in MARKERS)  # markers first
+        stale = [f for n, names in files.items() if n < step and n not in kept for f in names]
+        stale.sort(key=lambda f: f.rsplit("/", 1)[-1] not in MARKERS)  # markers first
         if stale:
-            self.s3.delete_objects(stale)
+            self.store.delete(stale)
 
     def pull(self, stage: str, sub: str = "") -> None:
-        """Download <stage>/<sub> from S3 now, making the local copy match (a no-op for a local workspace): the
-        files another machine pushed (a TrainJob's node 0)."""
-        if self.uri is None:
-            return
-        self.s3.download_dir(
-            self._remote(stage, sub), self.root / stage / sub, delete=True, markers=MARKERS, exclude=(MANIFEST,)
-        )
+        """Make the local <stage>/<sub> match the store now (nothing moves for a local workspace): the files
+        another machine pushed (a TrainJob's node 0)."""
+        self.store.sync_down(_name(stage, sub), delete=True, markers=MARKERS, exclude=(MANIFEST,))
 
     def read_manifest(self, stage: str) -> dict[str, Any] | None:
-        if self.uri is not None:
-            return self.s3.get_json(self._remote(stage, MANIFEST), None)
-        path = self.manifest_path(stage)
-        if not path.is_file():
-            return None
-        return json.loads(path.read_text())
+        """The stage's manifest as the store holds it (on S3: read from S3), None when absent."""
+        data = self.store.read(_name(stage, MANIFEST))
+        return None if data is None else json.loads(data)
 
     def completed(self, stage: str, key: str) -> dict[str, Any] | None:
         """The stored summary when the stage is complete with this key, else None; its paths re-rooted to this
@@ -223,75 +205,54 @@ class Workspace:
     def forget(self, stages: tuple[str, ...], attempts: bool = False) -> None:
         """Remove the manifests (and with ``attempts`` the attempt records) of these stages."""
         names = (MANIFEST, ATTEMPT) if attempts else (MANIFEST,)
-        for stage in stages:
-            for name in names:
-                (self.root / stage / name).unlink(missing_ok=True)
-        if self.uri is not None:
-            self.s3.delete_objects([self._remote(stage, name) for stage in stages for name in names])
+        self.store.delete([_name(stage, name) for stage in stages for name in names])
 
     # ------------------------------------------------------------------ running a stage
     def begin(self, stage: str, key: str) -> None:
         """Record an attempt of ``stage`` with ``key``; a folder last attempted with another key is emptied first.
-        On S3 the remote folder decides, and what it holds of a same-key attempt is pulled into the mirror."""
+        The store decides (on S3 the remote folder), and what it holds of a same-key attempt is pulled into the
+        local folder; a local copy of another attempt is removed."""
         folder = self.root / stage
+        last = self.store.read(_name(stage, ATTEMPT))
+        stored = self.store.list(stage + "/")
+        if stored and (json.loads(last) if last else {}).get("key") != key:
+            self.store.delete_folder(stage, markers=MARKERS)
+            stored = []
         attempt = folder / ATTEMPT
         local_key = json.loads(attempt.read_text()).get("key") if attempt.is_file() else None
-        remote_files = []
-        if self.uri is not None:
-            remote_files = self.s3.list_objects(self._remote(stage) + "/")
-            last = self.s3.get_json(self._remote(stage, ATTEMPT), None)
-            if remote_files and (last or {}).get("key") != key:
-                self.s3.delete_prefix(self._remote(stage) + "/", markers=MARKERS)
-                remote_files = []
         if folder.is_dir() and any(folder.iterdir()) and local_key != key:
             shutil.rmtree(folder)
         folder.mkdir(parents=True, exist_ok=True)
-        if remote_files:
-            self.s3.download_dir(self._remote(stage), folder, delete=True, markers=MARKERS, exclude=(MANIFEST,))
-        body = json.dumps({"key": key, "started_at": time.time()})
-        _write_atomic(attempt, body)
-        if self.uri is not None:
-            self.s3.put_bytes(body.encode(), self._remote(stage, ATTEMPT))
+        if stored:
+            self.store.sync_down(stage, delete=True, markers=MARKERS, exclude=(MANIFEST,))
+        self.store.write(_name(stage, ATTEMPT), json.dumps({"key": key, "started_at": time.time()}).encode())
 
-    def fetch(self, stages: tuple[str, ...]) -> None:
-        """Pull these stages into the local mirror when the local copy is not the published one (S3 only).
+    def fetch(self, stages: tuple[str, ...], loose: tuple[str, ...] = ()) -> None:
+        """Bring these stages into the local folder when the local copy is not the one the store holds (for a
+        local workspace it always is).
 
-        A complete stage is pulled unless the local manifest equals the remote one (it is written last, after
-        the download, so it marks a complete copy); a stage without a manifest (base_model) is synced file by
-        file (size and ETag)."""
-        if self.uri is None:
-            return
+        A complete stage is synced down unless the local manifest equals the stored one (it is written last,
+        after the download, so it marks a complete copy); a folder of ``loose`` (one without a manifest, like
+        the base model) is synced file by file (size and digest)."""
         for stage in stages:
-            if stage == "base_model":
-                self.s3.download_dir(self._remote(stage), self.root / stage, markers=MARKERS)
-                continue
-            remote = self.read_manifest(stage)
-            if remote is None:
+            stored = self.read_manifest(stage)
+            if stored is None:
                 continue
             local = self.manifest_path(stage)
-            if local.is_file() and json.loads(local.read_text()) == remote:
+            if local.is_file() and json.loads(local.read_text()) == stored:
                 continue
             local.unlink(missing_ok=True)
-            self.s3.download_dir(
-                self._remote(stage), self.root / stage, delete=True, markers=MARKERS, exclude=(MANIFEST,)
-            )
-            _write_atomic(local, json.dumps(remote, indent=2, sort_keys=True, default=str))
+            self.store.sync_down(stage, delete=True, markers=MARKERS, exclude=(MANIFEST,))
+            write_atomic(local, _dumps(stored))
+        for folder in loose:
+            self.store.sync_down(folder, markers=MARKERS)
 
     # ------------------------------------------------------------------ run-level files
     def write_text(self, name: str, text: str) -> None:
-        """A file at the workspace root (config.yaml, run.json), written atomically; on S3 uploaded too."""
-        _write_atomic(self.root / name, text)
-        if self.uri is not None:
-            self.s3.put_bytes(text.encode(), self._remote(name))
+        """A file at the workspace root (config.yaml, run.json), written atomically through the store."""
+        self.store.write(name, text.encode())
 
     def read_text(self, name: str) -> str | None:
-        """A file at the workspace root, None when absent (on S3: read from S3)."""
-        if self.uri is not None:
-            try:
-                return self.s3.get_bytes(self._remote(name)).decode()
-            except s3.S3NoSuchBucketError:
-                raise
-            except s3.S3NotFoundError:
-                return None
-        path = self.root / name
-        return path.read_text() if path.is_file() else None
+        """A file at the workspace root as the store holds it (on S3: read from S3), None when absent."""
+        data = self.store.read(name)
+        return None if data is None else data.decode()

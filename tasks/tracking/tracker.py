@@ -26,6 +26,7 @@ from mlflow.entities import Metric, Param, RunTag
 from mlflow.tracking import MlflowClient
 
 from grpoflow.tasks.config import PipelineConfig
+from grpoflow.tasks.storage.store import LocalStore
 from grpoflow.tasks.storage.workspace import join_location, local_dir
 from grpoflow.tasks.tracking import run_meta
 from grpoflow.tasks.tracking.run_meta import omitted
@@ -375,11 +376,7 @@ def record_stage_run(root: Path, stage: str, entry: dict[str, str], ws=None) -> 
     if ws is not None:
         ws.write_text(STAGE_RUNS, text)
         return
-    path = root / STAGE_RUNS
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(text)
-    os.replace(tmp, path)
+    LocalStore(root).write(STAGE_RUNS, text.encode())
 
 
 def reopen_stage_run(client: MlflowClient, root: Path, stage: str, key: str | None, ws=None):

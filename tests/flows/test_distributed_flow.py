@@ -241,7 +241,7 @@ def test_continuous_cycles_on_two_processes_with_an_s3_workspace(tmp_path, seawe
 
     from grpoflow.tasks.storage import s3
 
-    written = [o["uri"] for o in s3.S3Store().list_objects(f"{state_dir}/cycles/")]
+    written = [o["uri"] for o in s3.S3Client().list_objects(f"{state_dir}/cycles/")]
     assert len([u for u in written if u.endswith("/grpo/manifest.json")]) == 2, written  # both cycles' GRPO, on S3
     client = MlflowClient(f"sqlite:///{tmp_path / 'runs' / 'mlflow.db'}")
     exp = client.get_experiment_by_name("grpoflow")

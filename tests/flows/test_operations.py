@@ -133,7 +133,7 @@ def test_a_cycle_keeps_its_state_on_s3(tmp_path, seaweedfs, monkeypatch):
     for k, v in seaweedfs.env().items():
         monkeypatch.setenv(k, v)
     monkeypatch.chdir(tmp_path)
-    store = s3.S3Store()
+    store = s3.S3Client()
     source = f"s3://{seaweedfs.bucket}/landing-{tmp_path.name}"
     store.put_bytes(json.dumps({"prompt": "no question column"}).encode() + b"\n", f"{source}/bad.jsonl")
     (tmp_path / "heldout.jsonl").write_text(json.dumps({"question": "What is 1 + 1?", "answer": "2"}) + "\n")

@@ -20,7 +20,7 @@ from grpoflow.tasks.storage import s3
 from grpoflow.tasks.storage.workspace import MANIFEST, STAGES
 from tests.paths import MICRO
 
-STORE = s3.S3Store()  # the default storage settings: endpoint and credentials from the AWS environment variables
+STORE = s3.S3Client()  # the default storage settings: endpoint and credentials from the AWS environment variables
 SLOW_REWARD = """
 import time
 

@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 
 from grpoflow.tasks.grpo.checkpoint import list_checkpoints
-from grpoflow.tasks.storage.s3 import S3Store
+from grpoflow.tasks.storage.s3 import S3Client
 from tests.paths import MICRO
 from tests.servers import SeaweedMini
 
@@ -71,13 +71,13 @@ def _start(tmp_path: Path, weed: SeaweedMini, name: str, *overrides: str, args=(
     return proc, Path(log.name)
 
 
-def _store(weed: SeaweedMini, monkeypatch) -> S3Store:
+def _store(weed: SeaweedMini, monkeypatch) -> S3Client:
     for k, v in weed.server.env().items():
         monkeypatch.setenv(k, v)
-    return S3Store()
+    return S3Client()
 
 
-def _kill_after_checkpoint(proc, store: S3Store, ws: str, log: Path, step: int = 2) -> None:
+def _kill_after_checkpoint(proc, store: S3Client, ws: str, log: Path, step: int = 2) -> None:
     marker = f"{ws}/grpo/checkpoints/checkpoint-{step}/trainer_state.json"  # uploaded last
     deadline = time.time() + 300
     while not store.exists(marker):
@@ -86,7 +86,7 @@ def _kill_after_checkpoint(proc, store: S3Store, ws: str, log: Path, step: int =
         time.sleep(0.2)
 
 
-def _remote_checkpoints(store: S3Store, ws: str) -> list[int]:
+def _remote_checkpoints(store: S3Client, ws: str) -> list[int]:
     names = [o["uri"] for o in store.list_objects(f"{ws}/grpo/checkpoints/")]
     return sorted(int(m[1]) for u in names if (m := re.search(r"checkpoint-(\d+)/trainer_state\.json$", u)))
 

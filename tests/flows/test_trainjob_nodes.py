@@ -154,10 +154,10 @@ def test_a_failing_rank_on_node_1_is_the_stage_error(tmp_path, monkeypatch, seaw
 
 def s3_checkpoints(ws: Workspace) -> dict[str, set[str]]:
     """The files of each checkpoint folder of the GRPO stage on S3, by folder name."""
-    prefix = ws.uri + "/grpo/checkpoints/"
+    prefix = "grpo/checkpoints/"
     found: dict[str, set[str]] = {}
-    for obj in ws.s3.list_objects(prefix):
-        folder, name = obj["uri"][len(prefix) :].split("/", 1)
+    for entry in ws.store.list(prefix):
+        folder, name = entry.name[len(prefix) :].split("/", 1)
         found.setdefault(folder, set()).add(name)
     return found
 

@@ -78,7 +78,7 @@ def test_s3_prefix_source_lists_fetches_and_gathers(seaweedfs, monkeypatch, tmp_
 
     for k, v in seaweedfs.env().items():
         monkeypatch.setenv(k, v)
-    store = s3.S3Store(StorageConfig(cache_dir=str(tmp_path / "cache")))
+    store = s3.S3Client(StorageConfig(cache_dir=str(tmp_path / "cache")))
     prefix = f"s3://{seaweedfs.bucket}/incoming-{tmp_path.name}"
     a = write(tmp_path / "a.jsonl", [{"question": "What is 1 + 2?", "answer": "3"}])
     b = write(tmp_path / "b.jsonl", [{"question": "What is 2 + 2?", "answer": "4"}])

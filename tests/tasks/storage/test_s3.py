@@ -30,7 +30,7 @@ def env(seaweedfs, monkeypatch, tmp_path):
 @pytest.fixture
 def store(env, tmp_path):
     """S3 with the default settings and a cache folder of the test's own (the endpoint comes from the env)."""
-    return s3.S3Store(StorageConfig(cache_dir=str(tmp_path / "cache")))
+    return s3.S3Client(StorageConfig(cache_dir=str(tmp_path / "cache")))
 
 
 def _uri(server, *parts: str) -> str:
@@ -98,7 +98,7 @@ def test_round_trip_and_listing_over_pages(env, tmp_path, store):
 
 
 def test_multipart_upload_above_the_threshold(env, tmp_path, monkeypatch):
-    store = s3.S3Store(StorageConfig(multipart_threshold_mb=5, multipart_chunksize_mb=5, cache_dir=str(tmp_path)))
+    store = s3.S3Client(StorageConfig(multipart_threshold_mb=5, multipart_chunksize_mb=5, cache_dir=str(tmp_path)))
     big = tmp_path / "big.bin"
     big.write_bytes(os.urandom(11 * s3.MiB + 123))
     uri = _uri(env, "multipart", "big.bin")
@@ -159,7 +159,7 @@ def test_wrong_and_missing_credentials(env, monkeypatch, tmp_path, store):
 
 def test_unreachable_endpoint_names_it(env, monkeypatch):
     dead = f"http://127.0.0.1:{free_port()}"
-    store = s3.S3Store(StorageConfig(endpoint_url=dead, max_attempts=2))
+    store = s3.S3Client(StorageConfig(endpoint_url=dead, max_attempts=2))
     with pytest.raises(s3.S3Error, match=f"s3://bkt/k: cannot reach the S3 endpoint {dead}"):
         store.get_json("s3://bkt/k")
 
@@ -184,7 +184,7 @@ def test_storage_section_and_credentials_are_rejected_in_config():
 
 # ------------------------------------------------------------------------------------------ workspace
 def _keys(prefix_uri: str) -> set[str]:
-    return {o["uri"][len(prefix_uri) + 1 :] for o in s3.S3Store().list_objects(prefix_uri + "/")}
+    return {o["uri"][len(prefix_uri) + 1 :] for o in s3.S3Client().list_objects(prefix_uri + "/")}
 
 
 def test_s3_workspace_publishes_files_then_the_manifest(env, tmp_path, monkeypatch, store):
@@ -210,32 +210,30 @@ def test_s3_workspace_publishes_files_then_the_manifest(env, tmp_path, monkeypat
     summary = {"model_path": str(final), "steps": 2}
 
     # a crash in the middle of the upload publishes nothing: the manifest goes up last
-    real_upload, real_put = s3.S3Store.upload_file, s3.S3Store.put_bytes
+    client = s3.s3_client(ws2.store.settings)  # the client the workspace's transfers use (one per settings)
     order: list[str] = []
 
-    def crashing_upload(self, path, dest, **kw):
-        if len(order) == 1:
+    def put(params, **kw):  # every PutObject the workspace sends, before it goes out
+        uri = f"s3://{params['Bucket']}/{params['Key']}"
+        if crash and uri.endswith("/final/config.json"):
             raise OSError("injected crash")
-        order.append(dest)
-        return real_upload(self, path, dest, **kw)
+        order.append(uri)
 
-    monkeypatch.setattr(s3.S3Store, "upload_file", crashing_upload)
-    with pytest.raises(OSError, match="injected crash"):
+    crash = True
+    client.meta.events.register("before-parameter-build.s3.PutObject", put)
+    try:
+        with pytest.raises(OSError, match="injected crash"):
+            ws2.publish("grpo", "k1", summary)
+        assert ws2.read_manifest("grpo") is None and ws2.completed("grpo", "k1") is None
+        assert "final/adapter.safetensors" in _keys(f"{uri}/grpo")  # the file that made it before the crash
+
+        crash = False
+        order.clear()
         ws2.publish("grpo", "k1", summary)
-    assert ws2.read_manifest("grpo") is None and ws2.completed("grpo", "k1") is None
-    assert "final/adapter.safetensors" in _keys(f"{uri}/grpo")  # the file that made it before the crash
-
-    def recorded(real):  # the real call, its destination noted
-        return lambda self, src, dest, **kw: (order.append(dest), real(self, src, dest, **kw))[1]
-
-    order.clear()
-    monkeypatch.setattr(s3.S3Store, "upload_file", recorded(real_upload))
-    monkeypatch.setattr(s3.S3Store, "put_bytes", recorded(real_put))
-    ws2.publish("grpo", "k1", summary)
+    finally:
+        client.meta.events.unregister("before-parameter-build.s3.PutObject", put)
     # the retry uploads only what is missing, then the manifest (with key and summary), once
     assert order == [f"{uri}/grpo/final/config.json", f"{uri}/grpo/{MANIFEST}"]
-    monkeypatch.setattr(s3.S3Store, "upload_file", real_upload)
-    monkeypatch.setattr(s3.S3Store, "put_bytes", real_put)
 
     # the stored summary's paths follow the workspace into any cache
     ws3 = Workspace(uri, StorageConfig(cache_dir=str(tmp_path / "c3")))

@@ -9,7 +9,7 @@ import pytest
 
 from grpoflow.tasks.config.storage import StorageConfig
 from grpoflow.tasks.storage import s3
-from grpoflow.tasks.storage.s3 import S3AccessError, S3Error, S3Store
+from grpoflow.tasks.storage.s3 import S3AccessError, S3Client, S3Error
 from grpoflow.tasks.storage.uploads import StorageOutage, UploadQueue, backoff_s, retry_outage
 from grpoflow.tasks.storage.workspace import Workspace
 from tests.servers import SeaweedMini
@@ -137,7 +137,7 @@ def test_checkpoints_queued_during_a_real_outage_reach_s3_in_order(weed, tmp_pat
     settings = StorageConfig(cache_dir=str(tmp_path / "cache"), max_attempts=1)
     ws = Workspace(f"s3://{weed.server.bucket}/runs/q", settings)
     folder = ws.stage_dir("grpo") / "checkpoints"
-    q = UploadQueue(ws.s3.where, budget_s=60, max_pending=3, backoff_cap_s=2)
+    q = UploadQueue(ws.store.where, budget_s=60, max_pending=3, backoff_cap_s=2)
     pushed = []
 
     def submit(step):
@@ -158,10 +158,10 @@ def test_checkpoints_queued_during_a_real_outage_reach_s3_in_order(weed, tmp_pat
         q.drain()
     outage = time.monotonic() - t0
     assert pushed == ["checkpoint-1", "checkpoint-2", "checkpoint-3", "checkpoint-4"]
-    assert f"S3 endpoint {ws.s3.where} unreachable (" in caplog.text
-    assert f"S3 endpoint {ws.s3.where} answers again after" in caplog.text
-    store = S3Store(settings)
-    keys = {o["uri"].rsplit("/checkpoints/", 1)[1]: o for o in store.list_objects(f"{ws.uri}/grpo/checkpoints/")}
+    assert f"S3 endpoint {ws.store.where} unreachable (" in caplog.text
+    assert f"S3 endpoint {ws.store.where} answers again after" in caplog.text
+    store = S3Client(settings)
+    keys = {o["uri"].rsplit("/checkpoints/", 1)[1]: o for o in store.list_objects(f"{ws.location}/grpo/checkpoints/")}
     assert sorted(keys) == [
         f"checkpoint-{n}/{f}" for n in (3, 4) for f in ("adapter_model.safetensors", "trainer_state.json")
     ]
@@ -210,7 +210,7 @@ def test_a_silent_endpoint_fails_the_upload_within_the_budget_and_a_few_seconds(
     """Without the attempt bound, one attempt alone waited botocore's read timeout (120 s) times max_attempts (5)."""
     monkeypatch.setenv("AWS_ACCESS_KEY_ID", "k")
     monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "s")
-    store = S3Store(StorageConfig(endpoint_url=silent_endpoint, cache_dir=str(tmp_path / "cache"), max_attempts=5))
+    store = S3Client(StorageConfig(endpoint_url=silent_endpoint, cache_dir=str(tmp_path / "cache"), max_attempts=5))
     budget = 4.0
     t0 = time.monotonic()
     with pytest.raises(StorageOutage) as err:

@@ -1,0 +1,154 @@
+"""The run workspace (tasks/storage/workspace.py) on both stores: a local folder and S3 (a real SeaweedFS server).
+The same calls, the same outcomes; where the stores differ it is only in what a second machine (an empty cache)
+sees."""
+
+import json
+import shutil
+import uuid
+
+import pytest
+
+from grpoflow.tasks.config.storage import StorageConfig
+from grpoflow.tasks.storage.store import LocalStore
+from grpoflow.tasks.storage.workspace import ATTEMPT, MANIFEST, Workspace, join_location, local_dir, reroot
+
+
+@pytest.fixture
+def env(seaweedfs, monkeypatch):
+    for k, v in seaweedfs.env().items():
+        monkeypatch.setenv(k, v)
+    return seaweedfs
+
+
+@pytest.fixture(params=["local", "s3"])
+def location(request, tmp_path) -> str:
+    if request.param == "local":
+        return str(tmp_path / "runs" / "r1")
+    server = request.getfixturevalue("env")
+    return f"s3://{server.bucket}/ws/{uuid.uuid4().hex[:8]}/r1"
+
+
+def _open(location: str, cache) -> Workspace:
+    return Workspace(location, StorageConfig(cache_dir=str(cache)))
+
+
+def _is_local(ws: Workspace) -> bool:
+    return isinstance(ws.store, LocalStore)
+
+
+def test_publish_completed_and_forget(location, tmp_path):
+    ws = _open(location, tmp_path / "c1")
+    assert ws.location == location.rstrip("/") and ws.root == ws.store.local_root and ws.root.is_dir()
+    assert repr(ws) == f"Workspace({ws.location!r})"
+    ws.begin("sft", "k1")
+    model = ws.stage_dir("sft") / "model"
+    model.mkdir()
+    (model / "weights.bin").write_bytes(b"w" * 64)
+    (ws.stage_dir("base_model") / "config.json").write_text("{}")
+    summary = {"model_path": str(model), "steps": 3}
+    path = ws.publish("sft", "k1", summary, also=("base_model", "absent"), record={"note": "n"})
+    assert path == ws.root / "sft" / MANIFEST and json.loads(path.read_text())["note"] == "n"
+    assert ws.completed("sft", "k1") == summary and ws.completed("sft", "k2") is None
+    manifest = ws.read_manifest("sft")
+    assert manifest["key"] == "k1" and manifest["root"] == str(ws.root) and manifest["stage"] == "sft"
+
+    # another machine (for S3 an empty cache): the summary's paths follow the workspace into its root
+    other = _open(location, tmp_path / "c2")
+    assert other.completed("sft", "k1") == {"model_path": str(other.root / "sft" / "model"), "steps": 3}
+    other.fetch(("sft",), loose=("base_model",))
+    assert (other.root / "sft" / "model" / "weights.bin").read_bytes() == b"w" * 64
+    assert (other.root / "base_model" / "config.json").read_text() == "{}"  # published with sft (``also``)
+
+    ws.forget(("sft",))
+    assert ws.read_manifest("sft") is None and other.read_manifest("sft") is None
+    assert json.loads(ws.store.read(f"sft/{ATTEMPT}"))["key"] == "k1"  # the attempt is kept
+    ws.forget(("sft",), attempts=True)
+    assert ws.store.read(f"sft/{ATTEMPT}") is None
+
+
+def test_begin_empties_a_folder_of_another_key_and_keeps_one_of_the_same(location, tmp_path):
+    ws = _open(location, tmp_path / "c1")
+    ws.begin("grpo", "k1")
+    ckpt = ws.stage_dir("grpo") / "checkpoints" / "checkpoint-1"
+    ckpt.mkdir(parents=True)
+    (ckpt / "trainer_state.json").write_text("{}")
+    ws.push("grpo", "checkpoints")
+
+    again = _open(location, tmp_path / "c2")  # the same key, on another machine: the attempt's files come along
+    again.begin("grpo", "k1")
+    assert (again.root / "grpo/checkpoints/checkpoint-1/trainer_state.json").read_text() == "{}"
+    assert json.loads(again.store.read(f"grpo/{ATTEMPT}"))["key"] == "k1"
+
+    again.begin("grpo", "k2")  # another key: emptied, in the store and locally
+    assert sorted(p.name for p in (again.root / "grpo").iterdir()) == [ATTEMPT]
+    assert [e.name for e in again.store.list("grpo/")] == [f"grpo/{ATTEMPT}"]
+    ws.begin("grpo", "k2")  # the first machine's copy of k1 goes too
+    assert sorted(p.name for p in (ws.root / "grpo").iterdir()) == [ATTEMPT]
+
+
+def test_fetch_restores_a_deleted_cache_and_moves_nothing_when_current(location, tmp_path):
+    ws = _open(location, tmp_path / "c1")
+    ws.begin("data", "k")
+    (ws.stage_dir("data") / "train.jsonl").write_text("row\n")
+    ws.publish("data", "k", {"train": str(ws.root / "data" / "train.jsonl")})
+    if not _is_local(ws):
+        shutil.rmtree(ws.root)  # the mirror is a cache
+    fresh = _open(location, tmp_path / "c1")
+    fresh.fetch(("data", "sft"))  # sft was never published: skipped
+    assert (fresh.root / "data" / "train.jsonl").read_text() == "row\n"
+    assert json.loads((fresh.root / "data" / MANIFEST).read_text()) == fresh.read_manifest("data")
+    mtime = (fresh.root / "data" / "train.jsonl").stat().st_mtime_ns
+    fresh.fetch(("data",))
+    assert (fresh.root / "data" / "train.jsonl").stat().st_mtime_ns == mtime
+
+
+def test_run_level_files(location, tmp_path):
+    ws = _open(location, tmp_path / "c1")
+    assert ws.read_text("run.json") is None
+    ws.write_text("run.json", '{"a": 1}')
+    assert _open(location, tmp_path / "c2").read_text("run.json") == '{"a": 1}'
+    assert (ws.root / "run.json").read_text() == '{"a": 1}'
+    assert not [p for p in ws.root.iterdir() if p.name.endswith(".tmp")]
+
+
+def test_checkpoints_are_pruned_to_the_newest_complete_ones(location, tmp_path):
+    ws = _open(location, tmp_path / "c1")
+    folder = ws.stage_dir("grpo") / "checkpoints"
+    for step in (1, 2, 3, 4):
+        (folder / f"checkpoint-{step}").mkdir(parents=True)
+        (folder / f"checkpoint-{step}" / "model.bin").write_text(str(step))
+        if step != 3:  # checkpoint-3 never got its marker: incomplete
+            (folder / f"checkpoint-{step}" / "trainer_state.json").write_text("{}")
+        ws.push_checkpoint("grpo", "checkpoints", f"checkpoint-{step}")
+    kept = {e.name.split("/")[2] for e in ws.store.list("grpo/checkpoints/")}
+    assert kept == {"checkpoint-2", "checkpoint-4"}  # the newest two complete; the incomplete 3 below 4 goes too
+    shutil.rmtree(folder / "checkpoint-2")  # the trainer pruned it locally meanwhile: no error either way
+    ws.push_checkpoint("grpo", "checkpoints", "checkpoint-4")
+
+
+def test_reroot_and_locations(tmp_path, env):
+    assert reroot({"a": ["/old/x", "/older"], "b": 1}, "/old", "/new") == {"a": ["/new/x", "/older"], "b": 1}
+    assert local_dir(tmp_path / "x") == (tmp_path / "x").resolve()
+    assert local_dir("s3://bkt/runs/r1", tmp_path) == tmp_path.resolve() / "bkt" / "runs" / "r1"
+    assert join_location("s3://bkt/runs", "r1") == "s3://bkt/runs/r1"
+    assert join_location(tmp_path, "r1") == str(tmp_path.resolve() / "r1")
+
+
+def test_local_pruning_by_the_trainer_and_a_queued_job_do_not_race_into_an_error(tmp_path):
+    """For a local workspace a checkpoint job prunes the very folders the trainer prunes: whichever removes a file
+    first, the other goes on."""
+    import threading
+
+    ws = _open(str(tmp_path / "r"), tmp_path / "cache")
+    folder = ws.stage_dir("grpo") / "checkpoints"
+    for step in (1, 2, 3):
+        ckpt = folder / f"checkpoint-{step}"
+        (ckpt / "shards").mkdir(parents=True)
+        for i in range(300):
+            (ckpt / "shards" / f"{i}.bin").write_text("x")
+        (ckpt / "trainer_state.json").write_text("{}")
+    trainer = threading.Thread(target=shutil.rmtree, args=(folder / "checkpoint-1",), kwargs={"ignore_errors": True})
+    trainer.start()
+    ws.push_checkpoint("grpo", "checkpoints", "checkpoint-3")
+    trainer.join()
+    assert sorted(p.name for p in folder.iterdir()) == ["checkpoint-2", "checkpoint-3"]
