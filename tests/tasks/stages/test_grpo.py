@@ -106,7 +106,7 @@ def test_a_stage_with_a_checkpoint_resumes_from_it_unless_told_not_to(tmp_path, 
     again = cfg.model_copy(update={"grpo": cfg.grpo.model_copy(update={"resume": resume})})
     s = setup_grpo(again, ws, RunLogger.disabled(), None, Comm())
     trainer, uploads = build_trainer(again, ws, RunLogger.disabled(), s, Comm(), node_mirrors=False)
-    assert uploads is None  # a local workspace uploads nothing
+    assert uploads.pending() == [] and uploads.done == ["checkpoint-1"]  # what the folder held when it began
     if resume == "auto":
         assert trainer.step == 1 and trainer.history == history[:1]
     else:
