@@ -1,32 +1,18 @@
-"""The code_tests reward and its sandbox: extraction, hostile programs contained and counted, HumanEval problems
-scored by their canonical solutions, the reward through score_completions, and the refusal without isolation."""
+"""Tests for tasks/rewards/code.py: the code_tests reward: extraction, hostile programs scored 0 and counted,
+HumanEval problems scored by their canonical solutions, the reward through score_completions, the refusal
+without isolation, and the reward with the data stage, the trainer, evaluation and `grpoflow validate`. The
+sandbox's own containment is tested in test_sandbox.py."""
 
 from __future__ import annotations
 
 import json
-import os
-import socket
 
 import pytest
 
-from grpoflow.tasks.config import CodeRewardConfig
-from grpoflow.tasks.rewards import (
-    CodeTests,
-    build_program,
-    extract_program,
-    resolve_reward_funcs,
-    sandbox,
-    score_completions,
-)
-
-# allow_unsafe: the containment tests also run where bwrap cannot isolate (each says what it needs). FAST has
-# room for a busy machine where a result must be a pass; SHORT ends the programs that only a timeout ends.
-FAST = CodeRewardConfig(
-    timeout_s=20, cpu_s=1, memory_mb=256, max_processes=8, max_output_bytes=4096, workers=2, allow_unsafe=True
-)
-SHORT = FAST.model_copy(update={"timeout_s": 1.5})
-LIMITS, SHORT_LIMITS = CodeTests(FAST).limits, CodeTests(SHORT).limits
-SECRET = "GRPOFLOW_TEST_SECRET"
+from grpoflow.tasks.rewards import sandbox
+from grpoflow.tasks.rewards.code import CodeTests, build_program, extract_program
+from grpoflow.tasks.rewards.scoring import resolve_reward_funcs, score_completions
+from tests.tasks.rewards.test_sandbox import FAST, HOSTILE, SHORT
 
 
 def test_extract_program_takes_the_last_fence_then_answer_then_text() -> None:
@@ -43,37 +29,6 @@ def test_build_program_prefixes_a_python_question_only() -> None:
     assert build_program("Write add(a, b).", "def add(a, b): return a + b", "T").startswith("def add")
 
 
-# (program, statuses it may end in); every one must score 0 and leave the test process and its files alone
-HOSTILE = {
-    "infinite_loop": ("while True:\n    pass", {"cpu_limit", "timeout"}),
-    "sleep_forever": ("import time\ntime.sleep(1000)", {"timeout"}),
-    "fork_bomb": (
-        "import os\nwhile True:\n    try:\n        os.fork()\n    except OSError:\n        pass",
-        {"timeout", "cpu_limit", "killed"},
-    ),
-    "memory_bomb": ("x = []\nwhile True:\n    x.append(bytearray(10**7))", {"memory"}),
-    "huge_output": ("while True:\n    print('x' * 1000)", {"output_limit"}),
-    "exit_early": ("import os\nos._exit(0)", {"failed"}),
-    "sys_exit_zero": ("import sys\nsys.exit(0)", {"failed"}),
-    # a program that looks like a sandbox failure still scores 0, not None (not scored)
-    "fake_sandbox_error": ("import os, sys\nsys.stderr.write('bwrap: cannot start\\n')\nos._exit(5)", {"failed"}),
-}
-
-
-def _processes_of(uid: int) -> list[int]:
-    """Live processes of ``uid`` (zombies are dead: killed, waiting for init to reap them)."""
-    pids = []
-    for entry in os.listdir("/proc"):
-        try:
-            with open(f"/proc/{entry}/status") as f:
-                fields = dict(line.split(":", 1) for line in f if ":" in line)
-        except OSError:
-            continue
-        if int(fields.get("Uid", "-1").split()[0]) == uid and not fields.get("State", "").strip().startswith("Z"):
-            pids.append(int(entry))
-    return pids
-
-
 @pytest.mark.parametrize("name", sorted(HOSTILE))
 def test_hostile_program_is_contained_and_counted(name: str) -> None:
     program, statuses = HOSTILE[name]
@@ -82,73 +37,6 @@ def test_hostile_program_is_contained_and_counted(name: str) -> None:
     assert scores == [0.0]
     assert sum(reward.reasons.values()) == 1
     assert set(reward.reasons) <= statuses, reward.reasons
-
-
-def test_program_cannot_kill_the_trainer_or_read_its_secrets(monkeypatch: pytest.MonkeyPatch, tmp_path) -> None:
-    if sandbox.isolation() != "bwrap" and os.geteuid() != 0:
-        pytest.skip("rlimits only, not root: the program has the trainer's uid and could signal it")
-    monkeypatch.setenv(SECRET, "hunter2")
-    outside = tmp_path / "pwned.txt"
-    kill = f"import os, signal\ntry:\n    os.kill({os.getpid()}, signal.SIGKILL)\nexcept OSError as e:\n    print(e)"
-    r = sandbox.run_python(kill + "\nprint('after kill')", LIMITS)
-    assert r.passed and "after kill" in r.stdout  # the kill failed and the test process is still here
-    r = sandbox.run_python(
-        "import os\nprint(sorted(os.environ))\n"
-        "for p in ('/proc/1/environ', f'/proc/{os.getppid()}/environ'):\n"
-        "    try:\n        print(open(p).read())\n    except OSError as e:\n        print(type(e).__name__)",
-        LIMITS,
-    )
-    assert r.passed and SECRET not in r.stdout and "hunter2" not in r.stdout
-    r = sandbox.run_python(f"open({str(outside)!r}, 'w').write('x')", LIMITS)
-    assert r.status == "failed" and not outside.exists()
-    r = sandbox.run_python("open('inside.txt', 'w').write('x')\nprint(open('inside.txt').read())", LIMITS)
-    assert r.passed and r.stdout.strip() == "x"
-    assert not os.path.exists(r.workdir)  # the private folder is removed
-
-
-def test_no_network_in_the_sandbox() -> None:
-    if sandbox.isolation() != "bwrap":
-        pytest.skip("bwrap cannot create namespaces here: the sandbox has no network isolation")
-    server = socket.socket()
-    server.bind(("127.0.0.1", 0))
-    server.listen(1)
-    port = server.getsockname()[1]
-    try:
-        r = sandbox.run_python(
-            f"import socket\ns = socket.create_connection(('127.0.0.1', {port}), timeout=1)\nprint('connected')",
-            LIMITS,
-        )
-    finally:
-        server.close()
-    assert r.status == "failed" and "connected" not in r.stdout and "ConnectionRefused" in r.stderr
-
-
-@pytest.mark.parametrize("mode", ["bwrap", "rlimits"])
-def test_a_fork_bomb_leaves_no_process(mode: str) -> None:
-    if mode == "bwrap" and sandbox.isolation() != "bwrap":
-        pytest.skip("bwrap cannot create namespaces here")
-    spawn = "import os, time\nfor _ in range(5):\n    if os.fork() == 0:\n        time.sleep(60)\n"
-    r = sandbox.run_python(spawn + "time.sleep(60)", SHORT_LIMITS, mode=mode)
-    assert r.status == "timeout"
-    if os.geteuid() == 0:  # each run has its own uid: nothing of it is left
-        assert r.uid != 0 and _processes_of(r.uid) == []
-
-
-def test_a_child_that_leaves_the_session_is_killed_too_as_root() -> None:
-    """rlimits mode has no pid namespace: a setsid() child escapes the process group, but not the run's uid."""
-    if os.geteuid() != 0:
-        pytest.skip("not root: runs keep the caller's uid")
-    escape = "import os, time\nif os.fork() == 0:\n    os.setsid()\n    time.sleep(60)\n"
-    r = sandbox.run_python(escape, SHORT_LIMITS, mode="rlimits")
-    assert r.status == "passed"  # the parent returned at once; its child was still sleeping
-    assert r.uid != 0 and _processes_of(r.uid) == []
-
-
-def test_rlimits_mode_contains_the_bombs() -> None:
-    for program in (HOSTILE["memory_bomb"][0], HOSTILE["huge_output"][0], HOSTILE["infinite_loop"][0]):
-        r = sandbox.run_python(program, SHORT_LIMITS, mode="rlimits")
-        assert r.status in {"memory", "output_limit", "cpu_limit", "timeout"}, r
-        assert not os.path.exists(r.workdir)
 
 
 def _humaneval(n: int) -> list[dict]:

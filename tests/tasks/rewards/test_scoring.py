@@ -1,4 +1,5 @@
-"""Tests for tasks/rewards.py: the GSM8K reward set, import-path resolution, scoring."""
+"""Tests for tasks/rewards/scoring.py: the built-in names, import-path resolution and its signature checks,
+scoring a batch, misbehaving rewards refused by name, the reward timeout and unscored rounds."""
 
 from __future__ import annotations
 
@@ -7,147 +8,15 @@ import textwrap
 
 import pytest
 
-from grpoflow.tasks.rewards import (
+from grpoflow.tasks.rewards.scoring import (
     BUILTIN_REWARDS,
-    completion_text,
-    correctness,
-    count_xml,
-    extract_xml_answer,
-    int_answer,
-    parse_number,
-    proximity,
+    RewardError,
+    UnscoredRounds,
     resolve_reward_funcs,
     score_completions,
-    soft_format,
-    strict_format,
-    xmlcount,
 )
-
-GOOD = "<reasoning>\n48 / 2 = 24\n48 + 24 = 72\n</reasoning>\n<answer>\n72\n</answer>\n"
-WRONG = "<reasoning>\n48 + 48 = 96\n</reasoning>\n<answer>\n96\n</answer>\n"
-NO_TAGS = "The answer is 72."
-UNCLOSED = "<reasoning>\nthinking\n</reasoning>\n<answer>\n72"
-SQUASHED = "<reasoning>48+24=72</reasoning> <answer>72</answer>"
-
-
-def conv(text: str) -> list[dict[str, str]]:
-    return [{"role": "assistant", "content": text}]
-
-
-def call(fn, completions, answers=None):
-    kwargs = {} if answers is None else {"answer": answers}
-    return fn(prompts=[None] * len(completions), completions=completions, **kwargs)
-
-
-# ---------------------------------------------------------------------------- helpers
-def test_completion_text_forms():
-    assert completion_text("abc") == "abc"
-    assert completion_text(conv("abc")) == "abc"
-    assert completion_text({"role": "assistant", "content": "abc"}) == "abc"
-    parts = [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]
-    assert completion_text([{"role": "assistant", "content": parts}]) == "ab"
-    with pytest.raises(TypeError):
-        completion_text(42)  # type: ignore[arg-type]
-
-
-def test_extract_xml_answer():
-    assert extract_xml_answer(GOOD) == "72"
-    assert extract_xml_answer(SQUASHED) == "72"
-    assert extract_xml_answer("<answer>1</answer> then <answer> 2 </answer>") == "2"
-    assert extract_xml_answer(NO_TAGS) is None
-    assert extract_xml_answer(UNCLOSED) is None
-    assert extract_xml_answer("</answer> only") is None
-
-
-@pytest.mark.parametrize(
-    "s, expected",
-    [("72", 72.0), (" 72.0 ", 72.0), ("1,000", 1000.0), ("-3.5", -3.5), ("$18", 18.0), (".5", 0.5), ("1e3", 1000.0)],
-)
-def test_parse_number(s, expected):
-    assert parse_number(s) == expected
-
-
-@pytest.mark.parametrize("s", [None, "", "abc", "72 apples", "nan", "inf", "1/2", "--3"])
-def test_parse_number_rejects(s):
-    assert parse_number(s) is None
-
-
-# ---------------------------------------------------------------------------- built-ins
-def test_correctness():
-    completions = [GOOD, WRONG, NO_TAGS, UNCLOSED, SQUASHED]
-    assert call(correctness, completions, ["72"] * 5) == [2.0, 0.0, 0.0, 0.0, 2.0]
-
-
-def test_correctness_numeric_and_string_compare():
-    comps = ["<answer>72.0</answer>", "<answer>1,000</answer>", "<answer>  Paris </answer>", "<answer>paris</answer>"]
-    assert call(correctness, comps, ["72", "1000", "Paris", "Paris"]) == [2.0, 2.0, 2.0, 0.0]
-
-
-def test_correctness_conversational():
-    assert call(correctness, [conv(GOOD), conv(WRONG)], ["72", "72"]) == [2.0, 0.0]
-
-
-def test_correctness_needs_answer_column():
-    with pytest.raises(ValueError, match="'answer' column"):
-        call(correctness, [GOOD])
-
-
-def test_int_answer():
-    comps = [GOOD, "<answer>-5</answer>", "<answer>7.5</answer>", "<answer>seven</answer>", NO_TAGS, conv(GOOD)]
-    assert call(int_answer, comps) == [0.5, 0.5, 0.0, 0.0, 0.0, 0.5]
-
-
-def test_strict_format():
-    comps = [GOOD, GOOD.rstrip("\n"), WRONG, SQUASHED, NO_TAGS, "junk\n" + GOOD, GOOD + "trailing", conv(GOOD)]
-    assert call(strict_format, comps) == [0.5, 0.5, 0.5, 0.0, 0.0, 0.0, 0.0, 0.5]
-
-
-def test_soft_format():
-    comps = [GOOD, SQUASHED, "preamble " + SQUASHED, NO_TAGS, UNCLOSED, "<answer>1</answer><reasoning>x</reasoning>"]
-    assert call(soft_format, comps) == [0.5, 0.5, 0.5, 0.0, 0.0, 0.0]
-
-
-def _notebook_count_xml(text: str) -> float:
-    # Verbatim from the Unsloth / willccbb GSM8K GRPO notebook.
-    count = 0.0
-    if text.count("<reasoning>\n") == 1:
-        count += 0.125
-    if text.count("\n</reasoning>\n") == 1:
-        count += 0.125
-    if text.count("\n<answer>\n") == 1:
-        count += 0.125
-        count -= len(text.split("\n</answer>\n")[-1]) * 0.001
-    if text.count("\n</answer>") == 1:
-        count += 0.125
-        count -= (len(text.split("\n</answer>")[-1]) - 1) * 0.001
-    return count
-
-
-def test_xmlcount_values():
-    assert count_xml(GOOD) == pytest.approx(0.5)
-    assert count_xml(GOOD + "abc") == pytest.approx(0.5 - 0.003 - 0.003)
-    assert count_xml(NO_TAGS) == 0.0
-    assert count_xml(SQUASHED) == 0.0
-    assert count_xml("<reasoning>\nx\n</reasoning>\n") == pytest.approx(0.25)
-
-
-@pytest.mark.parametrize("text", [GOOD, WRONG, NO_TAGS, UNCLOSED, SQUASHED, GOOD + "extra", GOOD.rstrip("\n"), ""])
-def test_xmlcount_matches_notebook(text):
-    assert call(xmlcount, [text, conv(text)]) == [pytest.approx(_notebook_count_xml(text))] * 2
-
-
-def test_proximity():
-    comps = ["<answer>100</answer>", "<answer>90</answer>", "<answer>250</answer>", "<answer>-</answer>", NO_TAGS]
-    assert call(proximity, comps, ["100"] * 5) == [1.0, pytest.approx(0.9), 0.0, 0.0, 0.0]
-
-
-def test_proximity_small_gold_and_non_numeric_gold():
-    out = call(
-        proximity,
-        ["<answer>0.5</answer>", "<answer>Paris</answer>", conv("<answer>1,000</answer>")],
-        ["0", "Paris", "1000"],
-    )
-    assert out == [pytest.approx(0.5), None, 1.0]
+from grpoflow.tasks.rewards.text import correctness
+from tests.tasks.rewards.test_text import GOOD, WRONG, conv
 
 
 def test_builtin_registry_names():
@@ -306,8 +175,6 @@ def bad_plugin(tmp_path, monkeypatch):
     ],
 )
 def test_misbehaving_rewards_are_refused_naming_function_and_sample(bad_plugin, fn, match):
-    from grpoflow.tasks.rewards import RewardError
-
     funcs = resolve_reward_funcs([f"{bad_plugin}:{fn}"])
     with pytest.raises(RewardError, match=match):
         score_completions(funcs, ["p", "p"], ["right", "wrong"], {})
@@ -361,8 +228,6 @@ def test_cli_validate_checks_rewards_and_non_finite_numbers(bad_plugin, tmp_path
 def test_reward_timeout_names_the_function(tmp_path, monkeypatch):
     import time
 
-    from grpoflow.tasks.rewards import RewardError
-
     def sleepy(prompts, completions, **kwargs):
         time.sleep(5)
         return [1.0] * len(completions)
@@ -396,11 +261,9 @@ def test_reward_timeout_names_the_function(tmp_path, monkeypatch):
 
 
 def test_unscored_rounds_warn_naming_the_reward_and_count(caplog):
-    from grpoflow.tasks.rewards import UnscoredRounds
-
     u = UnscoredRounds()
     nan = float("nan")
-    with caplog.at_level("WARNING", logger="grpoflow.tasks.rewards"):
+    with caplog.at_level("WARNING", logger="grpoflow.tasks.rewards.scoring"):
         first = u.update(["nothing", "fine"], [[nan, nan], [1.0, nan]])
         second = u.update(["nothing", "fine"], [[nan, nan], [nan, nan]])
     assert first == {"rewards/nothing/unscored_rounds": 1.0}  # a reward that scored is not charted

@@ -1,0 +1,101 @@
+"""The ``code_tests`` reward: the completion's program (:func:`extract_program`), prefixed with the question when
+that is Python source and followed by the row's tests (:func:`build_program`), runs in the sandbox
+(:mod:`grpoflow.tasks.rewards.sandbox`); it scores 1.0 when the tests pass."""
+
+from __future__ import annotations
+
+import ast
+import logging
+import re
+from collections import Counter
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+from grpoflow.tasks.config import CodeRewardConfig
+from grpoflow.tasks.rewards import sandbox
+from grpoflow.tasks.rewards.text import completion_text, extract_xml_answer, gold_answers
+
+log = logging.getLogger(__name__)
+
+_FENCE = re.compile(r"```[ \t]*(?:python3?|py)?[ \t]*\n(.*?)(?:```|\Z)", re.DOTALL | re.IGNORECASE)
+
+
+def extract_program(text: str) -> str:
+    """The code of a completion: the last fenced block (```python, ```py or a bare ```; an unclosed last fence
+    runs to the end), else the inside of the last <answer>...</answer>, else the whole text."""
+    blocks = _FENCE.findall(text)
+    if blocks:
+        return blocks[-1]
+    answer = extract_xml_answer(text)
+    return answer if answer is not None else text
+
+
+def _is_code(text: str) -> bool:
+    try:
+        tree = ast.parse(text)
+    except (SyntaxError, ValueError):
+        return False
+    return any(isinstance(n, (ast.FunctionDef, ast.ClassDef, ast.Import, ast.ImportFrom)) for n in tree.body)
+
+
+def build_program(question: str | None, code: str, tests: str) -> str:
+    """What the sandbox runs: [the question, when it is Python source (HumanEval's signature + docstring, so a
+    completion that is only the body still runs)] + the completion's code + the row's tests. A completion that
+    writes the whole function redefines it after the question's stub."""
+    head = question if question and _is_code(question) else ""
+    if head and not head.endswith("\n"):
+        head += "\n"
+    return f"{head}{code}\n\n{tests}\n"
+
+
+class CodeTests:
+    """The ``code_tests`` reward: 1.0 when the completion's program passes the row's tests (the ``answer``
+    column: Python that raises on a failure) in the sandbox (:mod:`grpoflow.tasks.rewards.sandbox`), 0.0 when it
+    fails, raises, or hits a limit, None when the sandbox itself could not start. ``reasons`` counts the outcome
+    of every program run (passed, failed, timeout, cpu_limit, memory, output_limit, killed, sandbox_error)."""
+
+    __name__ = "code_tests"
+
+    def __init__(self, cfg: CodeRewardConfig | None = None) -> None:
+        self.cfg = cfg or CodeRewardConfig()
+        c = self.cfg
+        self.limits = sandbox.Limits(c.timeout_s, c.cpu_s, c.memory_mb, c.max_processes, c.max_output_bytes, c.tmpfs_mb)
+        self.reasons: Counter[str] = Counter()
+        self._unreported: Counter[str] = Counter()
+
+    def take_counts(self) -> dict[str, float]:
+        """The outcomes counted since the last call (the trainer logs them per step as rewards/<name>/<outcome>)."""
+        counts = {k: float(v) for k, v in sorted(self._unreported.items())}
+        self._unreported.clear()
+        return counts
+
+    def check_isolation(self) -> str:
+        """The isolation in force; ValueError when it is rlimits only and code_reward.allow_unsafe is off."""
+        mode = sandbox.isolation()
+        if mode != "bwrap" and not self.cfg.allow_unsafe:
+            raise ValueError(
+                "reward 'code_tests': bwrap cannot isolate programs on this machine (see the log); set "
+                "grpo.code_reward.allow_unsafe=true to run them with rlimits only (no network or PID isolation)"
+            )
+        return mode
+
+    def __call__(self, prompts: list[Any], completions: list[Any], **kwargs: Any) -> list[float | None]:
+        tests = gold_answers(kwargs, len(completions), "code_tests")
+        questions = kwargs.get("question") or [None] * len(completions)
+        mode = self.check_isolation()
+        programs = [
+            build_program(q, extract_program(completion_text(c)), t)
+            for q, c, t in zip(questions, completions, tests, strict=True)
+        ]
+        with ThreadPoolExecutor(max_workers=self.cfg.workers, thread_name_prefix="code-sandbox") as pool:
+            results = list(pool.map(lambda p: sandbox.run_python(p, self.limits, mode), programs))
+        batch = Counter(r.status for r in results)
+        self.reasons.update(batch)
+        self._unreported.update(batch)
+        log.info("code_tests: %d programs (%s isolation): %s", len(results), mode, dict(sorted(batch.items())))
+        return [None if r.status == "sandbox_error" else float(r.passed) for r in results]
+
+
+def code_tests(prompts: list[Any], completions: list[Any], **kwargs: Any) -> list[float | None]:
+    """:class:`CodeTests` with the default grpo.code_reward settings."""
+    return CodeTests()(prompts, completions, **kwargs)
