@@ -40,17 +40,9 @@ from typing import Any
 from grpoflow.tasks.config.storage import StorageConfig
 from grpoflow.tasks.storage import s3
 
-STAGES = ("data", "sft", "grpo", "eval", "export")
 MANIFEST = "manifest.json"
 ATTEMPT = "attempt.json"
 MARKERS = ("trainer_state.json",)  # a GRPO checkpoint is complete when it holds this: uploaded last, deleted first
-
-
-def stages_from(stage: str) -> tuple[str, ...]:
-    """``stage`` and every stage after it."""
-    if stage not in STAGES:
-        raise ValueError(f"unknown stage {stage!r}; expected one of {STAGES}")
-    return STAGES[STAGES.index(stage) :]
 
 
 DEFAULT_CACHE_DIR = StorageConfig().cache_dir
@@ -109,8 +101,8 @@ class Workspace:
         return s3.join_uri(self.uri, *parts)
 
     def stage_dir(self, stage: str) -> Path:
-        if stage not in STAGES and stage != "base_model":
-            raise ValueError(f"unknown stage {stage!r}; expected one of {STAGES}")
+        if not re.fullmatch(r"[a-z][a-z0-9_]*", stage):  # a stage's folder name (tasks/pipeline/spec.py)
+            raise ValueError(f"stage {stage!r}: not a stage folder name")
         path = self.root / stage
         path.mkdir(parents=True, exist_ok=True)
         return path
@@ -119,15 +111,15 @@ class Workspace:
         return self.root / stage / MANIFEST
 
     # ------------------------------------------------------------------ publishing a stage
-    def publish(self, stage: str, key: str, summary: dict[str, Any]) -> Path:
+    def publish(self, stage: str, key: str, summary: dict[str, Any], record: dict[str, Any] | None = None) -> Path:
         """Publish a finished stage, once (the stage shell, tasks/pipeline/shell.py, calls it): on S3 upload its
         files first (and the base model's, for sft/grpo), then write its manifest (the key and the summary) last,
-        atomically."""
+        atomically. ``record``: more of the manifest's body (the stage's fingerprint)."""
         if self.uri is not None:
             self.push(stage)
             if stage in ("sft", "grpo") and (self.root / "base_model").is_dir():
                 self.push("base_model")
-        return self._write_manifest(stage, {"key": key, "summary": summary})
+        return self._write_manifest(stage, {**(record or {}), "key": key, "summary": summary})
 
     def _write_manifest(self, stage: str, payload: dict[str, Any]) -> Path:
         body = {"stage": stage, "finished_at": time.time(), **payload, "root": str(self.root)}
