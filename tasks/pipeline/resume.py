@@ -62,7 +62,8 @@ def changes(old: dict[str, Any], new: dict[str, Any]) -> list[str]:
         out += _file_changes(label, old_c.get(label) or {}, new_c.get(label) or {})
     if not out:
         up_old, up_new = old.get("upstream", {}), new.get("upstream", {})
-        out = [f"upstream {s} reruns" for s in up_new if up_old.get(s) != up_new[s]]
+        out = [f"upstream {s} reruns" for s in up_new if s in up_old and up_old[s] != up_new[s]]
+        out += [f"upstream is now {s}" for s in up_new if s not in up_old]
         out += [f"upstream {s} no longer feeds it" for s in up_old if s not in up_new]
     return out or ["its key changed (the fingerprint format differs)"]
 
