@@ -155,14 +155,6 @@ def cmd_run(args) -> int:
 def cmd_resume(args) -> int:
     """Rerun the pipeline in RUN_DIR with its config.yaml (+ overrides): complete stages whose key matches are
     skipped; --from-stage first forgets that stage and every later one (manifest and files), so they rerun."""
-    from grpoflow.flows.stages import PIPELINE
-    from grpoflow.tasks.pipeline.resume import explain
-    from grpoflow.tasks.storage.workspace import Workspace
-
-    stages = PIPELINE
-    if args.from_stage is not None and args.from_stage not in stages.names:
-        names = ", ".join(stages.names)
-        raise ConfigError(f"--from-stage: unknown stage {args.from_stage!r}; expected one of {names}")
     missing = f"{args.run_dir}: no config.yaml; RUN_DIR must be a run workspace (<output_dir>/<name>)"
     if s3.is_s3_uri(args.run_dir):  # read config.yaml with the endpoint of the env or of storage.* overrides
         run_dir = s3.join_uri(args.run_dir)
@@ -184,9 +176,18 @@ def cmd_resume(args) -> int:
     cfg = load_config(str(config), list(args.overrides))
     # the workspace is RUN_DIR wherever it now lies (its MLflow store, by default, beside it)
     cfg = cfg.model_copy(update={"run": cfg.run.model_copy(update={"name": name, "output_dir": parent})})
-    forget = stages.stages_from(args.from_stage) if args.from_stage else ()
+    timeline.mark("config_loaded")
+    _setup_env(cfg)  # PREFECT_HOME and logging, before the stage modules below import Prefect
+    from grpoflow.flows.stages import PIPELINE
+    from grpoflow.tasks.pipeline.resume import explain
+    from grpoflow.tasks.storage.workspace import Workspace
+
+    if args.from_stage is not None and args.from_stage not in PIPELINE.names:
+        names = ", ".join(PIPELINE.names)
+        raise ConfigError(f"--from-stage: unknown stage {args.from_stage!r}; expected one of {names}")
+    forget = PIPELINE.stages_from(args.from_stage) if args.from_stage else ()
     ws = Workspace(run_dir, cfg.storage)
-    print_reruns(explain(stages, cfg, ws, forget))
+    print_reruns(explain(PIPELINE, cfg, ws, forget))  # the config, files and code each stage that reruns sees
     return _run_pipeline(cfg, lambda: ws.forget(forget, attempts=True))
 
 
