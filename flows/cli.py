@@ -155,10 +155,6 @@ def cmd_run(args) -> int:
 def cmd_resume(args) -> int:
     """Rerun the pipeline in RUN_DIR with its config.yaml (+ overrides): complete stages whose key matches are
     skipped; --from-stage first forgets that stage and every later one (manifest and files), so they rerun."""
-    from grpoflow.tasks.storage.workspace import STAGES, Workspace, stages_from
-
-    if args.from_stage is not None and args.from_stage not in STAGES:
-        raise ConfigError(f"--from-stage: unknown stage {args.from_stage!r}; expected one of {', '.join(STAGES)}")
     missing = f"{args.run_dir}: no config.yaml; RUN_DIR must be a run workspace (<output_dir>/<name>)"
     if s3.is_s3_uri(args.run_dir):  # read config.yaml with the endpoint of the env or of storage.* overrides
         run_dir = s3.join_uri(args.run_dir)
@@ -180,8 +176,28 @@ def cmd_resume(args) -> int:
     cfg = load_config(str(config), list(args.overrides))
     # the workspace is RUN_DIR wherever it now lies (its MLflow store, by default, beside it)
     cfg = cfg.model_copy(update={"run": cfg.run.model_copy(update={"name": name, "output_dir": parent})})
-    forget = stages_from(args.from_stage) if args.from_stage else ()
-    return _run_pipeline(cfg, lambda: Workspace(run_dir, cfg.storage).forget(forget, attempts=True))
+    timeline.mark("config_loaded")
+    _setup_env(cfg)  # PREFECT_HOME and logging, before the stage modules below import Prefect
+    from grpoflow.flows.stages import PIPELINE
+    from grpoflow.tasks.pipeline.resume import explain
+    from grpoflow.tasks.storage.workspace import Workspace
+
+    if args.from_stage is not None and args.from_stage not in PIPELINE.names:
+        names = ", ".join(PIPELINE.names)
+        raise ConfigError(f"--from-stage: unknown stage {args.from_stage!r}; expected one of {names}")
+    forget = PIPELINE.stages_from(args.from_stage) if args.from_stage else ()
+    ws = Workspace(run_dir, cfg.storage)
+    print_reruns(explain(PIPELINE, cfg, ws, forget))  # the config, files and code each stage that reruns sees
+    return _run_pipeline(cfg, lambda: ws.forget(forget, attempts=True))
+
+
+def print_reruns(reruns: dict[str, list[str]]) -> None:
+    """What `grpoflow resume` reruns and why (tasks/pipeline/resume.py explain), before the flow starts."""
+    if not reruns:
+        print("resume: every stage is complete with its current key; nothing reruns")
+    for stage, why in reruns.items():
+        for line in why:
+            print(f"resume: {stage} reruns: {line}")
 
 
 def cmd_compare(args) -> int:

@@ -20,6 +20,7 @@ import time
 import yaml
 from prefect import flow, runtime
 
+from grpoflow.flows.stages import PIPELINE
 from grpoflow.tasks.config import PipelineConfig
 from grpoflow.tasks.pipeline.resume import open_pipeline_run
 from grpoflow.tasks.stages.data import data_task
@@ -30,7 +31,7 @@ from grpoflow.tasks.stages.sft import sft_task
 from grpoflow.tasks.storage.workspace import Workspace
 from grpoflow.tasks.tracking import timeline
 from grpoflow.tasks.tracking.registry import register_pipeline_model
-from grpoflow.tasks.tracking.run_meta import describe
+from grpoflow.tasks.tracking.run_meta import describe_pipeline
 from grpoflow.tasks.tracking.tracker import NOTE, end_run, run_url, unsent
 
 log = logging.getLogger(__name__)
@@ -48,7 +49,8 @@ def log_timeline(parent, result: dict) -> dict[str, float]:
     """The run's time outside the training loops so far, as metrics on the parent run (startup/*, stage/*,
     stage_overhead/*, run/*); a loop counts only when it ran in this process (a skipped stage's did not)."""
     m = timeline.marks()
-    loops = {s: result[s]["seconds"] for s in ("sft", "grpo") if result.get(s) and f"{s}/loop_start" in m}
+    trains = [s.name for s in PIPELINE.specs if s.trains]
+    loops = {s: result[s]["seconds"] for s in trains if result.get(s) and f"{s}/loop_start" in m}
     metrics = timeline.timeline_metrics(m, timeline.process_start_time(), time.time(), loops)
     parent.log_metrics(metrics)
     return metrics
@@ -64,9 +66,11 @@ def grpo_pipeline(config: PipelineConfig, workspace: str, init_model: str | None
     cfg = config
     ws = Workspace(workspace, cfg.storage)
     ws.write_text("config.yaml", yaml.safe_dump(cfg.to_dict(), sort_keys=False))  # what `grpoflow resume` reads
-    parent = open_pipeline_run(cfg, ws, tags={"prefect_flow_run_id": runtime.flow_run.id, "workspace": ws.location})
+    names = PIPELINE.names
+    tags = {"prefect_flow_run_id": runtime.flow_run.id, "workspace": ws.location}
+    parent = open_pipeline_run(cfg, ws, tags={**tags, NOTE: describe_pipeline(cfg, names, None)})
     timeline.mark("parent_run_open")
-    args = (cfg, ws.location, parent.run_id)
+    args = (PIPELINE, cfg, ws.location, parent.run_id)
     url = run_url(parent.client, parent.run_id)  # now: the server answered the run's creation a moment ago
     ok = False
     try:
@@ -108,7 +112,7 @@ def grpo_pipeline(config: PipelineConfig, workspace: str, init_model: str | None
                 result["registry"] = registered.__dict__
         elif cfg.tracking.register_model and cfg.export.enabled:
             log.warning("MLflow tracking does not answer: the model is not registered; `grpoflow resume` does it")
-        parent.set_tags({NOTE: describe(cfg, "pipeline", result.get("eval"))})
+        parent.set_tags({NOTE: describe_pipeline(cfg, names, result.get("eval"))})
         result["timeline"] = log_timeline(parent, result)
         ok = True
         return result

@@ -11,10 +11,15 @@ from datasets import Dataset
 from grpoflow.tasks.storage.workspace import Workspace
 
 
+def split_path(ws_or_path: Workspace | str | Path, split: str) -> Path:
+    """Where the data stage saves a split: <workspace>/data/<split>."""
+    root = ws_or_path.root if isinstance(ws_or_path, Workspace) else Path(ws_or_path)
+    return root / "data" / split
+
+
 def load_split(ws_or_path: Workspace | str | Path, split: str) -> Dataset:
     """The saved <workspace>/data/<split> ('train' or 'eval')."""
-    root = ws_or_path.root if isinstance(ws_or_path, Workspace) else Path(ws_or_path)
-    path = root / "data" / split
+    path = split_path(ws_or_path, split)
     if not path.is_dir():
         raise FileNotFoundError(f"no prepared {split!r} split at {path}: run the data stage first")
     ds = datasets.load_from_disk(str(path))

@@ -14,8 +14,6 @@ correction); otherwise old_logp = logp.detach() and the ratio is exactly 1.
 
 from __future__ import annotations
 
-import hashlib
-import json
 import logging
 import math
 import shutil
@@ -27,6 +25,7 @@ from pathlib import Path
 import torch
 
 from grpoflow.tasks.config import GRPOConfig
+from grpoflow.tasks.config.fingerprint import config_digest
 from grpoflow.tasks.generation.types import SamplingParams
 from grpoflow.tasks.grpo import checkpoint, dist_checkpoint
 from grpoflow.tasks.grpo.advantages import combine_rewards, decoupled_advantages, group_advantages, nanstd
@@ -144,10 +143,12 @@ class GRPOTrainer:
         self.entropy = EntropyControl.from_config(cfg)  # None: no entropy bonus
         self.perm_rng = torch.Generator().manual_seed(seed)
         self.round: Round | None = None
-        # what a checkpoint must agree with to be resumed (run length and logging may change)
-        same = {"max_steps", "save_steps", "logging_steps", "log_completions", "resume", "reward_timeout_s"}
-        hashed = cfg.model_dump(mode="json", exclude=same)
-        self.config_hash = hashlib.sha256(json.dumps(hashed, sort_keys=True).encode()).hexdigest()[:16]
+        # what a checkpoint must agree with to be resumed: the grpo section's digest without the fields that cannot
+        # change a result (tasks/config/fingerprint.py, the digest the stage keys use) and without max_steps: the
+        # learning-rate schedule is built from it, but a trainer asked to go further on the same checkpoints folder
+        # (max_steps raised) should continue from its newest checkpoint rather than refuse it. (In the pipeline the
+        # stage key includes max_steps: a changed value reruns the stage in an emptied folder, tasks/pipeline/shell.py)
+        self.config_hash = config_digest(cfg, exclude=frozenset({"max_steps"}))[:16]
         self.step = 0
         self.micro_step = 0
         self.num_tokens = 0

@@ -1,31 +1,14 @@
-"""Resuming a pipeline run: stage keys, and the one MLflow parent run of a workspace.
+"""Resuming a pipeline run: what reruns and why, and the one MLflow parent run of a workspace.
 
-A stage's key is a sha256 over everything its result depends on (config sections and upstream keys):
-
-    key(stage) = sha256(json({"stage": stage, "config": {path: value for path in DEPENDS[stage]},
-                              "upstream": key(upstream(stage))}, sort_keys=True))
-
-    data        run.seed, data, model.name              (not the tokenizer: the data stage does not tokenize)
-    sft         data key;  run.seed, model, sft
-    grpo        sft key (the data key when sft is disabled);  run.seed, model, grpo, generation, and
-                the distributed keys that change the result (nproc_per_node, nnodes: the world size sets TRL's
-                generation batch; strategy; seed_by_row), each only where it differs from its default
-    eval        grpo key;  eval
-    export      grpo key;  export, eval.max_new_tokens  (the length of the verification decode)
-    base_model  data key;  run.seed, model.name, model.revision, model.tiny  (the tiny model built from the data)
-
-Left out, since they do not change a result: run.name, run.output_dir, run.torch_threads, tracking.*,
-storage.*, sft.logging_steps, grpo.{save_steps, logging_steps, log_completions, resume, reward_timeout_s},
-generation.{torch_threads, batch_size}, distributed.{backend, timeout_s, node_rank, rdzv_endpoint, master_addr,
-master_port, launcher, trainjob} (where the processes run, not what they compute). A section in SPARSE
-contributes only its keys that differ from their defaults, so a run on one process keeps the key it had before
-the section existed. A key hashes the config only: not the content of a local or S3 data.source file, nor the
-code version. A changed key changes every downstream key.
+A stage is complete when its manifest holds its current key (tasks/pipeline/fingerprint.py: config sections,
+upstream keys, and the content of the data files, local model folder and reward modules it reads). The manifest
+records the fingerprint the key was made from, so :func:`explain` can say, for each stage that reruns, what
+changed: config values (old -> new), a file (size or hash), a reward module's code, an upstream stage that
+reruns, or that there is no complete earlier attempt.
 """
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 from typing import Any
@@ -33,86 +16,82 @@ from typing import Any
 import yaml
 
 from grpoflow.tasks.config import PipelineConfig
-from grpoflow.tasks.config.distributed import DistributedConfig
-from grpoflow.tasks.storage.workspace import STAGES, Workspace
+from grpoflow.tasks.pipeline.fingerprint import fingerprints, key_of
+from grpoflow.tasks.pipeline.spec import Pipeline
+from grpoflow.tasks.storage.workspace import Workspace
 from grpoflow.tasks.tracking.tracker import RunLogger, flatten, logger_for, start_pipeline_run, tracking_uri
 
 log = logging.getLogger(__name__)
-
-DEPENDS: dict[str, tuple[str, ...]] = {
-    "data": ("run.seed", "data", "model.name"),
-    "sft": ("run.seed", "model", "sft"),
-    "grpo": ("run.seed", "model", "grpo", "generation", "distributed"),
-    "eval": ("eval",),
-    "export": ("export", "eval.max_new_tokens"),
-    "base_model": ("run.seed", "model.name", "model.revision", "model.tiny"),
-}
-IGNORED = frozenset(
-    {
-        "sft.logging_steps",
-        "grpo.save_steps",
-        "grpo.logging_steps",
-        "grpo.log_completions",
-        "grpo.resume",
-        "grpo.reward_timeout_s",
-        "generation.torch_threads",
-        "generation.batch_size",
-        "model.cache_dir",
-        "distributed.backend",
-        "distributed.timeout_s",
-        "distributed.node_rank",
-        "distributed.rdzv_endpoint",
-        "distributed.master_addr",
-        "distributed.master_port",
-        "distributed.launcher",
-        "distributed.trainjob",
-    }
-)
-SPARSE = {"distributed": DistributedConfig}
 RUN_FILE = "run.json"
 
 
-def upstream(stage: str, cfg: dict[str, Any]) -> str | None:
-    if stage == "data":
-        return None
-    if stage in ("sft", "base_model"):
-        return "data"
-    if stage == "grpo":
-        return "sft" if cfg["sft"]["enabled"] else "data"
-    return "grpo"
+def _short(value: Any) -> str:
+    text = json.dumps(value, sort_keys=True, default=str)
+    return text if len(text) <= 60 else text[:57] + "..."
 
 
-def config_part(stage: str, cfg: dict[str, Any]) -> dict[str, Any]:
-    """The config values ``stage`` depends on, by dotted path (IGNORED keys removed; a SPARSE section's keys only
-    where they differ from the default, and the section left out when none does)."""
-    part = {}
-    for path in DEPENDS[stage]:
-        value: Any = cfg
-        for name in path.split("."):
-            value = value.get(name) if isinstance(value, dict) else None
-        if isinstance(value, dict):
-            value = {k: v for k, v in value.items() if f"{path}.{k}" not in IGNORED}
-        if path in SPARSE:
-            default = SPARSE[path]().model_dump(mode="json")
-            value = {k: v for k, v in (value or {}).items() if v != default.get(k)}
-            if not value:
+def _file_changes(label: str, old: dict[str, Any], new: dict[str, Any]) -> list[str]:
+    """What differs between two {file: digest} maps of one content label."""
+    code = label.startswith("reward ")
+    out = []
+    for name in sorted(set(old) | set(new)):
+        a, b = old.get(name), new.get(name)
+        if a == b:
+            continue
+        if code:
+            out.append(f"code: {label.removeprefix('reward ')} (reward module, {name}) changed")
+        elif a is None or b is None:
+            out.append(f"file: {label} {name} {'added' if a is None else 'removed'}")
+        else:
+            what = [k for k in ("size", "sha256", "mtime_ns", "etag") if a.get(k) != b.get(k)]
+            detail = ", ".join(f"{k} {_short(a.get(k))} -> {_short(b.get(k))}" for k in what)
+            out.append(f"file: {label} {name} changed ({detail})")
+    return out
+
+
+def changes(old: dict[str, Any], new: dict[str, Any]) -> list[str]:
+    """What differs between a stage's recorded fingerprint and its current one, one line per change; the
+    upstream stages last, and only when nothing of the stage's own changed."""
+    out = []
+    old_cfg, new_cfg = flatten(old.get("config", {})), flatten(new.get("config", {}))
+    for k in sorted(set(old_cfg) | set(new_cfg)):
+        if old_cfg.get(k) != new_cfg.get(k):
+            out.append(f"config: {k} {_short(old_cfg.get(k))} -> {_short(new_cfg.get(k))}")
+    old_c, new_c = old.get("content", {}), new.get("content", {})
+    for label in sorted(set(old_c) | set(new_c)):
+        out += _file_changes(label, old_c.get(label) or {}, new_c.get(label) or {})
+    if not out:
+        up_old, up_new = old.get("upstream", {}), new.get("upstream", {})
+        out = [f"upstream {s} reruns" for s in up_new if s in up_old and up_old[s] != up_new[s]]
+        out += [f"upstream is now {s}" for s in up_new if s not in up_old]
+        out += [f"upstream {s} no longer feeds it" for s in up_old if s not in up_new]
+    return out or ["its key changed (the fingerprint format differs)"]
+
+
+def explain(pipeline: Pipeline, cfg: PipelineConfig, ws: Workspace, forget: tuple[str, ...] = ()) -> dict[str, list]:
+    """{stage: why it reruns} for each stage of ``pipeline`` that a run of ``cfg`` in ``ws`` does not skip, in run
+    order; stages in ``forget`` (``--from-stage``) rerun whatever they hold."""
+    fps = fingerprints(pipeline, cfg)
+    out: dict[str, list[str]] = {}
+    rerun: dict[str, None] = {}
+    for spec in pipeline.specs:
+        name, fp = spec.name, fps[spec.name]
+        if not spec.enabled(cfg):
+            continue
+        manifest = None if name in forget else ws.read_manifest(name)
+        if name in forget:
+            out[name] = ["--from-stage"]
+        elif manifest is None or "summary" not in manifest:
+            out[name] = ["no complete earlier attempt"]
+        elif manifest.get("key") == key_of(fp):
+            if not rerun:
                 continue
-        part[path] = value
-    return part
-
-
-def stage_key(stage: str, cfg: dict[str, Any], upstream_key: str | None) -> str:
-    body = {"stage": stage, "config": config_part(stage, cfg), "upstream": upstream_key}
-    return hashlib.sha256(json.dumps(body, sort_keys=True, default=str).encode()).hexdigest()
-
-
-def stage_keys(cfg: dict[str, Any]) -> dict[str, str]:
-    """The key of every stage (and of the tiny base model) of a resolved config dict (cfg.to_dict())."""
-    keys: dict[str, str] = {}
-    for stage in (*STAGES, "base_model"):
-        up = upstream(stage, cfg)
-        keys[stage] = stage_key(stage, cfg, keys[up] if up else None)
-    return keys
+            out[name] = [f"earlier stage {next(iter(rerun))} reruns (the stages after it rerun too)"]
+        else:
+            recorded = (manifest.get("fingerprint") or {}) if isinstance(manifest, dict) else {}
+            out[name] = changes(recorded, fp) if recorded else ["key changed (its manifest records no fingerprint)"]
+        rerun[name] = None
+    return out
 
 
 def open_pipeline_run(cfg: PipelineConfig, ws: Workspace, tags: dict[str, Any]) -> RunLogger:

@@ -5,13 +5,15 @@ Prefect; this wraps one in its nested MLflow run (named, tagged, with its settin
 inputs: tasks/tracking/run_info.py), samples system metrics around the training stages, and logs the summary it
 returns (results, description, the trained model as a logged model output).
 
-Resume: a stage whose manifest holds the stage's current key (tasks/pipeline/resume.py) is complete: its
+Resume: a stage whose manifest holds the stage's current key (tasks/pipeline/fingerprint.py) is complete: its
 stored summary is returned and nothing runs or is logged. Otherwise its manifest and every later
 stage's are removed, its folder is emptied when its last attempt had another key (a same-key attempt
 that was killed keeps its files: GRPO continues from its newest checkpoint), the stage runs and returns its
-summary, and this shell publishes the stage: its manifest, written once, holds the key and the summary (stage
-bodies write no manifest). On an S3 workspace the upstream stages' files are pulled
-into the local mirror first (tasks/storage/workspace.py), so a resume on an empty cache works.
+summary, and this shell publishes the stage: its manifest, written once, holds the key, the fingerprint it was
+made from (what `grpoflow resume` compares to say what changed) and the summary (stage bodies write no
+manifest). On an S3 workspace the upstream stages' files are pulled into the local mirror first
+(tasks/storage/workspace.py), so a resume on an empty cache works. What a stage is (its name, key sections,
+upstream, MLflow naming) comes from its StageSpec (tasks/pipeline/spec.py); this shell names no stage.
 """
 
 from __future__ import annotations
@@ -25,11 +27,13 @@ from typing import Any
 import torch
 
 from grpoflow.tasks.config import PipelineConfig
+from grpoflow.tasks.dataio.splits import split_path
 from grpoflow.tasks.pipeline.errors import StageError
-from grpoflow.tasks.pipeline.resume import stage_keys
-from grpoflow.tasks.storage.workspace import STAGES, Workspace, stages_from
+from grpoflow.tasks.pipeline.fingerprint import fingerprints, key_of
+from grpoflow.tasks.pipeline.spec import Pipeline, StageSpec
+from grpoflow.tasks.storage.workspace import Workspace
 from grpoflow.tasks.tracking.entities import system_metrics
-from grpoflow.tasks.tracking.run_info import TRAINING_STAGES, finish_run, prepare_run
+from grpoflow.tasks.tracking.run_info import finish_run, prepare_run
 from grpoflow.tasks.tracking.tracker import stage_run
 
 StageFn = Callable[..., dict[str, Any]]
@@ -48,40 +52,55 @@ def write_error_log(ws: Workspace, stage: str, exc: BaseException) -> Path:
     return path
 
 
-def publish(ws: Workspace, name: str, key: str, summary: dict[str, Any]) -> None:
-    """Write the stage's manifest (its key and summary), once; its files go up first (on S3: retried through an
-    outage within storage.outage_budget_s, a GRPO stage's final model is large), the manifest last."""
-    also = ("base_model",) if name in ("sft", "grpo") else ()  # the stages that may build the tiny base model
-    ws.store.guarded(lambda: ws.publish(name, key, summary, also=also), f"publishing {name}")
+def publish(ws: Workspace, spec: StageSpec, key: str, summary: dict[str, Any], record: dict[str, Any]) -> None:
+    """Write the stage's manifest (its key, its summary and ``record``: its fingerprint), once; its files go up
+    first, with the folders it writes that are keyed by their own spec (the tiny base model), on S3 retried through
+    an outage within storage.outage_budget_s (a GRPO stage's final model is large); the manifest last."""
+    also = tuple(w.name for w in spec.writes)
+    ws.store.guarded(lambda: ws.publish(spec.name, key, summary, also=also, record=record), f"publishing {spec.name}")
 
 
 def run_stage(
-    name: str, fn: StageFn, cfg: PipelineConfig, workspace_root: str, parent_run_id: str | None, **inputs: Any
+    pipeline: Pipeline,
+    spec: StageSpec,
+    fn: StageFn,
+    cfg: PipelineConfig,
+    workspace_root: str,
+    parent_run_id: str | None,
+    **inputs: Any,
 ) -> dict[str, Any]:
+    """Run stage ``spec`` of ``pipeline`` (its ordered stages) through ``fn``, or return its stored summary when
+    it is complete with its current key."""
+    name = spec.name
     ws = Workspace(workspace_root, cfg.storage)
-    keys = stage_keys(cfg.to_dict())
+    fps = fingerprints(pipeline, cfg)
+    keys = {k: key_of(fp) for k, fp in fps.items()}
     key = keys[name]
     stored = ws.completed(name, key)
     if stored is not None:
         log.info("stage %s: complete (key %s), skipped", name, key[:12])
         return stored
-    ws.forget(stages_from(name))
-    if upstream := STAGES[: STAGES.index(name)]:
-        ws.fetch(upstream, loose=("base_model",))  # S3: the upstream files this stage reads, when not local yet
+    ws.forget(pipeline.stages_from(name))
+    if upstream := pipeline.before(name):
+        # S3: the upstream files this stage reads, when not local yet (the loose folders have no manifest)
+        ws.fetch(upstream, loose=tuple(s.name for s in pipeline.loose))
     ws.begin(name, key)
-    if name in ("sft", "grpo"):  # the stages that may build the tiny base model from the data
-        ws.begin("base_model", keys["base_model"])
+    for folder in spec.writes:  # a folder this stage may write, keyed by its own spec (the tiny base model)
+        ws.begin(folder.name, keys[folder.name])
     log.info("stage %s: running (key %s)", name, key[:12])
     if cfg.run.torch_threads:
         torch.set_num_threads(cfg.run.torch_threads)
     try:
-        with stage_run(cfg, parent_run_id, name, ws.root, key, ws) as tracker:
-            prepare_run(tracker, cfg, ws, name)
-            with system_metrics(tracker if name in TRAINING_STAGES else None):
+        with stage_run(cfg, parent_run_id, spec, ws.root, key, ws) as tracker:
+            split_dirs = {}
+            if spec.upstream(cfg):  # a stage after the first reads the prepared splits
+                split_dirs = {s: split_path(ws, s) for s in ("train", *spec.splits)}
+            prepare_run(tracker, cfg, spec, split_dirs)
+            with system_metrics(tracker if spec.trains else None):
                 summary = fn(cfg, ws, tracker, **inputs)
-            finish_run(tracker, cfg, ws, name, summary)
+            finish_run(tracker, cfg, ws, spec, summary)
             summary["mlflow_run_id"] = tracker.run_id
-            publish(ws, name, key, summary)
+            publish(ws, spec, key, summary, record={"fingerprint": fps[name]})
             return summary
     except USER_ERRORS as e:
         path = write_error_log(ws, name, e)

@@ -34,8 +34,13 @@ from prefect import task
 from grpoflow.tasks.config import DataConfig, PipelineConfig, StorageConfig, resolve_eval_size
 from grpoflow.tasks.dataio.rows import FEATURES, columns, detect_format, generate_arithmetic, map_rows
 from grpoflow.tasks.dataio.sources import BUILTIN_SOURCE, HUMANEVAL_SOURCE, load_source, looks_like_file, row_locator
+from grpoflow.tasks.dataio.splits import split_path
+from grpoflow.tasks.pipeline.fingerprint import data_files
 from grpoflow.tasks.pipeline.shell import run_stage
+from grpoflow.tasks.pipeline.spec import Pipeline, StageSpec
 from grpoflow.tasks.storage.workspace import Workspace
+from grpoflow.tasks.tracking.entities import split_dataset
+from grpoflow.tasks.tracking.run_meta import short_dataset
 from grpoflow.tasks.tracking.tracker import RunLogger
 
 log = logging.getLogger(__name__)
@@ -195,6 +200,31 @@ def _data_stage(cfg: PipelineConfig, ws: Workspace, tracker: RunLogger) -> dict[
     return summary
 
 
+def _result(s: dict[str, Any]) -> str:
+    if "train_rows" not in s:
+        return ""
+    return f"{s['train_rows']} train rows, {s['eval_rows']} eval rows ({s.get('skipped_rows', 0)} skipped)."
+
+
+def _log_digest(tracker: RunLogger, cfg: PipelineConfig, ws: Workspace, summary: dict[str, Any]) -> None:
+    """The prepared train split's digest as the run's dataset_digest param (the later stages log it up front)."""
+    path = split_path(ws, "train")
+    digest = split_dataset(str(path), f"{short_dataset(cfg.data.source)}-train").digest if path.is_dir() else None
+    tracker.log_params({"dataset_digest": digest})
+
+
+SPEC = StageSpec(
+    name="data",
+    keys=("run.seed", "data", "model.name"),  # not the tokenizer: this stage does not tokenize
+    reads=(data_files,),
+    description="Prepared the train and eval splits from {dataset}.",
+    param_sections=("data",),
+    name_parts=lambda cfg: (short_dataset(cfg.data.source),),
+    result=_result,
+    after=_log_digest,
+)
+
+
 @task(name="prepare-data")
-def data_task(cfg: PipelineConfig, workspace_root: str, parent_run_id: str | None = None) -> dict:
-    return run_stage("data", _data_stage, cfg, workspace_root, parent_run_id)
+def data_task(stages: Pipeline, cfg: PipelineConfig, workspace_root: str, parent_run_id: str | None = None) -> dict:
+    return run_stage(stages, SPEC, _data_stage, cfg, workspace_root, parent_run_id)

@@ -40,8 +40,11 @@ from grpoflow.tasks.generation.transformers_loop import TransformersGenerator
 from grpoflow.tasks.generation.types import SamplingParams
 from grpoflow.tasks.model.device import select_device
 from grpoflow.tasks.model.loading import load_causal_lm, load_tokenizer, load_with_adapter, prompt_ids
+from grpoflow.tasks.pipeline.fingerprint import reward_modules
 from grpoflow.tasks.pipeline.shell import run_stage
+from grpoflow.tasks.pipeline.spec import Pipeline, StageSpec
 from grpoflow.tasks.rewards import BUILTIN_REWARDS, resolve_reward_funcs, score_completions
+from grpoflow.tasks.stages.common import model_and_dataset
 from grpoflow.tasks.storage.workspace import Workspace
 from grpoflow.tasks.tracking.plots import plot_eval_report
 from grpoflow.tasks.tracking.progress import progress_bar
@@ -313,8 +316,32 @@ def save_report(report: dict, out, tracker: RunLogger) -> None:
     log.info("evaluation:\n%s", report_markdown(report))
 
 
+def _result(s: dict) -> str:
+    if "accuracy_after" not in s:
+        return ""
+    return (
+        f"Accuracy {s['accuracy_before']:.1%} before GRPO -> {s['accuracy_after']:.1%} after "
+        f"({s['rows']} held-out rows)."
+    )
+
+
+SPEC = StageSpec(
+    name="eval",
+    keys=("run.torch_threads", "generation.torch_threads", "eval"),
+    upstream=lambda cfg: ("grpo",),
+    enabled=lambda cfg: cfg.eval.enabled,
+    reads=(reward_modules,),  # it scores with the run's reward functions
+    splits=("eval",),
+    description="Held-out evaluation of the model before and after GRPO on {dataset}.",
+    param_sections=("eval",),
+    name_parts=model_and_dataset,
+    result=_result,
+)
+
+
 @task(name="evaluate")
 def eval_task(
+    stages: Pipeline,
     cfg: PipelineConfig,
     workspace_root: str,
     parent_run_id: str | None,
@@ -323,7 +350,8 @@ def eval_task(
     after_is_adapter: bool,
 ) -> dict:
     return run_stage(
-        "eval",
+        stages,
+        SPEC,
         run_eval,
         cfg,
         workspace_root,

@@ -45,7 +45,9 @@ from grpoflow.tasks.model.loading import (
 from grpoflow.tasks.model.save import save_merged
 from grpoflow.tasks.model.verify import compare_logprobs, logprob_tolerance, teacher_forced
 from grpoflow.tasks.pipeline.shell import run_stage
+from grpoflow.tasks.pipeline.spec import Pipeline, StageSpec
 from grpoflow.tasks.storage.workspace import Workspace
+from grpoflow.tasks.tracking.run_meta import short_model
 from grpoflow.tasks.tracking.tracker import RunLogger
 
 log = logging.getLogger(__name__)
@@ -170,8 +172,36 @@ def verify_batch(cfg: PipelineConfig, ws: Workspace, trained, tokenizer) -> tupl
     return prompts, completions, trained_logprobs
 
 
+def _result(s: dict) -> str:
+    kept = [k.removesuffix("_path") for k in ("adapter_path", "merged_path") if k in s]
+    kept += [f"gguf {t}" for t in s.get("gguf", {})]
+    if not kept:
+        return ""
+    result = "Wrote " + ", ".join(kept) + "."
+    if s.get("verify_max_logprob_gap") is not None:
+        result += (
+            f" Merged vs trained: log-prob gap {s['verify_max_logprob_gap']:.2g} (tolerance "
+            f"{s['verify_tolerance']:.2g}) on {s['verify_prompts']} prompts, greedy agreement "
+            f"{s['verify_greedy_agreement']:.0%}."
+        )
+    return result
+
+
+SPEC = StageSpec(
+    name="export",
+    keys=("run.torch_threads", "export", "eval.max_new_tokens"),  # eval.max_new_tokens: the verification decode
+    upstream=lambda cfg: ("grpo",),
+    enabled=lambda cfg: cfg.export.enabled,
+    description="Exported the trained model (adapter, merged weights, GGUF).",
+    param_sections=("export",),
+    name_parts=lambda cfg: (short_model(cfg.model.name),),
+    result=_result,
+)
+
+
 @task(name="export")
 def export_task(
+    stages: Pipeline,
     cfg: PipelineConfig,
     workspace_root: str,
     parent_run_id: str | None,
@@ -180,7 +210,8 @@ def export_task(
     is_adapter: bool,
 ) -> dict:
     return run_stage(
-        "export",
+        stages,
+        SPEC,
         run_export,
         cfg,
         workspace_root,

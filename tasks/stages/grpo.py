@@ -42,14 +42,17 @@ from grpoflow.tasks.model.loading import (
     load_trainable,
     train_dtypes,
 )
+from grpoflow.tasks.pipeline.fingerprint import model_files, reward_modules
 from grpoflow.tasks.pipeline.shell import run_stage
+from grpoflow.tasks.pipeline.spec import Pipeline, StageSpec
 from grpoflow.tasks.rewards import resolve_reward_funcs
-from grpoflow.tasks.stages.common import base_model_path
+from grpoflow.tasks.stages.common import BASE_MODEL, base_model_path, model_and_dataset, model_params
 from grpoflow.tasks.stages.grpo_launch import WORKER, launch_spec
 from grpoflow.tasks.storage.uploads import UploadQueue
 from grpoflow.tasks.storage.workspace import Workspace
 from grpoflow.tasks.tracking import timeline
 from grpoflow.tasks.tracking.plots import plot_learning_curves
+from grpoflow.tasks.tracking.run_meta import constant_metrics, fmt_lr
 from grpoflow.tasks.tracking.tracker import RunLogger
 
 log = logging.getLogger(__name__)
@@ -334,6 +337,46 @@ def dtype_name(model) -> str | None:
     return None if model is None else str(model.dtype).removeprefix("torch.")
 
 
+def _result(s: dict) -> str:
+    if s.get("final_reward") is None:
+        return ""
+    first = s.get("first_reward")
+    start = f"{first:.3f} -> " if first is not None else ""
+    return f"{s['steps']} steps, mean reward {start}{s['final_reward']:.3f}."
+
+
+def _params(cfg: PipelineConfig) -> dict:
+    """The resolved round layout (batching) and model.*."""
+    return {**cfg.grpo.batching(cfg.distributed.world_size).model_dump(), **model_params(cfg)}
+
+
+def _omit_constant(tracker: RunLogger, cfg: PipelineConfig) -> None:
+    """Metrics that cannot move at these settings are not logged; a tag on the run says why."""
+    tracker.omit_constant(constant_metrics(cfg))
+
+
+SPEC = StageSpec(
+    name="grpo",
+    # distributed: the world size sets the round's rows, strategy and seed_by_row what each process samples;
+    # its plumbing (addresses, ports, launcher) is IGNORED in tasks/config/fingerprint.py
+    keys=("run.seed", "run.torch_threads", "model", "grpo", "generation", "distributed"),
+    upstream=lambda cfg: ("sft",) if cfg.sft.enabled else ("data",),
+    reads=(model_files, reward_modules),
+    writes=(BASE_MODEL,),
+    splits=("train",),
+    trains=True,
+    description="GRPO training of {model} on {dataset} ({loss_type} loss, learning rate {lr}).",
+    param_sections=("grpo", "generation"),
+    name_parts=lambda cfg: (*model_and_dataset(cfg), cfg.grpo.loss_type, f"lr {fmt_lr(cfg.grpo.learning_rate)}"),
+    params=_params,
+    tags=lambda cfg: {"loss_type": cfg.grpo.loss_type},
+    result=_result,
+    before=_omit_constant,
+)
+
+
 @task(name="grpo")
-def grpo_task(cfg: PipelineConfig, workspace_root: str, parent_run_id: str | None, init_model: str | None) -> dict:
-    return run_stage("grpo", run_grpo, cfg, workspace_root, parent_run_id, init_model=init_model)
+def grpo_task(
+    stages: Pipeline, cfg: PipelineConfig, workspace_root: str, parent_run_id: str | None, init_model: str | None
+) -> dict:
+    return run_stage(stages, SPEC, run_grpo, cfg, workspace_root, parent_run_id, init_model=init_model)

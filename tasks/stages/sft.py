@@ -37,11 +37,14 @@ from grpoflow.tasks.model.loading import (
 from grpoflow.tasks.model.optim import build_optimizer, build_scheduler, clip_and_step
 from grpoflow.tasks.model.precision import train_precision
 from grpoflow.tasks.model.save import merge_into_16bit_base
+from grpoflow.tasks.pipeline.fingerprint import model_files
 from grpoflow.tasks.pipeline.shell import run_stage
-from grpoflow.tasks.stages.common import base_model_path
+from grpoflow.tasks.pipeline.spec import Pipeline, StageSpec
+from grpoflow.tasks.stages.common import BASE_MODEL, base_model_path, model_and_dataset, model_params
 from grpoflow.tasks.storage.workspace import Workspace
 from grpoflow.tasks.tracking import timeline
 from grpoflow.tasks.tracking.progress import progress_bar
+from grpoflow.tasks.tracking.run_meta import fmt_lr
 from grpoflow.tasks.tracking.tracker import RunLogger
 
 log = logging.getLogger(__name__)
@@ -219,6 +222,27 @@ def save_sft(ws: Workspace, s: SFTSetup, model, loss_val: float, t0: float) -> d
     }
 
 
+def _result(s: dict) -> str:
+    return f"{s['steps']} steps, final loss {s['final_loss']:.4f}." if s.get("final_loss") is not None else ""
+
+
+SPEC = StageSpec(
+    name="sft",
+    keys=("run.seed", "run.torch_threads", "model", "sft"),
+    upstream=lambda cfg: ("data",),
+    enabled=lambda cfg: cfg.sft.enabled,
+    reads=(model_files,),
+    writes=(BASE_MODEL,),
+    splits=("train",),
+    trains=True,
+    description="Supervised fine-tuning of {model} on the reference answers of {dataset}.",
+    param_sections=("sft",),
+    name_parts=lambda cfg: (*model_and_dataset(cfg), f"lr {fmt_lr(cfg.sft.learning_rate)}"),
+    params=model_params,
+    result=_result,
+)
+
+
 @task(name="sft")
-def sft_task(cfg: PipelineConfig, workspace_root: str, parent_run_id: str | None) -> dict:
-    return run_stage("sft", run_sft, cfg, workspace_root, parent_run_id)
+def sft_task(stages: Pipeline, cfg: PipelineConfig, workspace_root: str, parent_run_id: str | None) -> dict:
+    return run_stage(stages, SPEC, run_sft, cfg, workspace_root, parent_run_id)

@@ -43,17 +43,9 @@ from grpoflow.tasks.config.storage import StorageConfig
 from grpoflow.tasks.storage.store import Store, open_store, write_atomic
 from grpoflow.tasks.storage.store import join_location as join_location  # re-exported: callers name it here
 
-STAGES = ("data", "sft", "grpo", "eval", "export")
 MANIFEST = "manifest.json"
 ATTEMPT = "attempt.json"
 MARKERS = ("trainer_state.json",)  # a GRPO checkpoint is complete when it holds this: uploaded last, deleted first
-
-
-def stages_from(stage: str) -> tuple[str, ...]:
-    """``stage`` and every stage after it."""
-    if stage not in STAGES:
-        raise ValueError(f"unknown stage {stage!r}; expected one of {STAGES}")
-    return STAGES[STAGES.index(stage) :]
 
 
 DEFAULT_CACHE_DIR = StorageConfig().cache_dir
@@ -105,6 +97,8 @@ class Workspace:
 
     def stage_dir(self, stage: str) -> Path:
         """<root>/<stage>, created: where the stage works on plain files."""
+        if not re.fullmatch(r"[a-z][a-z0-9_]*", stage):  # a stage's folder name (tasks/pipeline/spec.py)
+            raise ValueError(f"stage {stage!r}: not a stage folder name")
         path = self.root / stage
         path.mkdir(parents=True, exist_ok=True)
         return path

@@ -30,7 +30,6 @@ from mlflow.tracking import MlflowClient
 
 log = logging.getLogger(__name__)
 CONTEXTS = {"train": "training", "eval": "evaluation"}
-STAGE_SPLITS = {"sft": ("train",), "grpo": ("train",), "eval": ("eval",)}
 
 
 def split_dataset(path: str, name: str):

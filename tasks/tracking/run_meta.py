@@ -2,14 +2,16 @@
 
 Pure functions of the resolved config (and a stage's summary), so the MLflow UI can compare runs:
 
-    params(stage)   the stage's own config section, under TRL's key names (tasks/config/trl_keys.py), plus
-                    model, dataset, dataset_digest, seed and device; grpo adds generation.* and the resolved
-                    batching, sft/grpo add model.* (LoRA); the parent run keeps the whole config
-    name(stage)     "<stage> · <model> · <dataset>" and what tells runs of a stage apart
-                    (grpo: "· <loss_type> · lr <lr>", sft: "· lr <lr>"); the parent: run.name when the user
-                    chose it, else "<model> · <dataset> · <date>"
-    tags            stage, model, dataset, loss_type (grpo), git_commit, config_hash, pipeline (the parent's name)
-    description     the mlflow.note.content tag, set at the stage's end: what it did and its key result
+    params(stage)   the config sections the stage's spec names, under TRL's key names (tasks/config/trl_keys.py),
+                    the spec's extra params, model, dataset, dataset_digest, seed and device; the parent run
+                    keeps the whole config
+    name(stage)     "<stage>" and the parts the spec adds (model, dataset, loss type, learning rate); the parent:
+                    run.name when the user chose it, else "<model> · <dataset> · <date>"
+    tags            stage, model, dataset, git_commit, config_hash, pipeline (the parent's name), the spec's tags
+    description     the mlflow.note.content tag, set at the stage's end: the spec's template and result sentence
+
+The stage-specific parts come from the stage's spec (tasks/pipeline/spec.py, declared beside each stage in
+tasks/stages/): this module names no stage.
     results         a stage summary's numbers: floats become run metrics, counts become params; paths and
                     booleans stay in summary.json
 
@@ -19,27 +21,30 @@ A metric that cannot move at the current settings is not logged (:func:`constant
 
 from __future__ import annotations
 
-import hashlib
-import json
 import re
+from collections.abc import Callable
 from pathlib import PurePosixPath
-from typing import Any
+from typing import Any, Protocol
 
 from grpoflow.tasks.config import PipelineConfig
+from grpoflow.tasks.config.fingerprint import config_digest
 from grpoflow.tasks.config.trl_keys import TRL_KEYS
 
 SEP = " · "
-STAGE_SECTIONS = {"data": ("data",), "sft": ("sft",), "grpo": ("grpo", "generation"), "eval": ("eval",)}
-STAGE_SECTIONS["export"] = ("export",)
 DEFAULT_RUN_NAME = re.compile(r"run-\d{8}-\d{6}")
-DESCRIPTIONS = {
-    "pipeline": "grpoflow pipeline: data -> SFT -> GRPO -> eval -> export.",
-    "data": "Prepared the train and eval splits from {dataset}.",
-    "sft": "Supervised fine-tuning of {model} on the reference answers of {dataset}.",
-    "grpo": "GRPO training of {model} on {dataset} ({loss_type} loss, learning rate {lr}).",
-    "eval": "Held-out evaluation of the model before and after GRPO on {dataset}.",
-    "export": "Exported the trained model (adapter, merged weights, GGUF).",
-}
+PIPELINE_DESCRIPTION = "grpoflow pipeline: {stages}."
+
+
+class StageInfo(Protocol):
+    """What these functions read of a stage (tasks/pipeline/spec.py StageSpec has it: this layer is below it)."""
+
+    name: str
+    description: str
+    param_sections: tuple[str, ...]
+    name_parts: Callable[[PipelineConfig], tuple[str, ...]]
+    params: Callable[[PipelineConfig], dict[str, Any]]
+    tags: Callable[[PipelineConfig], dict[str, Any]]
+    result: Callable[[dict[str, Any]], str]
 
 
 def _our_to_trl() -> dict[str, str]:
@@ -73,11 +78,10 @@ def fmt_lr(lr: float) -> str:
     return f"{mant.rstrip('0').rstrip('.')}e{int(exp)}"
 
 
-def config_hash(resolved: dict[str, Any]) -> str:
-    """sha256 of the resolved config (``cfg.to_dict()``, hashed one way) without run.name/run.output_dir (where it
-    ran, not what), first 12 hex."""
-    body = {**resolved, "run": {k: v for k, v in resolved["run"].items() if k not in ("name", "output_dir")}}
-    return hashlib.sha256(json.dumps(body, sort_keys=True, default=str).encode()).hexdigest()[:12]
+def config_hash(cfg: PipelineConfig) -> str:
+    """The config's digest (tasks/config/fingerprint.py: every field that can change a result), first 12 hex: the
+    same digest the stage keys hash, so two runs with one config_hash computed the same."""
+    return config_digest(cfg)[:12]
 
 
 def parent_name(cfg: PipelineConfig, date: str) -> str:
@@ -87,17 +91,9 @@ def parent_name(cfg: PipelineConfig, date: str) -> str:
     return SEP.join((short_model(cfg.model.name), short_dataset(cfg.data.source), date))
 
 
-def stage_name(cfg: PipelineConfig, stage: str) -> str:
-    parts = [stage]
-    if stage != "data":
-        parts.append(short_model(cfg.model.name))
-    if stage != "export":
-        parts.append(short_dataset(cfg.data.source))
-    if stage == "grpo":
-        parts += [cfg.grpo.loss_type, f"lr {fmt_lr(cfg.grpo.learning_rate)}"]
-    elif stage == "sft":
-        parts.append(f"lr {fmt_lr(cfg.sft.learning_rate)}")
-    return SEP.join(parts)
+def stage_name(cfg: PipelineConfig, stage: StageInfo) -> str:
+    """'<stage> · ' and what the stage's spec names its runs by (model, dataset, loss type, learning rate)."""
+    return SEP.join((stage.name, *stage.name_parts(cfg)))
 
 
 def _flat(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:
@@ -110,20 +106,20 @@ def _flat(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:
     return out
 
 
-def stage_params(cfg: PipelineConfig, stage: str, device: str, dataset_digest: str | None) -> dict[str, Any]:
-    """The settings that shaped ``stage``: its section's keys by TRL's names (the grpo section's bare, others'
-    bare too: each stage run has one section), generation.* for grpo, model.* for the training stages."""
+def stage_params(cfg: PipelineConfig, stage: StageInfo, device: str, dataset_digest: str | None) -> dict[str, Any]:
+    """The settings that shaped ``stage``: its spec's param sections by TRL's names (the first section's keys bare,
+    the others dotted), the spec's extra params, and model, dataset, its digest, seed and device."""
     d = cfg.to_dict()
     out: dict[str, Any] = {}
-    for section in STAGE_SECTIONS[stage]:
-        for key, value in _flat(d[section]).items():
+    sections = stage.param_sections
+    for section in sections:
+        value = d
+        for part in section.split("."):
+            value = value[part]
+        for key, v in _flat(value).items():
             dotted = f"{section}.{key}"
-            name = OUR_TO_TRL.get(dotted, key if section == STAGE_SECTIONS[stage][0] else dotted)
-            out[name] = value
-    if stage == "grpo":
-        out.update(cfg.grpo.batching(cfg.distributed.world_size).model_dump())  # the resolved round layout
-    if stage in ("sft", "grpo"):
-        out.update({f"model.{k}": v for k, v in _flat(d["model"]).items() if k not in ("name", "cache_dir")})
+            out[OUR_TO_TRL.get(dotted, key if section == sections[0] else dotted)] = v
+    out.update(stage.params(cfg))
     out.update(
         {
             "model": cfg.model.name,
@@ -136,62 +132,53 @@ def stage_params(cfg: PipelineConfig, stage: str, device: str, dataset_digest: s
     return {k: v for k, v in out.items() if v is not None}
 
 
-def filter_tags(cfg: PipelineConfig, stage: str, pipeline: str, commit: str | None) -> dict[str, str]:
-    """Tags users filter by: tags.stage = 'grpo' and tags.loss_type = 'dapo' and tags.model = 'tiny' ..."""
+def filter_tags(cfg: PipelineConfig, stage: StageInfo | None, pipeline: str, commit: str | None) -> dict[str, str]:
+    """Tags users filter by: tags.stage = 'grpo' and tags.loss_type = 'dapo' and tags.model = 'tiny' ...
+    ``stage`` None: the parent run (stage 'pipeline', which carries the loss type too)."""
+    name = stage.name if stage is not None else "pipeline"
     tags = {
-        "stage": stage,
-        "grpoflow.stage": stage,
+        "stage": name,
+        "grpoflow.stage": name,
         "model": cfg.model.name,
         "dataset": cfg.data.source,
-        "config_hash": config_hash(cfg.to_dict()),
+        "config_hash": config_hash(cfg),
         "pipeline": pipeline,
         "git_commit": commit,
     }
-    if stage in ("grpo", "pipeline"):
-        tags["loss_type"] = cfg.grpo.loss_type
+    tags.update(stage.tags(cfg) if stage is not None else {"loss_type": cfg.grpo.loss_type})
     return {k: v for k, v in tags.items() if v is not None}
 
 
-def describe(cfg: PipelineConfig, stage: str, summary: dict[str, Any] | None) -> str:
-    """The run's description (markdown): what the stage did and its key result."""
-    what = DESCRIPTIONS[stage].format(
+def _what(cfg: PipelineConfig, template: str, **extra: str) -> str:
+    return template.format(
         model=cfg.model.name,
         dataset=cfg.data.source,
         loss_type=cfg.grpo.loss_type,
         lr=fmt_lr(cfg.grpo.learning_rate),
+        **extra,
     )
-    s = summary or {}
-    result = ""
-    if stage == "data" and "train_rows" in s:
-        result = f"{s['train_rows']} train rows, {s['eval_rows']} eval rows ({s.get('skipped_rows', 0)} skipped)."
-    elif stage == "sft" and s.get("final_loss") is not None:
-        result = f"{s['steps']} steps, final loss {s['final_loss']:.4f}."
-    elif stage == "grpo" and s.get("final_reward") is not None:
-        first = s.get("first_reward")
-        start = f"{first:.3f} -> " if first is not None else ""
-        result = f"{s['steps']} steps, mean reward {start}{s['final_reward']:.3f}."
-    elif stage == "eval" and "accuracy_after" in s:
-        result = (
-            f"Accuracy {s['accuracy_before']:.1%} before GRPO -> {s['accuracy_after']:.1%} after "
-            f"({s['rows']} held-out rows)."
-        )
-    elif stage == "export":
-        kept = [k.removesuffix("_path") for k in ("adapter_path", "merged_path") if k in s] + [
-            f"gguf {t}" for t in s.get("gguf", {})
-        ]
-        if kept:
-            result = "Wrote " + ", ".join(kept) + "."
-            if s.get("verify_max_logprob_gap") is not None:
-                result += (
-                    f" Merged vs trained: log-prob gap {s['verify_max_logprob_gap']:.2g} (tolerance "
-                    f"{s['verify_tolerance']:.2g}) on {s['verify_prompts']} prompts, greedy agreement "
-                    f"{s['verify_greedy_agreement']:.0%}."
-                )
-    elif stage == "pipeline" and s.get("accuracy_after") is not None:
-        result = f"Held-out accuracy {s['accuracy_before']:.1%} -> {s['accuracy_after']:.1%}."
+
+
+def _took(result: str, s: dict[str, Any]) -> str:
     if s.get("seconds") is not None:
         result += f" Took {s['seconds']:.1f} s."
-    return f"{what}\n\n{result.strip()}".strip()
+    return result.strip()
+
+
+def describe(cfg: PipelineConfig, stage: StageInfo, summary: dict[str, Any] | None) -> str:
+    """The stage run's description (markdown): what the stage did (its spec's template) and its key result."""
+    s = summary or {}
+    return f"{_what(cfg, stage.description)}\n\n{_took(stage.result(s) if s else '', s)}".strip()
+
+
+def describe_pipeline(cfg: PipelineConfig, stages: tuple[str, ...], summary: dict[str, Any] | None) -> str:
+    """The parent run's description: the stages it runs and, with an eval summary, the held-out accuracy."""
+    s = summary or {}
+    result = ""
+    if s.get("accuracy_after") is not None:
+        result = f"Held-out accuracy {s['accuracy_before']:.1%} -> {s['accuracy_after']:.1%}."
+    what = _what(cfg, PIPELINE_DESCRIPTION, stages=" -> ".join(stages))
+    return f"{what}\n\n{_took(result, s)}".strip()
 
 
 def summary_results(summary: dict[str, Any]) -> tuple[dict[str, float], dict[str, int]]:

@@ -60,14 +60,13 @@ SPANS = (
     ("startup/to_first_grpo_loop_s", "start", "grpo/loop_start"),
     ("startup/generator_s", "grpo/generator_start", "grpo/generator_up"),  # vLLM: the engine start
 )
-STAGES = ("data", "sft", "grpo", "eval", "export")
 
 
 def timeline_metrics(m: dict[str, float], start: float, end: float, loops: dict[str, float]) -> dict[str, float]:
     """Seconds between marks ``m`` (epoch times, "start" = ``start``), up to ``end``:
 
     startup/<span>_s          SPANS, where both marks exist
-    stage/<s>_s               stage <s>'s wall time (its end mark - its start mark)
+    stage/<s>_s               stage <s>'s wall time (its end mark - its start mark), for every stage with both
     stage_overhead/<s>_s      stage/<s>_s - loops[<s>] for the stages with a training loop (sft, grpo)
     run/wall_s                end - start
     run/loop_s                sum of ``loops`` (each training loop's seconds)
@@ -75,8 +74,8 @@ def timeline_metrics(m: dict[str, float], start: float, end: float, loops: dict[
     """
     at = {"start": start, **m}
     out = {k: at[b] - at[a] for k, a, b in SPANS if a in at and b in at}
-    for s in STAGES:
-        if f"stage_start/{s}" in at and f"stage_end/{s}" in at:
+    for s in (k.removeprefix("stage_start/") for k in m if k.startswith("stage_start/")):
+        if f"stage_end/{s}" in at:
             out[f"stage/{s}_s"] = at[f"stage_end/{s}"] - at[f"stage_start/{s}"]
             if s in loops:
                 out[f"stage_overhead/{s}_s"] = out[f"stage/{s}_s"] - loops[s]

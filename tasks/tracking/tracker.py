@@ -318,8 +318,7 @@ def start_pipeline_run(cfg: PipelineConfig, tags: dict[str, Any] | None = None, 
     parent = logger_for(cfg, client, run.info.run_id, root)
     parent.set_tags(
         {
-            **run_meta.filter_tags(cfg, "pipeline", name, git_commit()),
-            NOTE: run_meta.describe(cfg, "pipeline", None),
+            **run_meta.filter_tags(cfg, None, name, git_commit()),
             **(tags or {}),
         }
     )
@@ -398,13 +397,13 @@ def reopen_stage_run(client: MlflowClient, root: Path, stage: str, key: str | No
 def stage_run(
     cfg: PipelineConfig,
     parent_run_id: str | None,
-    stage: str,
+    spec: run_meta.StageInfo,
     root: Path | None = None,
     key: str | None = None,
     ws=None,
 ) -> Iterator[RunLogger]:
-    """A nested MLflow run for one stage, named and tagged by run_meta; a disabled logger when there is no parent
-    run. The description (what the stage did) is set here, its result by the caller at the end.
+    """A nested MLflow run for one stage (``spec``: its StageSpec), named and tagged by run_meta; a disabled logger
+    when there is no parent run. The description (what the stage did) is set here, its result by the caller at the end.
 
     One run per stage: an attempt with the stage's ``key`` recorded in <workspace>/stage_runs.json reopens that
     run (RUNNING again; the metric steps it holds are not logged again); another key starts a new run. ``ws``: the
@@ -414,6 +413,7 @@ def stage_run(
         return
     from grpoflow.tasks.tracking.reach import tracking_problem
 
+    stage = spec.name
     uri = tracking_uri(cfg)
     if problem := tracking_problem(uri):  # the run must be created or reopened: seconds, not minutes of retries
         raise ConnectionError(f"stage {stage} cannot start: {problem}")
@@ -433,10 +433,10 @@ def stage_run(
         pipeline = parent.info.run_name
         tags = {
             PARENT_TAG: parent_run_id,
-            **run_meta.filter_tags(cfg, stage, pipeline, parent.data.tags.get("git_commit")),
-            NOTE: run_meta.describe(cfg, stage, None),
+            **run_meta.filter_tags(cfg, spec, pipeline, parent.data.tags.get("git_commit")),
+            NOTE: run_meta.describe(cfg, spec, None),
         }
-        run = client.create_run(parent.info.experiment_id, run_name=run_meta.stage_name(cfg, stage), tags=tags)
+        run = client.create_run(parent.info.experiment_id, run_name=run_meta.stage_name(cfg, spec), tags=tags)
         logger = logger_for(cfg, client, run.info.run_id, root)
         record_stage_run(root, stage, {"run_id": run.info.run_id, "key": key or "", "tracking_uri": uri}, ws)
     ok = False

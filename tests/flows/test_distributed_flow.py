@@ -11,6 +11,7 @@ import pytest
 from mlflow.tracking import MlflowClient
 
 from grpoflow.flows.cli import main
+from grpoflow.flows.stages import PIPELINE
 from grpoflow.tasks.config import load_config
 from grpoflow.tasks.pipeline.errors import StageError
 from grpoflow.tasks.pipeline.shell import run_stage
@@ -75,7 +76,7 @@ def _grpo_stage_error(tmp_path: Path, monkeypatch, reward: str, *overrides: str)
     cfg = load_config(MICRO, [*base, f"grpo.reward_funcs=[{reward}]", *overrides])
     prepare_data(cfg, Workspace(tmp_path / "bad"))
     with pytest.raises(StageError) as err:
-        run_stage("grpo", run_grpo, cfg, str(tmp_path / "bad"), None, init_model=None)
+        run_stage(PIPELINE, PIPELINE["grpo"], run_grpo, cfg, str(tmp_path / "bad"), None, init_model=None)
     return err.value
 
 
@@ -172,7 +173,7 @@ def test_after_a_killed_rank_resume_continues_from_the_last_sharded_checkpoint(t
         ],
     )
     with caplog.at_level("INFO", "grpoflow.tasks.launch.torchrun"):
-        summary = run_stage("grpo", run_grpo, cfg, str(tmp_path / "bad"), None, init_model=None)
+        summary = run_stage(PIPELINE, PIPELINE["grpo"], run_grpo, cfg, str(tmp_path / "bad"), None, init_model=None)
     assert summary["steps"] == 3 and summary["world_size"] == 2
     assert f"resumed GRPO from {checkpoints / 'checkpoint-2'} (step 2, written by 2 processes)" in caplog.text
 

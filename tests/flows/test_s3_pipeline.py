@@ -16,9 +16,12 @@ import pytest
 from mlflow.artifacts import download_artifacts
 from mlflow.tracking import MlflowClient
 
+from grpoflow.flows.stages import PIPELINE
 from grpoflow.tasks.storage import s3
-from grpoflow.tasks.storage.workspace import MANIFEST, STAGES
+from grpoflow.tasks.storage.workspace import MANIFEST
 from tests.paths import MICRO
+
+STAGES = PIPELINE.names
 
 STORE = s3.S3Client()  # the default storage settings: endpoint and credentials from the AWS environment variables
 SLOW_REWARD = """

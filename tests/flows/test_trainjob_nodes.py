@@ -22,10 +22,11 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from grpoflow.flows.stages import PIPELINE
 from grpoflow.tasks.config import load_config
 from grpoflow.tasks.launch.torchrun import rank_errors
 from grpoflow.tasks.launch.trainjob import JobState
-from grpoflow.tasks.pipeline.resume import stage_keys
+from grpoflow.tasks.pipeline.fingerprint import stage_keys
 from grpoflow.tasks.stages.data import prepare_data
 from grpoflow.tasks.stages.grpo_trainjob import collect_summary, prepare_trainjob, trainjob_error
 from grpoflow.tasks.storage.workspace import Workspace
@@ -77,7 +78,7 @@ def launcher(
         ],
     )
     ws = Workspace(f"{output}/{name}", cfg.storage)
-    ws.publish("data", stage_keys(cfg.to_dict())["data"], prepare_data(cfg, ws))  # what the stage shell does
+    ws.publish("data", stage_keys(PIPELINE, cfg)["data"], prepare_data(cfg, ws))  # what the stage shell does
     return ws, prepare_trainjob(cfg, ws, RunLogger.disabled(), init_model)
 
 

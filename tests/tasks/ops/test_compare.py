@@ -5,6 +5,7 @@ import json
 from mlflow.tracking import MlflowClient
 
 from grpoflow.flows.cli import main
+from grpoflow.flows.stages import PIPELINE
 from grpoflow.tasks.config import load_config
 from grpoflow.tasks.ops.compare import config_differences, run_summary
 from grpoflow.tasks.tracking.tracker import stage_run, start_pipeline_run, tracking_uri
@@ -14,7 +15,7 @@ def logged_run(out, name, overrides, rewards, accuracy):
     """A parent run with the resolved config, a grpo stage run with per-step reward/step_time, eval metrics."""
     cfg = load_config(None, [f"run.output_dir={out}", f"run.name={name}", *overrides])
     parent = start_pipeline_run(cfg)
-    with stage_run(cfg, parent.run_id, "grpo") as grpo:
+    with stage_run(cfg, parent.run_id, PIPELINE["grpo"]) as grpo:
         for step, r in enumerate(rewards, 1):
             grpo.log_metrics({"reward": r, "step_time": 1.0 + step / 10}, step=step)
     parent.log_metrics({"accuracy_before": accuracy[0], "accuracy_after": accuracy[1]})

@@ -281,8 +281,9 @@ def test_reward_timeout_key_default_alias_and_zero():
     assert config_from_dict({"grpo": {"reward_timeout_s": 0}}).grpo.reward_timeout_s == 0
     with pytest.raises(ConfigError, match="reward_timeout"):
         config_from_dict({"grpo": {"reward_timeout": -1}})
-    from grpoflow.tasks.pipeline.resume import stage_keys
+    from grpoflow.flows.stages import PIPELINE
+    from grpoflow.tasks.pipeline.fingerprint import stage_keys
 
     # raising the bound on resume keeps the GRPO stage's key (and so its checkpoints)
-    keys = [stage_keys(config_from_dict({"grpo": {"reward_timeout": t}}).to_dict())["grpo"] for t in (5, 500)]
+    keys = [stage_keys(PIPELINE, config_from_dict({"grpo": {"reward_timeout": t}}))["grpo"] for t in (5, 500)]
     assert keys[0] == keys[1]

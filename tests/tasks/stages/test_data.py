@@ -9,12 +9,13 @@ from pathlib import Path
 import pandas as pd
 import pytest
 
+from grpoflow.flows.stages import PIPELINE
 from grpoflow.tasks.config import GSM8K_SYSTEM_PROMPT, config_from_dict
 from grpoflow.tasks.dataio.rows import generate_arithmetic, parse_row
 from grpoflow.tasks.dataio.sources import file_problem, load_source
 from grpoflow.tasks.dataio.splits import corpus_text, load_split
 from grpoflow.tasks.pipeline.errors import StageError
-from grpoflow.tasks.pipeline.resume import stage_keys
+from grpoflow.tasks.pipeline.fingerprint import stage_keys
 from grpoflow.tasks.rewards import correctness, strict_format
 from grpoflow.tasks.stages.data import data_task, prepare_data
 from grpoflow.tasks.storage.workspace import Workspace
@@ -387,10 +388,10 @@ def test_rerun_overwrites(tmp_path):
 
 def test_failed_rerun_leaves_no_manifest(tmp_path):
     where = str(tmp_path / "ws")
-    data_task.fn(make_cfg(tmp_path, source=str(GSM8K_SAMPLE), eval_size=4), where)
+    data_task.fn(PIPELINE, make_cfg(tmp_path, source=str(GSM8K_SAMPLE), eval_size=4), where)
     assert Workspace(where).read_manifest("data") is not None
     with pytest.raises(StageError, match="missing.jsonl"):
-        data_task.fn(make_cfg(tmp_path, source=str(tmp_path / "missing.jsonl")), where)
+        data_task.fn(PIPELINE, make_cfg(tmp_path, source=str(tmp_path / "missing.jsonl")), where)
     assert Workspace(where).read_manifest("data") is None
 
 
@@ -401,10 +402,11 @@ def test_load_split_missing(tmp_path):
 
 def test_data_task_fn(tmp_path):
     cfg = make_cfg(tmp_path, arithmetic={"train_size": 8, "eval_size": 2})
-    summary = data_task.fn(cfg, str(tmp_path / "ws"))
+    summary = data_task.fn(PIPELINE, cfg, str(tmp_path / "ws"))
     assert (summary["train_rows"], summary["eval_rows"], summary["format"]) == (8, 2, "arithmetic")
     manifest = Workspace(tmp_path / "ws").read_manifest("data")  # written once, by the stage shell
-    assert manifest["summary"] == summary and manifest["key"] == stage_keys(cfg.to_dict())["data"]
+    assert manifest["summary"] == summary and manifest["key"] == stage_keys(PIPELINE, cfg)["data"]
+    assert manifest["fingerprint"]["config"]["run.seed"] == cfg.run.seed  # what `grpoflow resume` compares
 
 
 @pytest.mark.skipif(not (GSM8K_FULL / "train.jsonl").is_file(), reason="full GSM8K not present (../shared/data)")

@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 from mlflow.tracking import MlflowClient
 
+from grpoflow.flows.stages import PIPELINE
 from grpoflow.tasks.config import config_from_dict
 from grpoflow.tasks.tracking.journal import JOURNAL_DIR, Journal, backoff_s, group
 from grpoflow.tasks.tracking.sender import replay
@@ -109,13 +110,13 @@ def test_a_stage_attempt_with_the_same_key_continues_its_run_without_repeating_s
     cfg = config_from_dict({"run": {"output_dir": str(tmp_path), "name": "r"}})
     parent = start_pipeline_run(cfg)
     root = tmp_path / "r"
-    with pytest.raises(RuntimeError), stage_run(cfg, parent.run_id, "grpo", root, "key1") as first:
+    with pytest.raises(RuntimeError), stage_run(cfg, parent.run_id, PIPELINE["grpo"], root, "key1") as first:
         for step in range(1, 6):
             first.log_metrics({"loss": float(step)}, step=step)
         raise RuntimeError("killed at step 5")
     client = first.client
     assert client.get_run(first.run_id).info.status == "FAILED"
-    with stage_run(cfg, parent.run_id, "grpo", root, "key1") as again:  # resumed from checkpoint-3
+    with stage_run(cfg, parent.run_id, PIPELINE["grpo"], root, "key1") as again:  # resumed from checkpoint-3
         assert again.run_id == first.run_id and client.get_run(first.run_id).info.status == "RUNNING"
         for step in range(4, 9):
             again.log_metrics({"loss": 10.0 + step}, step=step)
@@ -124,6 +125,6 @@ def test_a_stage_attempt_with_the_same_key_continues_its_run_without_repeating_s
     history = {m.step: m.value for m in client.get_metric_history(first.run_id, "loss")}
     assert sorted(m.step for m in client.get_metric_history(first.run_id, "loss")) == list(range(1, 9))
     assert history[5] == 5.0 and history[6] == 16.0  # steps it held kept, later ones from the new attempt
-    with stage_run(cfg, parent.run_id, "grpo", root, "key2") as other:  # another key: the stage starts over
+    with stage_run(cfg, parent.run_id, PIPELINE["grpo"], root, "key2") as other:  # another key: the stage starts over
         assert other.run_id != first.run_id
     parent.end(True)

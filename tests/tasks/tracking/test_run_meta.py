@@ -4,6 +4,7 @@ and the RunLogger behaviour they rely on, against a real SQLite MLflow store."""
 import pytest
 from mlflow.tracking import MlflowClient
 
+from grpoflow.flows.stages import PIPELINE as P
 from grpoflow.tasks.config import PipelineConfig
 from grpoflow.tasks.tracking import run_meta as m
 from grpoflow.tasks.tracking.entities import adaptive_interval, next_system_step
@@ -16,8 +17,8 @@ def cfg(**grpo) -> PipelineConfig:
 
 def test_names_say_what_ran():
     c = cfg(loss_type="dr_grpo", learning_rate=1e-6)
-    assert m.stage_name(c, "grpo") == "grpo · qwen2.5-0.5b-instruct · arithmetic · dr_grpo · lr 1e-6"
-    assert m.stage_name(c, "data") == "data · arithmetic"
+    assert m.stage_name(c, P["grpo"]) == "grpo · qwen2.5-0.5b-instruct · arithmetic · dr_grpo · lr 1e-6"
+    assert m.stage_name(c, P["data"]) == "data · arithmetic"
     assert m.parent_name(c, "2025-06-01 10:00") == "qwen2.5-0.5b-instruct · arithmetic · 2025-06-01 10:00"
     named = c.model_copy(update={"run": c.run.model_copy(update={"name": "lr-sweep-3"})})
     assert m.parent_name(named, "x") == "lr-sweep-3"
@@ -28,7 +29,7 @@ def test_names_say_what_ran():
 
 
 def test_grpo_params_hold_the_hyperparameters_by_trl_names():
-    p = m.stage_params(cfg(learning_rate=5e-4, beta=0.04), "grpo", "cpu", "abcd1234")
+    p = m.stage_params(cfg(learning_rate=5e-4, beta=0.04), P["grpo"], "cpu", "abcd1234")
     assert p["learning_rate"] == 5e-4 and p["beta"] == 0.04 and p["loss_type"] == "dapo"
     assert p["vllm_importance_sampling_clip_max"] == 2.0 and "vllm_importance_sampling_cap" not in p  # TRL's name
     assert p["generation_batch_size"] == 8 and p["steps_per_generation"] == 1  # resolved, not None
@@ -40,14 +41,23 @@ def test_grpo_params_hold_the_hyperparameters_by_trl_names():
         42,
         "cpu",
     )
-    eval_params = m.stage_params(cfg(), "eval", "cpu", None)
+    eval_params = m.stage_params(cfg(), P["eval"], "cpu", None)
     assert "learning_rate" not in eval_params and "dataset_digest" not in eval_params and "batch_size" in eval_params
 
 
 def test_config_hash_ignores_where_the_run_is():
-    a, b = cfg().to_dict(), cfg().to_dict()
-    b["run"]["name"], b["run"]["output_dir"] = "other", "/elsewhere"
-    assert m.config_hash(a) == m.config_hash(b) != m.config_hash(cfg(learning_rate=2e-6).to_dict())
+    a = cfg()
+    b = a.model_copy(update={"run": a.run.model_copy(update={"name": "other", "output_dir": "/elsewhere"})})
+    assert m.config_hash(a) == m.config_hash(b) != m.config_hash(cfg(learning_rate=2e-6))
+
+
+def test_tags_and_pipeline_description_come_from_the_spec():
+    c = cfg(loss_type="dr_grpo")
+    assert m.filter_tags(c, P["grpo"], "p", None)["loss_type"] == "dr_grpo"
+    assert "loss_type" not in m.filter_tags(c, P["eval"], "p", None)
+    assert m.filter_tags(c, None, "p", None)["stage"] == "pipeline"
+    text = m.describe_pipeline(c, P.names, {"accuracy_before": 0.25, "accuracy_after": 0.5})
+    assert "data -> sft -> grpo -> eval -> export" in text and "25.0% -> 50.0%" in text
 
 
 def test_clip_ratios_are_constant_only_when_the_policy_cannot_move_within_a_round():
@@ -61,9 +71,9 @@ def test_clip_ratios_are_constant_only_when_the_policy_cannot_move_within_a_roun
 
 def test_descriptions_give_the_key_result():
     c = cfg()
-    assert "0.100 -> 0.500" in m.describe(c, "grpo", {"steps": 3, "first_reward": 0.1, "final_reward": 0.5})
+    assert "0.100 -> 0.500" in m.describe(c, P["grpo"], {"steps": 3, "first_reward": 0.1, "final_reward": 0.5})
     assert "25.0% before GRPO -> 50.0% after" in m.describe(
-        c, "eval", {"accuracy_before": 0.25, "accuracy_after": 0.5, "rows": 8}
+        c, P["eval"], {"accuracy_before": 0.25, "accuracy_after": 0.5, "rows": 8}
     )
     metrics, counts = m.summary_results({"steps": 3, "final_reward": 0.5, "adapter": True, "model_path": "/x"})
     assert metrics == {"final_reward": 0.5} and counts == {"result.steps": 3}
@@ -107,6 +117,6 @@ def test_export_description_reports_the_verification_figures():
         "verify_greedy_agreement": 1.0,
         "seconds": 2.0,
     }
-    text = m.describe(cfg(), "export", summary)
+    text = m.describe(cfg(), P["export"], summary)
     assert "log-prob gap 0.0008 (tolerance 0.062) on 8 prompts, greedy agreement 100%" in text
-    assert "Wrote merged." in m.describe(cfg(), "export", {"merged_path": "/x/merged"})
+    assert "Wrote merged." in m.describe(cfg(), P["export"], {"merged_path": "/x/merged"})

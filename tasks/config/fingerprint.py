@@ -1,0 +1,110 @@
+"""The one list of config fields that do not change a result, and the digest of a config without them.
+
+A stage key (tasks/pipeline/fingerprint.py), the MLflow ``config_hash`` tag (tasks/tracking/run_meta.py) and the
+GRPO checkpoint's compatibility hash (tasks/grpo/trainer.py) all hash config values through :func:`keyed_values`,
+so they agree on what "the same config" means. A field belongs in :data:`IGNORED` only when it cannot change a
+sampled token or a weight: logging cadence, where the run lives, tracking, storage, resume policy, and the
+plumbing of distributed processes (addresses, ports, timeouts, launcher). Thread counts and batch sizes are NOT
+here: they change the order of floating-point sums, and so the sampled completions (measured).
+
+The list is typed per config class and checked against each class's ``model_fields`` at import: a renamed or
+removed field raises here instead of silently dropping out of (or into) every key.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from typing import Any
+
+from pydantic import BaseModel
+from pydantic_core import to_jsonable_python
+
+from grpoflow.tasks.config.distributed import DistributedConfig
+from grpoflow.tasks.config.pipeline import ModelConfig, PipelineConfig, RunConfig
+from grpoflow.tasks.config.training import GRPOConfig, OptimizerFields
+
+# {config class: {field: why it cannot change a result}}; a class's entries apply to its subclasses too
+IGNORED: dict[type[BaseModel], dict[str, str]] = {
+    PipelineConfig: {
+        "tracking": "where and how runs are logged (MLflow), not what is computed",
+        "storage": "where the workspace's files are stored (S3 endpoint, local mirror, retries)",
+    },
+    RunConfig: {
+        "name": "the workspace's name: where the run lives",
+        "output_dir": "the folder or bucket that holds the workspace: where the run lives",
+    },
+    ModelConfig: {"cache_dir": "where downloaded weights are cached, not which weights"},
+    OptimizerFields: {"logging_steps": "how often metrics are logged"},
+    GRPOConfig: {
+        "save_steps": "how often checkpoints are written; a resumed run continues bit-for-bit from one",
+        "log_completions": "whether sampled completions are logged as a table",
+        "resume": "whether a killed stage continues from its checkpoint (resume policy)",
+        "reward_timeout_s": "a reward over the bound fails the stage; a completed stage scored the same",
+    },
+    DistributedConfig: {
+        "timeout_s": "how long processes wait for each other before giving up",
+        "node_rank": "which node this process is: set per node by the launcher",
+        "rdzv_endpoint": "where the processes meet",
+        "master_addr": "where the processes meet",
+        "master_port": "where the processes meet",
+        "launcher": "how the processes are started (torchrun or a Kubeflow TrainJob)",
+        "trainjob": "where a TrainJob's pods run (namespace, image, polling)",
+    },
+}
+
+
+def _check() -> None:
+    for cls, fields in IGNORED.items():
+        unknown = sorted(set(fields) - set(cls.model_fields))
+        if unknown:
+            raise AttributeError(f"tasks/config/fingerprint.py IGNORED: {cls.__name__} has no field {unknown}")
+
+
+_check()
+
+
+def ignored_fields(cls: type[BaseModel]) -> set[str]:
+    """The fields of ``cls`` (its own and its bases') that no key sees."""
+    return {name for base in cls.__mro__ for name in IGNORED.get(base, {})}
+
+
+def keyed_values(value: Any, exclude: frozenset[str] = frozenset()) -> Any:
+    """``value`` as JSON-able data without the IGNORED fields of any config model in it (and without ``exclude``,
+    fields of ``value`` itself when it is a model)."""
+    if isinstance(value, BaseModel):
+        skip = ignored_fields(type(value)) | exclude
+        return {name: keyed_values(getattr(value, name)) for name in type(value).model_fields if name not in skip}
+    if isinstance(value, (list, tuple)):
+        return [keyed_values(v) for v in value]
+    if isinstance(value, dict):
+        return {str(k): keyed_values(v) for k, v in value.items()}
+    return to_jsonable_python(value)
+
+
+def digest(value: Any) -> str:
+    """sha256 (hex) of JSON-able ``value``, keys sorted."""
+    return hashlib.sha256(json.dumps(value, sort_keys=True, default=str).encode()).hexdigest()
+
+
+def config_digest(section: BaseModel, exclude: frozenset[str] = frozenset()) -> str:
+    """sha256 of a config section's values that can change a result (:func:`keyed_values`)."""
+    return digest(keyed_values(section, exclude))
+
+
+def section_value(cfg: PipelineConfig, path: str) -> Any:
+    """The config value at dotted ``path`` (e.g. ``run.seed``, ``model.tiny``), without IGNORED fields."""
+    value: Any = cfg
+    for name in path.split("."):
+        value = getattr(value, name)
+    return keyed_values(value)
+
+
+def check_path(path: str) -> None:
+    """Raise when dotted ``path`` names no field of PipelineConfig (a spec naming a renamed field)."""
+    cls: Any = PipelineConfig
+    for name in path.split("."):
+        fields = getattr(cls, "model_fields", None)
+        if fields is None or name not in fields:
+            raise AttributeError(f"config path {path!r}: {getattr(cls, '__name__', cls)} has no field {name!r}")
+        cls = fields[name].annotation

@@ -1,0 +1,103 @@
+"""A stage's fingerprint: everything its result depends on, and the key derived from it.
+
+    fingerprint(stage) = {
+        "stage":    stage.name,
+        "config":   {path: keyed_values(cfg at path) for path in stage.keys},     # IGNORED fields left out
+        "upstream": {name: key(name) for name in stage.upstream(cfg)},
+        "content":  {label: digest for reader in stage.reads for label, digest in reader(cfg).items()},
+    }
+    key(stage) = sha256(json(fingerprint(stage), sort_keys=True))
+
+``keyed_values`` and IGNORED (the one list of fields that cannot change a result) are in
+tasks/config/fingerprint.py. The content digests (tasks/storage/content.py) are:
+
+    data.source, data.eval_source   a local file or folder: {file: size + sha256}; s3://: {object: size + ETag};
+                                    a hub id or builtin source: none (the config names it)
+    model.name                      a local model folder or .gguf file: {file: size + sha256}, or size + mtime_ns
+                                    for files over 64 MiB; a hub id: none (model.revision is in the config)
+    reward <module>                 the source file (size + sha256) of each custom reward module of
+                                    grpo.reward_funcs (``module:function`` entries)
+
+A changed key changes every downstream key. The code version of grpoflow itself is not in the key. The manifest of
+a published stage records its fingerprint, so :func:`explain` can say what changed since.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+from typing import Any
+
+from grpoflow.tasks.config import PipelineConfig
+from grpoflow.tasks.config.fingerprint import digest, section_value
+from grpoflow.tasks.pipeline.spec import Pipeline, StageSpec
+from grpoflow.tasks.storage.content import file_digest, path_digest, source_digest
+
+
+# ------------------------------------------------------------------ content readers (a StageSpec's ``reads``)
+def data_files(cfg: PipelineConfig) -> dict[str, Any]:
+    """The content of data.source and data.eval_source when they are local paths or s3:// URIs."""
+    out = {}
+    for label, source in (("data.source", cfg.data.source), ("data.eval_source", cfg.data.eval_source)):
+        if source and (found := source_digest(source, cfg.storage)) is not None:
+            out[label] = found
+    return out
+
+
+def model_files(cfg: PipelineConfig) -> dict[str, Any]:
+    """The content of model.name when it is a local folder or .gguf file."""
+    path = Path(cfg.model.name).expanduser()
+    if cfg.model.name != "tiny" and (path.is_dir() or (path.is_file() and path.suffix.lower() == ".gguf")):
+        return {"model.name": path_digest(path)}
+    return {}
+
+
+def reward_module_file(module: str) -> Path | None:
+    """The source file of a reward module, found as importing it would find it; None when there is none."""
+    try:
+        spec = importlib.util.find_spec(module)
+    except (ImportError, ValueError):
+        return None
+    origin = getattr(spec, "origin", None)
+    return Path(origin) if origin and Path(origin).is_file() else None
+
+
+def reward_modules(cfg: PipelineConfig) -> dict[str, Any]:
+    """The source file of each custom reward module of grpo.reward_funcs (``module:function`` entries)."""
+    out = {}
+    for entry in cfg.grpo.reward_funcs:
+        module = entry.partition(":")[0] if ":" in entry else None
+        if module and (path := reward_module_file(module)) is not None:
+            out[f"reward {module}"] = {path.name: file_digest(path)}  # not its folder: a moved run keeps its key
+    return out
+
+
+# ------------------------------------------------------------------ fingerprints and keys
+def fingerprint(spec: StageSpec, cfg: PipelineConfig, keys: dict[str, str]) -> dict[str, Any]:
+    """The fingerprint of ``spec`` (the module docstring's formula); ``keys`` holds its upstream stages' keys."""
+    return {
+        "stage": spec.name,
+        "config": {path: section_value(cfg, path) for path in spec.keys},
+        "upstream": {name: keys[name] for name in spec.upstream(cfg)},
+        "content": {label: found for reader in spec.reads for label, found in reader(cfg).items()},
+    }
+
+
+def key_of(fp: dict[str, Any]) -> str:
+    """A stage's key: sha256 of its fingerprint."""
+    return digest(fp)
+
+
+def fingerprints(pipeline: Pipeline, cfg: PipelineConfig) -> dict[str, dict[str, Any]]:
+    """The fingerprint of every keyed spec of ``pipeline`` (stages in order, then the loose folders)."""
+    fps: dict[str, dict[str, Any]] = {}
+    keys: dict[str, str] = {}
+    for spec in pipeline.keyed():
+        fps[spec.name] = fingerprint(spec, cfg, keys)
+        keys[spec.name] = key_of(fps[spec.name])
+    return fps
+
+
+def stage_keys(pipeline: Pipeline, cfg: PipelineConfig) -> dict[str, str]:
+    """{stage: key} of every keyed spec of ``pipeline``."""
+    return {name: key_of(fp) for name, fp in fingerprints(pipeline, cfg).items()}

@@ -1,0 +1,86 @@
+"""`grpoflow resume` sees content, not only the config: a run on a local .jsonl file whose file is then edited
+reruns data and every later stage; an edited custom reward module reruns grpo and eval, not data or sft. Before
+the flow starts, resume prints why each stage reruns (tasks/pipeline/resume.py explain)."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.paths import MICRO
+
+REWARD = "def {name}(prompts, completions, **columns):\n    return [{value} for _ in completions]\n"
+RUN = [
+    "run.name=c",
+    "data.eval_size=6",
+    "sft.max_steps=2",
+    "grpo.max_steps=1",
+    "grpo.save_steps=1",
+    "grpo.reward_funcs=[content_rewards:constant,correctness]",
+    "eval.max_samples=2",
+    "export.enabled=false",
+]
+STAGES = ("data", "sft", "grpo", "eval")
+
+
+def _rows(n: int, offset: int = 0) -> str:
+    return "".join(
+        json.dumps({"question": f"What is {a} + {a + offset}?", "answer": str(2 * a + offset)}) + "\n" for a in range(n)
+    )
+
+
+def _finished_at(ws: Path) -> dict[str, float]:
+    return {s: json.loads((ws / s / "manifest.json").read_text())["finished_at"] for s in STAGES}
+
+
+@pytest.fixture(scope="module")
+def ctx(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("content_resume")
+    (tmp / "content_rewards.py").write_text(REWARD.format(name="constant", value="1.0"))
+    data = tmp / "train.jsonl"
+    data.write_text(_rows(30))
+    env = dict(
+        os.environ,
+        OMP_NUM_THREADS="1",
+        PYTHONPATH=f"{tmp}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
+        PREFECT_HOME=str(tmp / "prefect"),
+    )
+    out = tmp / "runs"
+    cmd = [sys.executable, "-m", "grpoflow.flows.cli", "run", str(MICRO), f"run.output_dir={out}", *RUN]
+    res = subprocess.run([*cmd, f"data.source={data}"], env=env, capture_output=True, text=True)
+    assert res.returncode == 0, res.stderr[-3000:]
+    return {"tmp": tmp, "data": data, "ws": out / "c", "env": env}
+
+
+def _resume(ctx) -> str:
+    cmd = [sys.executable, "-m", "grpoflow.flows.cli", "resume", str(ctx["ws"])]
+    res = subprocess.run(cmd, env=ctx["env"], capture_output=True, text=True)
+    assert res.returncode == 0, res.stderr[-3000:]
+    return res.stdout
+
+
+@pytest.mark.slow
+def test_an_edited_data_file_reruns_data_and_everything_after(ctx):
+    before = _finished_at(ctx["ws"])
+    ctx["data"].write_text(_rows(30, offset=1))  # other answers, the same file name
+    out = _resume(ctx)
+    after = _finished_at(ctx["ws"])
+    assert [s for s in STAGES if after[s] != before[s]] == list(STAGES)
+    assert "resume: data reruns: file: data.source train.jsonl changed (" in out
+    assert "resume: sft reruns: upstream data reruns" in out
+    assert "resume: grpo reruns: upstream sft reruns" in out
+
+
+@pytest.mark.slow
+def test_an_edited_reward_module_reruns_grpo_not_data(ctx):
+    before = _finished_at(ctx["ws"])
+    (ctx["tmp"] / "content_rewards.py").write_text(REWARD.format(name="constant", value="0.5"))
+    out = _resume(ctx)
+    after = _finished_at(ctx["ws"])
+    assert [s for s in STAGES if after[s] != before[s]] == ["grpo", "eval"]
+    assert "resume: grpo reruns: code: content_rewards (reward module, content_rewards.py) changed" in out
+    assert "resume: data reruns" not in out and "resume: sft reruns" not in out
+    assert "resume: every stage is complete with its current key; nothing reruns" in _resume(ctx)
