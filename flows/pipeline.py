@@ -107,7 +107,14 @@ def grpo_pipeline(config: PipelineConfig, workspace: str, init_model: str | None
             if {k: logged.get(k) for k in accuracy} != accuracy:  # a skipped eval logs nothing new
                 parent.log_metrics(accuracy)
         if answering:
-            registered = register_pipeline_model(parent.client, cfg, parent.run_id, result)
+            registered = register_pipeline_model(
+                parent.client,
+                cfg,
+                parent.run_id,
+                result.get("export"),
+                result.get("eval", {}).get("accuracy_after"),
+                result["data"].get("eval_path"),
+            )
             if registered is not None:
                 result["registry"] = registered.__dict__
         elif cfg.tracking.register_model and cfg.export.enabled:

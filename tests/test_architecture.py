@@ -165,3 +165,36 @@ def test_the_workspace_does_not_know_where_its_files_are():
     text = (REPO / "tasks" / "storage" / "workspace.py").read_text()
     found = [word for word in ("is_s3_uri", ".uri", "S3Client", "s3.") if word in text]
     assert not found, f"tasks/storage/workspace.py names {found}"
+
+
+STAGE_NAMES = {"data", "sft", "grpo", "eval", "export", "base_model"}
+# the same words in another sense: a dataset split, TRL's config section, a loss_type
+NOT_STAGES = {
+    ("tasks/tracking/entities.py", "eval"),  # the eval split's MLflow dataset context
+    ("tasks/tracking/run_meta.py", "grpo"),  # TRL's keys map onto the config's grpo section
+    ("tasks/grpo/loss.py", "grpo"),  # grpo.loss_type "grpo"
+}
+
+
+def _stage_words(node: ast.AST) -> set[str]:
+    values = node.elts if isinstance(node, (ast.Tuple, ast.List, ast.Set)) else [node]
+    return {v.value for v in values if isinstance(v, ast.Constant) and v.value in STAGE_NAMES}
+
+
+def test_no_stage_name_is_compared_or_tabled_below_the_stages():
+    """Stages are declared once (tasks/pipeline/spec.py, a StageSpec beside each stage): no layer below
+    tasks/stages compares a value with a stage's name or keys a table by one."""
+    bad = []
+    for path in sorted((REPO / "tasks").rglob("*.py")):
+        rel = path.relative_to(REPO).as_posix()
+        if rel.startswith(("tasks/stages/", "tasks/ops/", "tasks/config/")):
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Compare):
+                words = set().union(*(_stage_words(n) for n in (node.left, *node.comparators)))
+            elif isinstance(node, ast.Dict):
+                words = set().union(*(_stage_words(k) for k in node.keys if k is not None))
+            else:
+                continue
+            bad += [f"{rel}:{node.lineno}: {w!r}" for w in words if (rel, w) not in NOT_STAGES]
+    assert not bad, bad

@@ -1,4 +1,5 @@
-"""Reading back the prepared splits of a run workspace (<ws>/data/train, <ws>/data/eval)."""
+"""Reading back the prepared splits (<folder>/train, <folder>/eval) of the stage that prepares them: the stage shell
+and the stages pass that stage's folder (tasks/stages/common.py ``prepared``), so nothing here names a stage."""
 
 from __future__ import annotations
 
@@ -8,18 +9,15 @@ from pathlib import Path
 import datasets
 from datasets import Dataset
 
-from grpoflow.tasks.storage.workspace import Workspace
+
+def split_path(folder: str | Path, split: str) -> Path:
+    """Where a split is saved: <folder>/<split>, ``folder`` being the preparing stage's folder."""
+    return Path(folder) / split
 
 
-def split_path(ws_or_path: Workspace | str | Path, split: str) -> Path:
-    """Where the data stage saves a split: <workspace>/data/<split>."""
-    root = ws_or_path.root if isinstance(ws_or_path, Workspace) else Path(ws_or_path)
-    return root / "data" / split
-
-
-def load_split(ws_or_path: Workspace | str | Path, split: str) -> Dataset:
-    """The saved <workspace>/data/<split> ('train' or 'eval')."""
-    path = split_path(ws_or_path, split)
+def load_split(folder: str | Path, split: str) -> Dataset:
+    """The saved <folder>/<split> ('train' or 'eval')."""
+    path = split_path(folder, split)
     if not path.is_dir():
         raise FileNotFoundError(f"no prepared {split!r} split at {path}: run the data stage first")
     ds = datasets.load_from_disk(str(path))

@@ -93,8 +93,8 @@ def run_stage(
     try:
         with stage_run(cfg, parent_run_id, spec, ws.root, key, ws) as tracker:
             split_dirs = {}
-            if spec.upstream(cfg):  # a stage after the first reads the prepared splits
-                split_dirs = {s: split_path(ws, s) for s in ("train", *spec.splits)}
+            if folder := pipeline.splits_folder(name):  # a stage after the one preparing the splits reads them
+                split_dirs = {s: split_path(ws.root / folder, s) for s in ("train", *spec.splits)}
             prepare_run(tracker, cfg, spec, split_dirs)
             with system_metrics(tracker if spec.trains else None):
                 summary = fn(cfg, ws, tracker, **inputs)

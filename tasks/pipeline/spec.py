@@ -52,6 +52,7 @@ class StageSpec:
     reads           content readers (tasks/pipeline/fingerprint.py): {label: digest} of what it reads besides its
                     upstream stages' folders (a data file, a local model folder, a custom reward module)
     writes          folders it writes that are keyed by their own spec (the tiny base model)
+    prepares_splits whether its folder holds the prepared dataset splits the later stages read (data)
     splits          the prepared dataset splits it logs as MLflow inputs
     trains          whether it trains a model (system metrics are sampled, the model is logged as an output)
     description     its MLflow description, formatted with model, dataset, loss_type and lr
@@ -68,6 +69,7 @@ class StageSpec:
     enabled: Callable[[PipelineConfig], bool] = _always
     reads: tuple[ContentReader, ...] = ()
     writes: tuple[StageSpec, ...] = ()
+    prepares_splits: bool = False
     splits: tuple[str, ...] = ()
     trains: bool = False
     description: str = ""
@@ -116,6 +118,10 @@ class Pipeline:
         if name not in self.names:
             raise ValueError(f"unknown stage {name!r}; expected one of {', '.join(self.names)}")
         return self.names[self.names.index(name) :]
+
+    def splits_folder(self, name: str) -> str | None:
+        """The folder of the stage before ``name`` that prepares the dataset splits, None when none runs before."""
+        return next((s.name for s in self.specs[: self.names.index(name)] if s.prepares_splits), None)
 
     def before(self, name: str) -> tuple[str, ...]:
         """The stages that run before ``name``."""

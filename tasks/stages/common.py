@@ -4,6 +4,7 @@ stages' MLflow runs."""
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 from grpoflow.tasks.config import PipelineConfig
@@ -13,17 +14,25 @@ from grpoflow.tasks.pipeline.spec import StageSpec
 from grpoflow.tasks.storage.workspace import Workspace
 from grpoflow.tasks.tracking.run_meta import short_dataset, short_model
 
+DATA = "data"  # the stage that prepares the splits (tasks/stages/data.py): the others read them from its folder
+
+
+def prepared(ws: Workspace) -> Path:
+    """The folder holding the prepared splits (<workspace>/data): what sft, grpo, eval and export read."""
+    return ws.root / DATA
+
+
 # the tiny model built from the training text: keyed by what builds it, not by sft or grpo settings
 BASE_MODEL = StageSpec(
     name="base_model",
     keys=("run.seed", "model.name", "model.revision", "model.tiny"),
-    upstream=lambda cfg: ("data",),
+    upstream=lambda cfg: (DATA,),
 )
 
 
 def base_model_path(cfg: PipelineConfig, ws: Workspace) -> str:
     """The configured base model; for ``tiny`` it is built (once) from the training text."""
-    texts = corpus_text(load_split(ws, "train")) if cfg.model.name == "tiny" else None
+    texts = corpus_text(load_split(prepared(ws), "train")) if cfg.model.name == "tiny" else None
     return ensure_base_model(cfg.model, texts, ws.stage_dir(BASE_MODEL.name), cfg.run.seed)
 
 

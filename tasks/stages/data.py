@@ -38,6 +38,7 @@ from grpoflow.tasks.dataio.splits import split_path
 from grpoflow.tasks.pipeline.fingerprint import data_files
 from grpoflow.tasks.pipeline.shell import run_stage
 from grpoflow.tasks.pipeline.spec import Pipeline, StageSpec
+from grpoflow.tasks.stages.common import DATA, prepared
 from grpoflow.tasks.storage.workspace import Workspace
 from grpoflow.tasks.tracking.entities import split_dataset
 from grpoflow.tasks.tracking.run_meta import short_dataset
@@ -208,14 +209,15 @@ def _result(s: dict[str, Any]) -> str:
 
 def _log_digest(tracker: RunLogger, cfg: PipelineConfig, ws: Workspace, summary: dict[str, Any]) -> None:
     """The prepared train split's digest as the run's dataset_digest param (the later stages log it up front)."""
-    path = split_path(ws, "train")
+    path = split_path(prepared(ws), "train")
     digest = split_dataset(str(path), f"{short_dataset(cfg.data.source)}-train").digest if path.is_dir() else None
     tracker.log_params({"dataset_digest": digest})
 
 
 SPEC = StageSpec(
-    name="data",
-    keys=("run.seed", "data", "model.name"),  # not the tokenizer: this stage does not tokenize
+    name=DATA,
+    keys=("run.seed", "data", "model.name"),
+    prepares_splits=True,  # not the tokenizer: this stage does not tokenize
     reads=(data_files,),
     description="Prepared the train and eval splits from {dataset}.",
     param_sections=("data",),

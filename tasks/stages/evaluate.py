@@ -44,7 +44,7 @@ from grpoflow.tasks.pipeline.fingerprint import reward_modules
 from grpoflow.tasks.pipeline.shell import run_stage
 from grpoflow.tasks.pipeline.spec import Pipeline, StageSpec
 from grpoflow.tasks.rewards import BUILTIN_REWARDS, resolve_reward_funcs, score_completions
-from grpoflow.tasks.stages.common import model_and_dataset
+from grpoflow.tasks.stages.common import model_and_dataset, prepared
 from grpoflow.tasks.storage.workspace import Workspace
 from grpoflow.tasks.tracking.plots import plot_eval_report
 from grpoflow.tasks.tracking.progress import progress_bar
@@ -254,7 +254,7 @@ def eval_inputs(cfg: PipelineConfig, ws: Workspace) -> tuple[list[dict], list, S
     """The eval rows (at most eval.max_samples; an empty split fails), the run's reward functions and GRPO's
     sampling settings (eval.max_new_tokens, when set, in place of grpo.max_completion_length)."""
     e = cfg.eval
-    rows = list(load_split(ws, "eval"))
+    rows = list(load_split(prepared(ws), "eval"))
     if e.max_samples:
         rows = rows[: e.max_samples]
     if not rows:

@@ -46,6 +46,7 @@ from grpoflow.tasks.model.save import save_merged
 from grpoflow.tasks.model.verify import compare_logprobs, logprob_tolerance, teacher_forced
 from grpoflow.tasks.pipeline.shell import run_stage
 from grpoflow.tasks.pipeline.spec import Pipeline, StageSpec
+from grpoflow.tasks.stages.common import prepared
 from grpoflow.tasks.storage.workspace import Workspace
 from grpoflow.tasks.tracking.run_meta import short_model
 from grpoflow.tasks.tracking.tracker import RunLogger
@@ -164,7 +165,7 @@ def load_trained(cfg: PipelineConfig, base_model: str, trained_model: str, is_ad
 def verify_batch(cfg: PipelineConfig, ws: Workspace, trained, tokenizer) -> tuple[list, list, list]:
     """The first export.verify_prompts eval prompts, the trained model's greedy completions of them and their
     teacher-forced log-probs; taken before the merge folds the adapter into ``trained`` in place."""
-    rows = list(load_split(ws, "eval"))[: cfg.export.verify_prompts]
+    rows = list(load_split(prepared(ws), "eval"))[: cfg.export.verify_prompts]
     prompts = [prompt_ids(tokenizer, r["prompt"], cfg.grpo.max_prompt_length) for r in rows]
     max_new = cfg.eval.max_new_tokens or cfg.grpo.max_completion_length
     completions = greedy_tokens(trained, tokenizer, prompts, max_new) if prompts else []

@@ -46,7 +46,7 @@ from grpoflow.tasks.pipeline.fingerprint import model_files, reward_modules
 from grpoflow.tasks.pipeline.shell import run_stage
 from grpoflow.tasks.pipeline.spec import Pipeline, StageSpec
 from grpoflow.tasks.rewards import resolve_reward_funcs
-from grpoflow.tasks.stages.common import BASE_MODEL, base_model_path, model_and_dataset, model_params
+from grpoflow.tasks.stages.common import BASE_MODEL, base_model_path, model_and_dataset, model_params, prepared
 from grpoflow.tasks.stages.grpo_launch import WORKER, launch_spec
 from grpoflow.tasks.storage.uploads import UploadQueue
 from grpoflow.tasks.storage.workspace import Workspace
@@ -170,7 +170,7 @@ def load_prompts(
 ) -> tuple[list[dict], list[list[int]], dict]:
     """The train rows, their prompt ids (cut to grpo.max_prompt_length, the counts logged) and the counts; fails
     when the model's context cannot hold the longest prompt plus a completion."""
-    rows = list(load_split(ws, "train"))
+    rows = list(load_split(prepared(ws), "train"))
     prompts, cut = tokenize_prompts(tokenizer, rows, cfg.grpo.max_prompt_length)  # warns once when prompts are cut
     tracker.log_metrics({f"prompts/{k}": v for k, v in cut.items()})
     fed = max(map(len, prompts), default=0)  # the context of a model downloaded or converted in this stage:

@@ -40,7 +40,7 @@ from grpoflow.tasks.model.save import merge_into_16bit_base
 from grpoflow.tasks.pipeline.fingerprint import model_files
 from grpoflow.tasks.pipeline.shell import run_stage
 from grpoflow.tasks.pipeline.spec import Pipeline, StageSpec
-from grpoflow.tasks.stages.common import BASE_MODEL, base_model_path, model_and_dataset, model_params
+from grpoflow.tasks.stages.common import BASE_MODEL, base_model_path, model_and_dataset, model_params, prepared
 from grpoflow.tasks.storage.workspace import Workspace
 from grpoflow.tasks.tracking import timeline
 from grpoflow.tasks.tracking.progress import progress_bar
@@ -135,7 +135,7 @@ def setup_sft(cfg: PipelineConfig, ws: Workspace, tracker: RunLogger) -> tuple[S
     model = load_trainable(base, cfg.model, use_lora, device)
     autocast_dtype = compute_dtype(cfg.model, use_lora)
     trainable, total = count_parameters(model)
-    examples = tokenize_sft(load_split(ws, "train"), tokenizer, s.max_length, s.completion_only_loss)
+    examples = tokenize_sft(load_split(prepared(ws), "train"), tokenizer, s.max_length, s.completion_only_loss)
     per_step = s.per_device_train_batch_size * s.gradient_accumulation_steps
     steps_per_epoch = max(1, math.ceil(len(examples) / per_step))
     total_steps = s.max_steps or max(1, math.ceil(s.num_train_epochs * steps_per_epoch))

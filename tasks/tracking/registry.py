@@ -80,12 +80,21 @@ def register_run_model(
     return Registration(name, str(version), promoted, reason)
 
 
-def register_pipeline_model(client: MlflowClient, cfg, parent_run_id: str, result: dict) -> Registration | None:
-    """The pipeline's last step: register the exported model of ``result`` (the flow's stage summaries).
+def register_pipeline_model(
+    client: MlflowClient,
+    cfg,
+    parent_run_id: str,
+    export: dict | None,
+    accuracy: float | None,
+    eval_path: str | None,
+) -> Registration | None:
+    """The pipeline's last step: register the model the export stage wrote (``export``: its summary), with the
+    held-out ``accuracy`` after GRPO (None without an eval stage) and the first question of ``eval_path`` as the
+    merged model's input example.
 
     Nothing when registration is off, nothing was exported, or this export run is already registered
     (a resumed run whose export stage was skipped)."""
-    t, export = cfg.tracking, result.get("export")
+    t = cfg.tracking
     if not t.register_model or not export:
         return None
     folder = "merged" if "merged_path" in export else "adapter" if "adapter_path" in export else None
@@ -94,11 +103,10 @@ def register_pipeline_model(client: MlflowClient, cfg, parent_run_id: str, resul
     export_run = export["mlflow_run_id"]
     if client.get_run(parent_run_id).data.tags.get("registered_export_run") == export_run:
         return None
-    accuracy = result.get("eval", {}).get("accuracy_after")
     name = t.registered_model or registered_model_name(cfg.model.name)
     source, model_id = f"{client.get_run(export_run).info.artifact_uri}/{folder}", None
     if folder == "merged":  # an MLflow transformers model (pyfunc-loadable); an adapter stays a plain folder
-        example = first_question(result["data"]["eval_path"]) or "What is 2 + 3?"
+        example = (first_question(eval_path) if eval_path else None) or "What is 2 + 3?"
         max_new = cfg.eval.max_new_tokens or cfg.grpo.max_completion_length
         logged = log_merged_model(client, export_run, export["merged_path"], name, example, max_new)
         source, model_id = logged.source, logged.model_id

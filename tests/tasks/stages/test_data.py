@@ -127,7 +127,7 @@ def test_prepare_arithmetic(tmp_path):
     summary, ws = run(tmp_path, arithmetic={"train_size": 40, "eval_size": 10})
     assert summary["format"] == "arithmetic"
     assert (summary["train_rows"], summary["eval_rows"], summary["skipped_rows"]) == (40, 10, 0)
-    train, eval_ = load_split(ws, "train"), load_split(ws.root, "eval")
+    train, eval_ = load_split(ws.root / "data", "train"), load_split(ws.root / "data", "eval")
     assert train.column_names == ["prompt", "question", "answer", "reference"]
     assert not set(train["question"]) & set(eval_["question"])
     assert len(set(train["question"])) == 40
@@ -156,7 +156,7 @@ def test_gsm8k_fixture(tmp_path):
 
     raw = read_jsonl(GSM8K_SAMPLE)
     gold = {r["question"]: r["answer"].split("####")[-1].strip().replace(",", "") for r in raw}
-    rows = list(load_split(ws, "train")) + list(load_split(ws, "eval"))
+    rows = list(load_split(ws.root / "data", "train")) + list(load_split(ws.root / "data", "eval"))
     assert sorted(r["question"] for r in rows) == sorted(gold)
     for r in rows:
         assert r["answer"] == gold[r["question"]]
@@ -182,7 +182,7 @@ def test_held_out_split_is_seeded(tmp_path):
     a, ws_a = run(tmp_path / "a", source=str(GSM8K_SAMPLE), eval_size=5)
     _, ws_b = run(tmp_path / "b", source=str(GSM8K_SAMPLE), eval_size=5)
     assert a["eval_rows"] == 5
-    assert list(load_split(ws_a, "eval")["question"]) == list(load_split(ws_b, "eval")["question"])
+    assert list(load_split(ws_a.root / "data", "eval")["question"]) == list(load_split(ws_b.root / "data", "eval")["question"])
 
 
 def test_max_rows(tmp_path):
@@ -197,7 +197,7 @@ def test_local_file_formats(tmp_path, suffix):
     summary, ws = run(tmp_path, source=str(path), eval_size=2, system_prompt=None)
     assert summary["format"] == "qa"
     assert (summary["train_rows"], summary["eval_rows"]) == (8, 2)
-    row = load_split(ws, "train")[0]
+    row = load_split(ws.root / "data", "train")[0]
     assert row["answer"] == "City" + row["question"].removeprefix("Capital number ").removesuffix("?")
     assert row["reference"] == f"<reasoning>\n\n</reasoning>\n<answer>\n{row['answer']}\n</answer>"
     assert row["prompt"] == [{"role": "user", "content": row["question"]}]
@@ -208,7 +208,7 @@ def test_custom_fields_and_numeric_answers(tmp_path):
     path = write_rows(tmp_path / "nums.csv", rows)
     summary, ws = run(tmp_path, source=str(path), question_field="problem", answer_field="solution", eval_size=1)
     assert summary["format"] == "qa"
-    assert sorted(list(load_split(ws, "train")["answer"]) + list(load_split(ws, "eval")["answer"])) == [
+    assert sorted(list(load_split(ws.root / "data", "train")["answer"]) + list(load_split(ws.root / "data", "eval")["answer"])) == [
         "1",
         "2",
         "3",
@@ -221,7 +221,7 @@ def test_custom_fields_and_numeric_answers(tmp_path):
 def test_arithmetic_format_on_a_file(tmp_path):
     path = write_rows(tmp_path / "arith.jsonl", [{"question": "What is 3 * -4?", "answer": "-12"}] * 3)
     _, ws = run(tmp_path, source=str(path), format="arithmetic", eval_size=1)
-    assert "3 * -4 = -12" in load_split(ws, "train")[0]["reference"]
+    assert "3 * -4 = -12" in load_split(ws.root / "data", "train")[0]["reference"]
 
 
 def test_eval_source_file(tmp_path):
@@ -229,7 +229,7 @@ def test_eval_source_file(tmp_path):
     eval_ = write_rows(tmp_path / "eval.jsonl", [{"question": "Held out?", "answer": "yes"}])
     summary, ws = run(tmp_path, source=str(train), eval_source=str(eval_))
     assert (summary["train_rows"], summary["eval_rows"]) == (10, 1)
-    assert list(load_split(ws, "eval")["question"]) == ["Held out?"]
+    assert list(load_split(ws.root / "data", "eval")["question"]) == ["Held out?"]
 
 
 def test_arithmetic_with_eval_source_file(tmp_path):
@@ -238,7 +238,7 @@ def test_arithmetic_with_eval_source_file(tmp_path):
     path = write_rows(tmp_path / "arith_eval.jsonl", [in_train, {"question": "What is 500 + 1?", "answer": "501"}])
     summary, ws = run(tmp_path, arithmetic={"train_size": 30, "eval_size": 5}, eval_source=str(path))
     assert (summary["train_rows"], summary["eval_rows"]) == (29, 2)
-    assert in_train["question"] not in set(load_split(ws, "train")["question"])
+    assert in_train["question"] not in set(load_split(ws.root / "data", "train")["question"])
 
 
 def test_eval_source_split_name_needs_hf_source(tmp_path):
@@ -370,7 +370,7 @@ def test_summary_outputs_and_round_trip(tmp_path):
     assert Path(summary["train_path"]) == ws.root / "data" / "train"
     assert Path(summary["samples_path"]) == ws.root / "data" / "samples.jsonl"
 
-    train = load_split(ws, "train")
+    train = load_split(ws.root / "data", "train")
     samples = read_jsonl(ws.root / "data" / "samples.jsonl")
     assert len(samples) == 5 and samples == list(train.select(range(5)))
 
@@ -383,7 +383,7 @@ def test_summary_outputs_and_round_trip(tmp_path):
 def test_rerun_overwrites(tmp_path):
     _, ws = run(tmp_path, source=str(GSM8K_SAMPLE), eval_size=4)
     summary, ws = run(tmp_path, source=str(GSM8K_SAMPLE), eval_size=4, max_train_rows=3)
-    assert len(load_split(ws, "train")) == 3 == summary["train_rows"]
+    assert len(load_split(ws.root / "data", "train")) == 3 == summary["train_rows"]
 
 
 def test_failed_rerun_leaves_no_manifest(tmp_path):
