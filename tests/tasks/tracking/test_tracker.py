@@ -11,6 +11,7 @@ import pytest
 import yaml
 from mlflow.tracking import MlflowClient
 
+from grpoflow.flows.stages import PIPELINE
 from grpoflow.tasks.config import config_from_dict
 from grpoflow.tasks.tracking import run_meta
 from grpoflow.tasks.tracking.journal import JOURNAL_DIR, Journal
@@ -101,14 +102,14 @@ def test_the_pipeline_run_holds_the_config_as_params_and_artifact(pipeline, tmp_
 def test_a_stage_run_is_nested_under_the_parent_named_and_recorded(pipeline, tmp_path):
     cfg, parent = pipeline
     root = tmp_path / "out" / "r"
-    with stage_run(cfg, parent.run_id, "grpo", root, key="k1") as stage:
+    with stage_run(cfg, parent.run_id, PIPELINE["grpo"], root, key="k1") as stage:
         assert stage and stage.run_id != parent.run_id
         assert stage.client.get_run(stage.run_id).info.status == "RUNNING"
         stage.log_metrics({"loss": 0.5}, step=1)
     run = stage.client.get_run(stage.run_id)
     assert run.info.status == "FINISHED" and run.info.end_time is not None
     assert run.data.tags[PARENT_TAG] == parent.run_id
-    assert run.info.run_name == run_meta.stage_name(cfg, "grpo") and run.info.run_name.endswith("lr 3e-6")
+    assert run.info.run_name == run_meta.stage_name(cfg, PIPELINE["grpo"]) and run.info.run_name.endswith("lr 3e-6")
     assert run.info.experiment_id == stage.client.get_run(parent.run_id).info.experiment_id
     assert run.data.metrics == {"loss": 0.5}
     recorded = json.loads((root / STAGE_RUNS).read_text())["grpo"]
@@ -117,7 +118,7 @@ def test_a_stage_run_is_nested_under_the_parent_named_and_recorded(pipeline, tmp
 
 def test_a_stage_that_raises_ends_its_run_failed_and_the_error_goes_on(pipeline, tmp_path):
     cfg, parent = pipeline
-    with pytest.raises(ZeroDivisionError), stage_run(cfg, parent.run_id, "eval", tmp_path / "out" / "r") as stage:
+    with pytest.raises(ZeroDivisionError), stage_run(cfg, parent.run_id, PIPELINE["eval"], tmp_path / "out" / "r") as stage:
         stage.log_metrics({"accuracy": 0.25}, step=0)
         1 / 0  # noqa: B018
     run = stage.client.get_run(stage.run_id)
@@ -127,7 +128,7 @@ def test_a_stage_that_raises_ends_its_run_failed_and_the_error_goes_on(pipeline,
 
 def test_without_a_parent_run_a_stage_logs_nothing(tmp_path):
     cfg = _cfg(tmp_path)
-    with stage_run(cfg, None, "grpo") as stage:
+    with stage_run(cfg, None, PIPELINE["grpo"]) as stage:
         assert not stage and stage.run_id is None
         stage.log_metrics({"loss": 1.0}, step=1)
     assert not (tmp_path / "out").exists()  # no store, no journal, no stage_runs.json
@@ -141,7 +142,7 @@ def test_a_stage_run_on_a_server_that_does_not_answer_fails_at_once(tmp_path):
         port = s.getsockname()[1]
     cfg = _cfg(tmp_path, tracking={"uri": f"http://127.0.0.1:{port}"})
     with pytest.raises(ConnectionError, match=rf"stage sft cannot start: MLflow tracking server .*:{port}"):
-        with stage_run(cfg, "parent-id", "sft", tmp_path):
+        with stage_run(cfg, "parent-id", PIPELINE["sft"], tmp_path):
             pass
 
 
@@ -155,7 +156,7 @@ def test_params_metrics_tags_and_artifacts_arrive_once_the_logger_ends(pipeline,
     (folder / "b.txt").write_text("b")
     single = tmp_path / "history.jsonl"
     single.write_text('{"step": 1}\n')
-    with stage_run(cfg, parent.run_id, "sft", root) as stage:
+    with stage_run(cfg, parent.run_id, PIPELINE["sft"], root) as stage:
         stage.log_params({"sft": {"epochs": 2, "lr": 1e-4}})
         stage.log_metrics({"loss": 2.0, "skipped_none": None, "skipped_nan": float("nan")}, step=1)
         stage.log_metrics({"loss": 1.0}, step=2)
@@ -231,14 +232,14 @@ def test_pipeline_and_stage_runs_on_a_server(mlflow_server, tmp_path):
     cfg = _cfg(tmp_path, tracking={"uri": mlflow_server, "experiment": "tracker-test"})
     parent = start_pipeline_run(cfg)
     root = tmp_path / "out" / "r"
-    with stage_run(cfg, parent.run_id, "data", root) as stage:
+    with stage_run(cfg, parent.run_id, PIPELINE["data"], root) as stage:
         stage.log_metrics({"rows": 100.0}, step=0)
         stage.log_text("hello", "notes/n.txt")
     assert parent.end(True)
     client = MlflowClient(mlflow_server)
     run = client.get_run(stage.run_id)
     assert run.info.status == "FINISHED" and run.data.tags[PARENT_TAG] == parent.run_id
-    assert run.data.metrics == {"rows": 100.0} and run.info.run_name == run_meta.stage_name(cfg, "data")
+    assert run.data.metrics == {"rows": 100.0} and run.info.run_name == run_meta.stage_name(cfg, PIPELINE["data"])
     assert [a.path for a in client.list_artifacts(stage.run_id, "notes")] == ["notes/n.txt"]
     assert client.get_run(parent.run_id).info.status == "FINISHED"
     assert not (tmp_path / "out" / "mlflow.db").exists()  # the server's store, not the default one
