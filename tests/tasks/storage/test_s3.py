@@ -20,14 +20,6 @@ MICRO = str(FIXTURES / "micro.yaml")
 
 
 @pytest.fixture
-def env(seaweedfs, monkeypatch, tmp_path):
-    """The process environment a user sets: endpoint and credentials in the standard AWS variables."""
-    for k, v in seaweedfs.env().items():
-        monkeypatch.setenv(k, v)
-    return seaweedfs
-
-
-@pytest.fixture
 def store(env, tmp_path):
     """S3 with the default settings and a cache folder of the test's own (the endpoint comes from the env)."""
     return s3.S3Client(StorageConfig(cache_dir=str(tmp_path / "cache")))

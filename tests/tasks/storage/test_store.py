@@ -16,14 +16,6 @@ from grpoflow.tasks.storage.store import Entry, LocalStore, S3Store, Store, open
 MARK = "trainer_state.json"
 
 
-@pytest.fixture
-def env(seaweedfs, monkeypatch):
-    """The process environment a user sets: endpoint and credentials in the standard AWS variables."""
-    for k, v in seaweedfs.env().items():
-        monkeypatch.setenv(k, v)
-    return seaweedfs
-
-
 @pytest.fixture(params=["local", "s3"])
 def store(request, tmp_path) -> Store:
     settings = StorageConfig(cache_dir=str(tmp_path / "cache"), outage_budget_s=5)

@@ -13,13 +13,6 @@ from grpoflow.tasks.storage.store import LocalStore
 from grpoflow.tasks.storage.workspace import ATTEMPT, MANIFEST, Workspace, join_location, local_dir, reroot
 
 
-@pytest.fixture
-def env(seaweedfs, monkeypatch):
-    for k, v in seaweedfs.env().items():
-        monkeypatch.setenv(k, v)
-    return seaweedfs
-
-
 @pytest.fixture(params=["local", "s3"])
 def location(request, tmp_path) -> str:
     if request.param == "local":
