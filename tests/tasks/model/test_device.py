@@ -66,7 +66,7 @@ def test_every_stage_that_loads_a_model_selects_its_device():
         ]
         if onto_device:
             computing[path.stem] = {c.func.id for c in calls}
-    assert {"sft", "grpo", "evaluate"} <= computing.keys()
+    assert {"sft", "grpo_setup", "evaluate"} <= computing.keys()  # grpo loads its policy in grpo_setup.py
     for stage, calls in computing.items():
         assert "select_device" in calls and "resolve_device" not in calls, stage
 
@@ -155,7 +155,7 @@ def test_grpo_stage_keeps_the_reference_model_in_the_training_dtype(tmp_path):
 
 def test_reference_dtype():
     from grpoflow.tasks.config import load_config
-    from grpoflow.tasks.stages.grpo import reference_dtype
+    from grpoflow.tasks.stages.grpo_setup import reference_dtype
 
     assert reference_dtype(load_config(MICRO, FULL_BF16_KL)) == torch.bfloat16
     # TR-DPO moves the reference by alpha * (policy - ref) each sync: bf16 would round small moves away

@@ -182,7 +182,9 @@ def test_held_out_split_is_seeded(tmp_path):
     a, ws_a = run(tmp_path / "a", source=str(GSM8K_SAMPLE), eval_size=5)
     _, ws_b = run(tmp_path / "b", source=str(GSM8K_SAMPLE), eval_size=5)
     assert a["eval_rows"] == 5
-    assert list(load_split(ws_a.root / "data", "eval")["question"]) == list(load_split(ws_b.root / "data", "eval")["question"])
+    assert list(load_split(ws_a.root / "data", "eval")["question"]) == list(
+        load_split(ws_b.root / "data", "eval")["question"]
+    )
 
 
 def test_max_rows(tmp_path):
@@ -208,7 +210,9 @@ def test_custom_fields_and_numeric_answers(tmp_path):
     path = write_rows(tmp_path / "nums.csv", rows)
     summary, ws = run(tmp_path, source=str(path), question_field="problem", answer_field="solution", eval_size=1)
     assert summary["format"] == "qa"
-    assert sorted(list(load_split(ws.root / "data", "train")["answer"]) + list(load_split(ws.root / "data", "eval")["answer"])) == [
+    assert sorted(
+        list(load_split(ws.root / "data", "train")["answer"]) + list(load_split(ws.root / "data", "eval")["answer"])
+    ) == [
         "1",
         "2",
         "3",

@@ -10,7 +10,8 @@ import torch
 from grpoflow.tasks.config import config_from_dict
 from grpoflow.tasks.launch.dist import Comm
 from grpoflow.tasks.stages.data import prepare_data
-from grpoflow.tasks.stages.grpo import build_trainer, reference_dtype, setup_grpo, train_grpo
+from grpoflow.tasks.stages.grpo import build_trainer, setup_grpo, train_grpo
+from grpoflow.tasks.stages.grpo_setup import reference_dtype
 from grpoflow.tasks.storage.workspace import Workspace
 from grpoflow.tasks.tracking.tracker import RunLogger
 

@@ -118,7 +118,10 @@ def test_a_stage_run_is_nested_under_the_parent_named_and_recorded(pipeline, tmp
 
 def test_a_stage_that_raises_ends_its_run_failed_and_the_error_goes_on(pipeline, tmp_path):
     cfg, parent = pipeline
-    with pytest.raises(ZeroDivisionError), stage_run(cfg, parent.run_id, PIPELINE["eval"], tmp_path / "out" / "r") as stage:
+    with (
+        pytest.raises(ZeroDivisionError),
+        stage_run(cfg, parent.run_id, PIPELINE["eval"], tmp_path / "out" / "r") as stage,
+    ):
         stage.log_metrics({"accuracy": 0.25}, step=0)
         1 / 0  # noqa: B018
     run = stage.client.get_run(stage.run_id)
