@@ -30,6 +30,11 @@ def _short(value: Any) -> str:
     return text if len(text) <= 60 else text[:57] + "..."
 
 
+def _digest(value: Any) -> str:
+    """A size or time as it is, a hash (sha256, ETag) by its first 12 characters: enough to tell two apart."""
+    return value[:12] if isinstance(value, str) and len(value) > 12 else str(value)
+
+
 def _file_changes(label: str, old: dict[str, Any], new: dict[str, Any]) -> list[str]:
     """What differs between two {file: digest} maps of one content label."""
     code = label.startswith("reward ")
@@ -44,7 +49,7 @@ def _file_changes(label: str, old: dict[str, Any], new: dict[str, Any]) -> list[
             out.append(f"file: {label} {name} {'added' if a is None else 'removed'}")
         else:
             what = [k for k in ("size", "sha256", "mtime_ns", "etag") if a.get(k) != b.get(k)]
-            detail = ", ".join(f"{k} {_short(a.get(k))} -> {_short(b.get(k))}" for k in what)
+            detail = ", ".join(f"{k} {_digest(a.get(k))} -> {_digest(b.get(k))}" for k in what)
             out.append(f"file: {label} {name} changed ({detail})")
     return out
 
