@@ -33,6 +33,7 @@ from grpoflow.tasks.config import (
 from grpoflow.tasks.config.trl_keys import TRLKeyWarning
 from grpoflow.tasks.pipeline.errors import StageError
 from grpoflow.tasks.storage import s3
+from grpoflow.tasks.storage.store import open_store, write_atomic
 from grpoflow.tasks.storage.workspace import join_location, local_dir
 from grpoflow.tasks.tracking import timeline
 
@@ -156,23 +157,17 @@ def cmd_resume(args) -> int:
     """Rerun the pipeline in RUN_DIR with its config.yaml (+ overrides): complete stages whose key matches are
     skipped; --from-stage first forgets that stage and every later one (manifest and files), so they rerun."""
     missing = f"{args.run_dir}: no config.yaml; RUN_DIR must be a run workspace (<output_dir>/<name>)"
-    if s3.is_s3_uri(args.run_dir):  # read config.yaml with the endpoint of the env or of storage.* overrides
-        run_dir = s3.join_uri(args.run_dir)
-        storage = config_from_dict({"storage": apply_overrides({}, list(args.overrides)).get("storage", {})}).storage
-        try:
-            config = s3.S3Client(storage).download_file(
-                s3.join_uri(run_dir, "config.yaml"), local_dir(run_dir, storage.cache_dir) / "config.yaml"
-            )
-        except s3.S3NoSuchBucketError:
-            raise
-        except s3.S3NotFoundError:
-            raise ConfigError(missing) from None
-        parent, name = run_dir.rsplit("/", 1)
-    else:
-        config = Path(args.run_dir).resolve() / "config.yaml"
-        if not config.is_file():
-            raise ConfigError(missing)
-        run_dir, parent, name = str(config.parent), str(config.parent.parent), config.parent.name
+    # the workspace's store (an s3:// one reached with the endpoint of the env or of storage.* overrides)
+    storage = config_from_dict({"storage": apply_overrides({}, list(args.overrides)).get("storage", {})}).storage
+    store = open_store(args.run_dir, storage)
+    text = store.read("config.yaml")
+    if text is None:
+        raise ConfigError(missing)
+    config = store.local_root / "config.yaml"
+    if not config.is_file() or config.read_bytes() != text:  # S3: into the local mirror, as a stage would
+        write_atomic(config, text)
+    run_dir = store.location
+    parent, name = run_dir.rsplit("/", 1)
     cfg = load_config(str(config), list(args.overrides))
     # the workspace is RUN_DIR wherever it now lies (its MLflow store, by default, beside it)
     cfg = cfg.model_copy(update={"run": cfg.run.model_copy(update={"name": name, "output_dir": parent})})

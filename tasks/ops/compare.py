@@ -22,24 +22,20 @@ from typing import Any
 from mlflow.tracking import MlflowClient
 
 from grpoflow.tasks.config.storage import StorageConfig
-from grpoflow.tasks.storage import s3
+from grpoflow.tasks.storage.s3 import is_s3_uri
+from grpoflow.tasks.storage.store import open_store
 from grpoflow.tasks.tracking.tracker import PARENT_TAG
 
 
 def resolve_run(ref: str, tracking_uri: str | None, storage: StorageConfig | None = None) -> tuple[str, str]:
     """(tracking uri, parent run id) of a workspace (a folder or an s3:// URI, read with ``storage``) or an MLflow
     run id."""
-    if s3.is_s3_uri(ref):
-        data = s3.S3Client(storage).get_json(s3.join_uri(ref, "run.json"), None)
-        if data is None:
-            raise ValueError(f"{ref}: no run.json; not a run workspace (<output_dir>/<run name>)")
-        return data["tracking_uri"], data["mlflow_run_id"]
     path = Path(ref)
-    if path.is_dir():
-        info = path / "run.json"
-        if not info.is_file():
+    if is_s3_uri(ref) or path.is_dir():  # a workspace: its run.json, read through its store
+        text = open_store(ref, storage).read("run.json")
+        if text is None:
             raise ValueError(f"{ref}: no run.json; not a run workspace (<output_dir>/<run name>)")
-        data = json.loads(info.read_text())
+        data = json.loads(text)
         return data["tracking_uri"], data["mlflow_run_id"]
     if ref.startswith((".", "~")) or "/" in ref or "\\" in ref:  # a path, never a run id: it does not exist
         raise ValueError(f"{ref}: no such run workspace folder (looked at {path.expanduser().absolute()})")
