@@ -33,6 +33,7 @@ from grpoflow.tasks.config import (
 from grpoflow.tasks.config.trl_keys import TRLKeyWarning
 from grpoflow.tasks.pipeline.errors import StageError
 from grpoflow.tasks.storage import s3
+from grpoflow.tasks.storage.lock import WorkspaceBusy
 from grpoflow.tasks.storage.store import open_store, write_atomic
 from grpoflow.tasks.storage.workspace import join_location, local_dir
 from grpoflow.tasks.tracking import timeline
@@ -150,7 +151,42 @@ def _load(args) -> PipelineConfig:
 
 
 def cmd_run(args) -> int:
-    return _run_pipeline(_load(args))
+    """Run the pipeline in <output_dir>/<run.name>, holding the workspace; a run.name that names an existing run
+    is resumed when its finished stages keep their keys, else refused (``--force``: replaced, each named)."""
+    cfg = _load(args)
+    from grpoflow.tasks.storage.lock import workspace_lock
+
+    store = open_store(join_location(cfg.run.output_dir, cfg.run.name), cfg.storage)
+    with workspace_lock(store, "grpoflow run"):
+        refuse_replacing(cfg, store, args.force)
+        return _run_pipeline(cfg)
+
+
+def refuse_replacing(cfg: PipelineConfig, store, force: bool) -> None:
+    """`grpoflow run` onto an existing run whose finished stages this config would rerun: a ConfigError naming
+    them and pointing at `grpoflow resume`; with ``force`` each is named as it is replaced."""
+    if store.read("config.yaml") is None:
+        return
+    from grpoflow.flows.stages import PIPELINE
+    from grpoflow.tasks.pipeline.resume import explain, replaced
+    from grpoflow.tasks.storage.workspace import Workspace
+
+    ws = Workspace(store.location, cfg.storage)
+    reruns = explain(PIPELINE, cfg, ws)
+    lost = replaced(PIPELINE, cfg, ws, reruns)
+    if not lost:
+        return
+    lines = [f"  {stage}: {lost[stage]}; {'; '.join(reruns[stage])}" for stage in lost]
+    if force:
+        for line in lines:
+            print(f"run --force:{line[1:]}")
+        return
+    raise ConfigError(
+        f"run.name {cfg.run.name!r}: a run with another config exists at {store.location}; this config would rerun "
+        "its finished stages:\n" + "\n".join(lines) + f"\nTo change that run's config use `grpoflow resume "
+        f"{store.location} key=value ...` (it says what reruns); to keep it, pick another run.name; to replace "
+        "them, add --force"
+    )
 
 
 def cmd_resume(args) -> int:
@@ -160,9 +196,16 @@ def cmd_resume(args) -> int:
     # the workspace's store (an s3:// one reached with the endpoint of the env or of storage.* overrides)
     storage = config_from_dict({"storage": apply_overrides({}, list(args.overrides)).get("storage", {})}).storage
     store = open_store(args.run_dir, storage)
-    text = store.read("config.yaml")
-    if text is None:
+    if store.read("config.yaml") is None:
         raise ConfigError(missing)
+    from grpoflow.tasks.storage.lock import workspace_lock
+
+    with workspace_lock(store, "grpoflow resume"):  # before anything is read: another process may be writing it
+        return _resume(args, store)
+
+
+def _resume(args, store) -> int:
+    text = store.read("config.yaml")
     config = store.local_root / "config.yaml"
     if not config.is_file() or config.read_bytes() != text:  # S3: into the local mirror, as a stage would
         write_atomic(config, text)
@@ -174,7 +217,7 @@ def cmd_resume(args) -> int:
     timeline.mark("config_loaded")
     _setup_env(cfg)  # PREFECT_HOME and logging, before the stage modules below import Prefect
     from grpoflow.flows.stages import PIPELINE
-    from grpoflow.tasks.pipeline.resume import explain
+    from grpoflow.tasks.pipeline.resume import explain, replaced
     from grpoflow.tasks.storage.workspace import Workspace
 
     if args.from_stage is not None and args.from_stage not in PIPELINE.names:
@@ -182,15 +225,19 @@ def cmd_resume(args) -> int:
         raise ConfigError(f"--from-stage: unknown stage {args.from_stage!r}; expected one of {names}")
     forget = PIPELINE.stages_from(args.from_stage) if args.from_stage else ()
     ws = Workspace(run_dir, cfg.storage)
-    print_reruns(explain(PIPELINE, cfg, ws, forget))  # the config, files and code each stage that reruns sees
+    reruns = explain(PIPELINE, cfg, ws, forget)
+    print_reruns(reruns, replaced(PIPELINE, cfg, ws, reruns))  # the config, files and code each rerun sees
     return _run_pipeline(cfg, lambda: ws.forget(forget, attempts=True))
 
 
-def print_reruns(reruns: dict[str, list[str]]) -> None:
-    """What `grpoflow resume` reruns and why (tasks/pipeline/resume.py explain), before the flow starts."""
+def print_reruns(reruns: dict[str, list[str]], replaces: dict[str, str] | None = None) -> None:
+    """What `grpoflow resume` reruns and why (tasks/pipeline/resume.py explain), and what each rerun does to the
+    stage's finished results (``replaces``: resume.replaced), before the flow starts."""
     if not reruns:
         print("resume: every stage is complete with its current key; nothing reruns")
     for stage, why in reruns.items():
+        if stage in (replaces or {}):
+            print(f"resume: {stage} {replaces[stage]}")
         for line in why:
             print(f"resume: {stage} reruns: {line}")
 
@@ -367,16 +414,23 @@ def timeline_rows(t: dict | None) -> list[tuple[str, str]]:
 
 def cmd_sync(args) -> int:
     """Send what RUN_DIR's tracking journal holds unsent (a tracking server that was down when the run ended)."""
-    from grpoflow.tasks.tracking.journal import JOURNAL_DIR
-    from grpoflow.tasks.tracking.reach import tracking_problem
-    from grpoflow.tasks.tracking.sender import replay
-    from grpoflow.tasks.tracking.tracker import tracking_uri
-
     run_dir = Path(args.run_dir).resolve()
     if not (run_dir / "config.yaml").is_file():
         raise ConfigError(
             f"{args.run_dir}: no config.yaml; RUN_DIR must be a local run workspace (<output_dir>/<name>)"
         )
+    from grpoflow.tasks.storage.lock import workspace_lock
+
+    with workspace_lock(open_store(run_dir), "grpoflow sync"):  # a live run sends its own journal
+        return _sync(args, run_dir)
+
+
+def _sync(args, run_dir: Path) -> int:
+    from grpoflow.tasks.tracking.journal import JOURNAL_DIR
+    from grpoflow.tasks.tracking.reach import tracking_problem
+    from grpoflow.tasks.tracking.sender import replay
+    from grpoflow.tasks.tracking.tracker import tracking_uri
+
     cfg = load_config(str(run_dir / "config.yaml"), [])
     cfg = cfg.model_copy(
         update={"run": cfg.run.model_copy(update={"name": run_dir.name, "output_dir": str(run_dir.parent)})}
@@ -430,6 +484,12 @@ def main(argv: list[str] | None = None) -> int:
         )
         if name == "validate":
             p.add_argument("--show", action="store_true", help="print the resolved config")
+        else:
+            p.add_argument(
+                "--force",
+                action="store_true",
+                help="run.name names a run with another config: replace its finished stages (each is named)",
+            )
     p = sub.add_parser("resume", help="rerun a run workspace: skip complete stages, continue GRPO and the MLflow run")
     p.add_argument("run_dir", metavar="RUN_DIR", help="the run workspace (<output_dir>/<run name>, holds config.yaml)")
     p.add_argument(
@@ -476,7 +536,7 @@ def main(argv: list[str] | None = None) -> int:
     _library_env()
     try:
         return args.fn(args)
-    except ConfigError as e:
+    except (ConfigError, WorkspaceBusy) as e:
         print(f"grpoflow: {e}", file=sys.stderr)
         return 2
     except s3.S3Error as e:  # a bucket, key, endpoint or credentials problem: the message names it

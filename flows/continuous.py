@@ -11,8 +11,9 @@ interval schedule and by the ``grpoflow.data.landed`` event).
 The ledger (``<state>/ledger.json``) is written only after the pipeline finished, so a failed cycle consumes
 nothing and the next run retries the same files. The state (ledger and cycle workspaces) may live on S3
 (tasks/ops/datasource.py: state_location), so a worker pod that restarts does not retrain on everything.
-Run one cycle at a time (the deployment's concurrency limit is 1): two concurrent cycles would both train on
-the same new files.
+Run one cycle at a time (the deployment's concurrency limit is 1): besides, a cycle holds the state folder's lock
+(tasks/storage/lock.py) from listing the files to writing the ledger, so a second cycle fails at once naming the
+first rather than training on the same files.
 """
 
 from __future__ import annotations
@@ -24,7 +25,9 @@ from prefect import flow, get_run_logger, task
 
 from grpoflow.tasks.config import ConfigError, PipelineConfig, StorageConfig, load_run_config
 from grpoflow.tasks.ops.datasource import DataFile, Ledger, list_source, state_location
+from grpoflow.tasks.storage.lock import workspace_lock
 from grpoflow.tasks.storage.s3 import is_s3_uri, join_uri, local_path
+from grpoflow.tasks.storage.store import open_store
 
 # grpoflow.flows.pipeline (torch, transformers) and grpoflow.tasks.ops.continuous (mlflow) are imported where used:
 # `prefect deploy` imports this module, and a cycle with no new data should start in seconds
@@ -71,6 +74,12 @@ def grpo_continuous(
     cfg = load_run_config(config, overrides)
     check_continuous_config(cfg)
     state = state_location(source, state_dir, cfg.run.output_dir)
+    with workspace_lock(open_store(state, cfg.storage), "grpo-continuous cycle"):  # one cycle owns the ledger
+        return _cycle(cfg, source, state, logger)
+
+
+def _cycle(cfg: PipelineConfig, source: str, state: str, logger) -> dict:
+    """One cycle, holding the state folder: new files -> pipeline -> ledger (the module docstring)."""
     ledger = Ledger(join_location(state, LEDGER), cfg.storage)
     new = [DataFile(**f) for f in new_files_task(source, ledger.location, cfg.storage)]
     if not new:

@@ -28,6 +28,7 @@ from grpoflow.tasks.stages.evaluate import eval_task
 from grpoflow.tasks.stages.export import export_task
 from grpoflow.tasks.stages.grpo import grpo_task
 from grpoflow.tasks.stages.sft import sft_task
+from grpoflow.tasks.storage.lock import workspace_lock
 from grpoflow.tasks.storage.workspace import Workspace
 from grpoflow.tasks.tracking import timeline
 from grpoflow.tasks.tracking.registry import register_pipeline_model
@@ -65,6 +66,11 @@ def grpo_pipeline(config: PipelineConfig, workspace: str, init_model: str | None
     timeline.mark("flow_start")
     cfg = config
     ws = Workspace(workspace, cfg.storage)
+    with workspace_lock(ws.store, "grpo-pipeline flow"):  # the CLI holds it already; a deployed run takes it here
+        return _pipeline(cfg, ws, init_model)
+
+
+def _pipeline(cfg: PipelineConfig, ws: Workspace, init_model: str | None) -> dict:
     ws.write_text("config.yaml", yaml.safe_dump(cfg.to_dict(), sort_keys=False))  # what `grpoflow resume` reads
     names = PIPELINE.names
     tags = {"prefect_flow_run_id": runtime.flow_run.id, "workspace": ws.location}

@@ -363,8 +363,8 @@ class GRPOTrainer:
                     self.tracker.log_metrics(metrics, step=self.step)
                 for name in completion_tables(self.step, g.max_steps) if g.log_completions else ():
                     self._log_samples(r.samples, name)
-                if self.step % g.save_steps == 0 and self.step < g.max_steps:
-                    self.save_checkpoint()
+                if self.step % g.save_steps == 0 or self.step == g.max_steps:  # the last one too: a raised
+                    self.save_checkpoint()  # grpo.max_steps trains on from it (tasks/stages/grpo.py SPEC.extends)
                 advance(reward=metrics.get("reward", math.nan), loss=metrics.get("loss", 0.0))
         last = self.history[-1] if self.history else {}
         return {"steps": self.step, "final": last, "seconds": time.perf_counter() - t_start}

@@ -24,6 +24,7 @@ a published stage records its fingerprint, so :func:`explain` can say what chang
 
 from __future__ import annotations
 
+import copy
 import importlib.util
 from pathlib import Path
 from typing import Any
@@ -96,6 +97,27 @@ def fingerprints(pipeline: Pipeline, cfg: PipelineConfig) -> dict[str, dict[str,
         fps[spec.name] = fingerprint(spec, cfg, keys)
         keys[spec.name] = key_of(fps[spec.name])
     return fps
+
+
+def continue_key(fp: dict[str, Any], extends: tuple[str, ...]) -> str:
+    """The key of fingerprint ``fp`` without the ``extends`` fields (a StageSpec's): two attempts with one
+    continue_key differ at most in how far they go, so the later one may continue the earlier one's files."""
+    fp = copy.deepcopy(fp)
+    for path in extends:
+        for key, value in fp["config"].items():
+            if path == key:
+                fp["config"][key] = None
+            elif path.startswith(key + ".") and isinstance(value, dict):
+                *parents, last = path[len(key) + 1 :].split(".")
+                for name in parents:
+                    value = value.get(name, {})
+                value.pop(last, None)
+    return digest(fp)
+
+
+def extents(spec: StageSpec, cfg: PipelineConfig) -> dict[str, Any]:
+    """{path: value} of the spec's ``extends`` fields in ``cfg`` (how far a run of it goes)."""
+    return {path: section_value(cfg, path) for path in spec.extends}
 
 
 def stage_keys(pipeline: Pipeline, cfg: PipelineConfig) -> dict[str, str]:

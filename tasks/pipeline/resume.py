@@ -11,12 +11,13 @@ from __future__ import annotations
 
 import json
 import logging
+import time
 from typing import Any
 
 import yaml
 
 from grpoflow.tasks.config import PipelineConfig
-from grpoflow.tasks.pipeline.fingerprint import fingerprints, key_of
+from grpoflow.tasks.pipeline.fingerprint import continue_key, extents, fingerprints, key_of
 from grpoflow.tasks.pipeline.spec import Pipeline
 from grpoflow.tasks.storage.workspace import Workspace
 from grpoflow.tasks.tracking.tracker import RunLogger, flatten, logger_for, start_pipeline_run, tracking_uri
@@ -96,6 +97,25 @@ def explain(pipeline: Pipeline, cfg: PipelineConfig, ws: Workspace, forget: tupl
             recorded = (manifest.get("fingerprint") or {}) if isinstance(manifest, dict) else {}
             out[name] = changes(recorded, fp) if recorded else ["key changed (its manifest records no fingerprint)"]
         rerun[name] = None
+    return out
+
+
+def replaced(pipeline: Pipeline, cfg: PipelineConfig, ws: Workspace, stages) -> dict[str, str]:
+    """{stage: what its rerun does to its finished results} for each of ``stages`` (the ones that rerun) that has
+    finished results in ``ws``: replaces them, or trains on from them (a raised ``extends`` value: grpo.max_steps)."""
+    fps = fingerprints(pipeline, cfg)
+    out = {}
+    for name in stages:
+        manifest = ws.read_manifest(name)
+        if manifest is None:
+            continue
+        when = time.strftime("%Y-%m-%d %H:%M", time.localtime(manifest.get("finished_at", 0)))
+        spec = pipeline[name]
+        key = continue_key(fps[name], spec.extends) if spec.extends else None
+        if key and ws.continues(name, key, extents(spec, cfg)):
+            out[name] = f"continues from its finished attempt of {when} (its checkpoints are kept)"
+        else:
+            out[name] = f"replaces its finished results of {when}"
     return out
 
 

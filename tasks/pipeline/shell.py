@@ -29,7 +29,7 @@ import torch
 from grpoflow.tasks.config import PipelineConfig
 from grpoflow.tasks.dataio.splits import split_path
 from grpoflow.tasks.pipeline.errors import StageError
-from grpoflow.tasks.pipeline.fingerprint import fingerprints, key_of
+from grpoflow.tasks.pipeline.fingerprint import continue_key, extents, fingerprints, key_of
 from grpoflow.tasks.pipeline.spec import Pipeline, StageSpec
 from grpoflow.tasks.storage.workspace import Workspace
 from grpoflow.tasks.tracking.entities import system_metrics
@@ -80,11 +80,17 @@ def run_stage(
     if stored is not None:
         log.info("stage %s: complete (key %s), skipped", name, key[:12])
         return stored
+    finished = ws.read_manifest(name)
     ws.forget(pipeline.stages_from(name))
     if upstream := pipeline.before(name):
         # S3: the upstream files this stage reads, when not local yet (the loose folders have no manifest)
         ws.fetch(upstream, loose=tuple(s.name for s in pipeline.loose))
-    ws.begin(name, key)
+    outcome = ws.begin(name, key, continue_key(fps[name], spec.extends) if spec.extends else None, extents(spec, cfg))
+    if finished is not None or outcome is not None:  # reruns say what they replace
+        what = "its finished results" if finished is not None else "the files of its unfinished attempt"
+        how = {"continued": "continuing from its checkpoints", "removed": "its folder emptied"}.get(outcome, "")
+        log.warning("stage %s: replacing %s (key %s -> %s)%s", name, what, str((finished or {}).get("key", "?"))[:12],
+                    key[:12], f"; {how}" if how else "")  # fmt: skip
     for folder in spec.writes:  # a folder this stage may write, keyed by its own spec (the tiny base model)
         ws.begin(folder.name, keys[folder.name])
     log.info("stage %s: running (key %s)", name, key[:12])

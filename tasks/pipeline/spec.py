@@ -52,6 +52,9 @@ class StageSpec:
     reads           content readers (tasks/pipeline/fingerprint.py): {label: digest} of what it reads besides its
                     upstream stages' folders (a data file, a local model folder, a custom reward module)
     writes          folders it writes that are keyed by their own spec (the tiny base model)
+    extends         config fields (dotted) whose raise continues its last attempt instead of starting over
+                    (grpo.max_steps: a finished GRPO trains on from its last checkpoint); any other change, or a
+                    lowered value, starts over in an emptied folder
     prepares_splits whether its folder holds the prepared dataset splits the later stages read (data)
     splits          the prepared dataset splits it logs as MLflow inputs
     trains          whether it trains a model (system metrics are sampled, the model is logged as an output)
@@ -69,6 +72,7 @@ class StageSpec:
     enabled: Callable[[PipelineConfig], bool] = _always
     reads: tuple[ContentReader, ...] = ()
     writes: tuple[StageSpec, ...] = ()
+    extends: tuple[str, ...] = ()
     prepares_splits: bool = False
     splits: tuple[str, ...] = ()
     trains: bool = False
@@ -82,11 +86,14 @@ class StageSpec:
     after: Callable[..., None] | None = field(default=None, compare=False)
 
     def __post_init__(self) -> None:
-        for path in (*self.keys, *self.param_sections):
+        for path in (*self.keys, *self.param_sections, *self.extends):
             try:
                 check_path(path)
             except AttributeError as e:
                 raise AttributeError(f"stage {self.name!r}: {e}") from None
+        for path in self.extends:
+            if not any(path == k or path.startswith(k + ".") for k in self.keys):
+                raise AttributeError(f"stage {self.name!r}: extends {path!r} is not under one of its keys")
 
 
 class Pipeline:

@@ -205,6 +205,7 @@ SPEC = StageSpec(
     upstream=lambda cfg: ("sft",) if cfg.sft.enabled else ("data",),
     reads=(model_files, reward_modules),
     writes=(BASE_MODEL,),
+    extends=("grpo.max_steps",),  # raised: train on from the last checkpoint (the trainer's hash ignores it)
     splits=("train",),
     trains=True,
     description="GRPO training of {model} on {dataset} ({loss_type} loss, learning rate {lr}).",

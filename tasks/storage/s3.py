@@ -536,3 +536,55 @@ class S3Client:
                     futures.append((remote[name]["uri"], manager.download(bucket, key, str(folder / name), None, size)))
                 self._wait(futures)
         return [folder / n for batch in batches for n in batch]
+
+    # ------------------------------------------------------------------ conditional writes (a workspace's lease)
+    def put_if(self, data: bytes, uri: str, *, etag: str | None = None) -> str | None:
+        """Write ``data`` at ``uri`` only if the object is absent (``etag`` None: If-None-Match: *) or still the
+        version ``etag`` names (If-Match); its new ETag, or None when the condition did not hold (412, or 409 for
+        a concurrent conditional write). The compare-and-swap :mod:`grpoflow.tasks.storage.lock` leases build on."""
+        from botocore.exceptions import ClientError
+
+        bucket, key = split_s3_uri(uri)
+        condition = {"IfNoneMatch": "*"} if etag is None else {"IfMatch": etag}
+        client = self.client
+        with self._errors(uri):
+            try:
+                return client.put_object(Bucket=bucket, Key=key, Body=data, **condition)["ETag"]
+            except ClientError as e:
+                if e.response.get("ResponseMetadata", {}).get("HTTPStatusCode") in (409, 412):
+                    return None
+                raise
+
+    def get_with_etag(self, uri: str) -> tuple[bytes, str, float] | None:
+        """The object's bytes, ETag and age in seconds by the server's clock (its Date answer minus the object's
+        LastModified, so this machine's clock does not matter); None when there is no such key."""
+        from email.utils import parsedate_to_datetime
+
+        bucket, key = split_s3_uri(uri)
+        client = self.client
+        try:
+            with self._errors(uri):
+                got = client.get_object(Bucket=bucket, Key=key)
+                date = got.get("ResponseMetadata", {}).get("HTTPHeaders", {}).get("date")
+                now = parsedate_to_datetime(date) if date else None
+                age = (now - got["LastModified"]).total_seconds() if now else 0.0
+                return got["Body"].read(), got["ETag"], age
+        except S3NoSuchBucketError:
+            raise
+        except S3NotFoundError:
+            return None
+
+    def delete_if(self, uri: str, etag: str) -> bool:
+        """Delete the object only while it is still the version ``etag`` names; whether it was."""
+        from botocore.exceptions import ClientError
+
+        bucket, key = split_s3_uri(uri)
+        client = self.client
+        with self._errors(uri):
+            try:
+                client.delete_object(Bucket=bucket, Key=key, IfMatch=etag)
+                return True
+            except ClientError as e:
+                if e.response.get("ResponseMetadata", {}).get("HTTPStatusCode") in (404, 409, 412):
+                    return False
+                raise

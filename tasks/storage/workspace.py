@@ -76,6 +76,15 @@ def _dumps(value: Any) -> bytes:
     return json.dumps(value, indent=2, sort_keys=True, default=str).encode()
 
 
+def _not_lower(old: dict[str, Any] | None, new: dict[str, Any] | None) -> bool:
+    """Whether every value of ``new`` is at least its value in ``old`` (both {path: number})."""
+    old, new = old or {}, new or {}
+    try:
+        return set(old) == set(new) and all(new[k] >= old[k] for k in new)
+    except TypeError:
+        return False
+
+
 _CHECKPOINT = re.compile(r"checkpoint-(\d+)/(.+)")
 
 
@@ -202,24 +211,49 @@ class Workspace:
         self.store.delete([_name(stage, name) for stage in stages for name in names])
 
     # ------------------------------------------------------------------ running a stage
-    def begin(self, stage: str, key: str) -> None:
-        """Record an attempt of ``stage`` with ``key``; a folder last attempted with another key is emptied first.
-        The store decides (on S3 the remote folder), and what it holds of a same-key attempt is pulled into the
-        local folder; a local copy of another attempt is removed."""
+    def begin(
+        self, stage: str, key: str, continues: str | None = None, extents: dict[str, Any] | None = None
+    ) -> str | None:
+        """Record an attempt of ``stage`` with ``key``; a folder last attempted with another key is emptied first,
+        unless the last attempt had the same ``continues`` key (tasks/pipeline/fingerprint.py continue_key) and
+        every value of ``extents`` is at least the one it recorded (grpo.max_steps raised: its checkpoints are
+        trained on). The store decides (on S3 the remote folder), and what it holds of a kept attempt is pulled
+        into the local folder; a local copy of another attempt is removed. Returns what became of the folder's
+        earlier files: None (nothing there, or the same key), "continued" or "removed"."""
         folder = self.root / stage
-        last = self.store.read(_name(stage, ATTEMPT))
         stored = self.store.list(stage + "/")
-        if stored and (json.loads(last) if last else {}).get("key") != key:
+        local = folder / ATTEMPT
+        same = self.last_attempt(stage).get("key") == key
+        extends = self.continues(stage, continues, extents)
+        outcome = None if same else "continued" if extends else None
+        if stored and not same and not extends:
             self.store.delete_folder(stage, markers=MARKERS)
-            stored = []
-        attempt = folder / ATTEMPT
-        local_key = json.loads(attempt.read_text()).get("key") if attempt.is_file() else None
-        if folder.is_dir() and any(folder.iterdir()) and local_key != key:
+            stored, outcome = [], "removed"
+        local_key = json.loads(local.read_text()).get("key") if local.is_file() else None
+        if folder.is_dir() and any(folder.iterdir()) and local_key != key and not extends:
             shutil.rmtree(folder)
+            outcome = "removed"
         folder.mkdir(parents=True, exist_ok=True)
         if stored:
             self.store.sync_down(stage, delete=True, markers=MARKERS, exclude=(MANIFEST,))
-        self.store.write(_name(stage, ATTEMPT), json.dumps({"key": key, "started_at": time.time()}).encode())
+        record = {"key": key, "continues": continues, "extents": extents or {}, "started_at": time.time()}
+        self.store.write(_name(stage, ATTEMPT), json.dumps(record).encode())
+        return outcome
+
+    def last_attempt(self, stage: str) -> dict[str, Any]:
+        """The attempt record of ``stage`` (the store's, else the local folder's); {} when there is none."""
+        raw = self.store.read(_name(stage, ATTEMPT))
+        local = self.root / stage / ATTEMPT
+        try:
+            return json.loads(raw) if raw else json.loads(local.read_text()) if local.is_file() else {}
+        except ValueError:  # a torn record: as if there were none (the folder is emptied)
+            return {}
+
+    def continues(self, stage: str, continues: str | None, extents: dict[str, Any] | None) -> bool:
+        """Whether an attempt with ``continues`` key and ``extents`` trains on from the last attempt's files
+        (:meth:`begin`)."""
+        last = self.last_attempt(stage)
+        return bool(continues) and last.get("continues") == continues and _not_lower(last.get("extents"), extents)
 
     def fetch(self, stages: tuple[str, ...], loose: tuple[str, ...] = ()) -> None:
         """Bring these stages into the local folder when the local copy is not the one the store holds (for a

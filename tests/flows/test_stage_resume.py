@@ -246,3 +246,54 @@ def test_changed_grpo_setting_reruns_grpo_and_later(ctx):
     parent, _ = _one_parent(ctx["out"])
     assert parent.info.run_id == ctx["parent_id"] and parent.info.status == "FINISHED"
     assert parent.data.tags["config_changed.grpo.learning_rate"] == "0.002"
+
+
+@pytest.mark.slow
+def test_raised_max_steps_trains_on_from_the_last_step(ctx):
+    ws = ctx["ws"]
+    res = subprocess.run(
+        _cli("resume", str(ws), "grpo.max_steps=6"), env=ctx["env"], capture_output=True, text=True, timeout=600
+    )
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert "resume: grpo continues from its finished attempt" in res.stdout
+    assert "resume: grpo reruns: config: grpo.max_steps 4 -> 6" in res.stdout
+    assert "resumed GRPO from" in res.stderr and "checkpoint-4 (step 4)" in res.stderr
+    assert "stage grpo: replacing its finished results" in res.stderr
+    assert "continuing from its checkpoints" in res.stderr
+    assert json.loads((ws / "grpo" / "manifest.json").read_text())["summary"]["steps"] == 6
+    steps = [json.loads(line)["step"] for line in (ws / "grpo" / "history.jsonl").read_text().splitlines()]
+    assert steps == [1, 2, 3, 4, 5, 6]  # the history of the first four steps came with the checkpoint
+
+
+@pytest.mark.slow
+def test_two_resumes_at_once_the_second_is_refused_naming_the_first(ctx):
+    ws = ctx["ws"]
+    first = subprocess.Popen(
+        _cli("resume", str(ws), "--from-stage", "eval"), env=ctx["env"], stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    lock = ws / ".grpoflow.lock"
+    deadline = time.time() + 120
+    while not (lock.is_file() and lock.read_text()) and first.poll() is None and time.time() < deadline:
+        time.sleep(0.05)
+    t0 = time.time()
+    second = subprocess.run(_cli("resume", str(ws)), env=ctx["env"], capture_output=True, text=True, timeout=120)
+    assert second.returncode == 2, second.stderr[-2000:]
+    assert f"workspace {ws} is in use by pid {first.pid} on host " in second.stderr
+    assert "(grpoflow resume)" in second.stderr and time.time() - t0 < 30
+    assert first.wait(timeout=600) == 0, first.stderr.read()[-3000:]
+    assert lock.read_text() == ""  # released at the end
+
+
+@pytest.mark.slow
+def test_run_onto_an_existing_run_with_another_config_is_refused(ctx):
+    ws, out = ctx["ws"], ctx["out"]
+    before = _finished_at(ws)
+    run = [*_cli("run", str(MICRO), f"run.output_dir={out}", *RUN), "grpo.learning_rate=0.5"]
+    res = subprocess.run(run, env=ctx["env"], capture_output=True, text=True, timeout=120)
+    assert res.returncode == 2, res.stderr[-2000:]
+    assert "run.name 'r': a run with another config exists at" in res.stderr
+    assert "grpo: replaces its finished results of" in res.stderr and "grpo.learning_rate" in res.stderr
+    assert "eval: replaces" in res.stderr and "data:" not in res.stderr
+    assert f"grpoflow resume {ws} key=value" in res.stderr and "--force" in res.stderr
+    assert _finished_at(ws) == before  # nothing touched

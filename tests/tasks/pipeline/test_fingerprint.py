@@ -8,7 +8,7 @@ import pytest
 
 from grpoflow.flows.stages import PIPELINE
 from grpoflow.tasks.config import load_config
-from grpoflow.tasks.pipeline.fingerprint import fingerprints, key_of, stage_keys
+from grpoflow.tasks.pipeline.fingerprint import continue_key, fingerprints, key_of, stage_keys
 from grpoflow.tasks.pipeline.resume import explain
 from grpoflow.tasks.storage import content
 from grpoflow.tasks.storage.workspace import Workspace
@@ -126,3 +126,14 @@ def test_explain_names_config_changes_and_missing_attempts(tmp_path):
 def test_sources_named_by_the_config_have_no_content_digest(source):
     assert "content" in fingerprints(PIPELINE, _cfg(f"data.source={source}"))["data"]
     assert fingerprints(PIPELINE, _cfg(f"data.source={source}"))["data"]["content"] == {}
+
+
+def test_continue_key_ignores_only_the_extends_fields():
+    spec = PIPELINE["grpo"]
+    assert spec.extends == ("grpo.max_steps",)
+    fp = {n: fingerprints(PIPELINE, load_config(str(MICRO), o))["grpo"] for n, o in
+          (("a", []), ("b", ["grpo.max_steps=99"]), ("c", ["grpo.learning_rate=0.5"]))}  # fmt: skip
+    assert key_of(fp["a"]) != key_of(fp["b"])
+    assert continue_key(fp["a"], spec.extends) == continue_key(fp["b"], spec.extends)
+    assert continue_key(fp["a"], spec.extends) != continue_key(fp["c"], spec.extends)
+    assert "max_steps" in fp["a"]["config"]["grpo"]  # the fingerprint itself is left as it was

@@ -79,6 +79,25 @@ def test_begin_empties_a_folder_of_another_key_and_keeps_one_of_the_same(locatio
     assert sorted(p.name for p in (ws.root / "grpo").iterdir()) == [ATTEMPT]
 
 
+def test_begin_continues_an_attempt_whose_extents_were_raised(location, tmp_path):
+    ws = _open(location, tmp_path / "c1")
+    assert ws.begin("grpo", "k1", "c", {"grpo.max_steps": 4}) is None
+    ckpt = ws.stage_dir("grpo") / "checkpoints" / "checkpoint-4"
+    ckpt.mkdir(parents=True)
+    (ckpt / "trainer_state.json").write_text("{}")
+    ws.push("grpo", "checkpoints")
+
+    other = _open(location, tmp_path / "c2")  # raised on another machine: the checkpoints come along
+    assert other.begin("grpo", "k2", "c", {"grpo.max_steps": 6}) == "continued"
+    assert (other.root / "grpo/checkpoints/checkpoint-4/trainer_state.json").read_text() == "{}"
+    assert json.loads(other.store.read(f"grpo/{ATTEMPT}"))["extents"] == {"grpo.max_steps": 6}
+    assert ws.continues("grpo", "c", {"grpo.max_steps": 6}) and not ws.continues("grpo", "c", {"grpo.max_steps": 5})
+    assert not ws.continues("grpo", "other", {"grpo.max_steps": 9})
+
+    assert other.begin("grpo", "k3", "c", {"grpo.max_steps": 5}) == "removed"  # lowered: starts over
+    assert [e.name for e in other.store.list("grpo/")] == [f"grpo/{ATTEMPT}"]
+
+
 def test_fetch_restores_a_deleted_cache_and_moves_nothing_when_current(location, tmp_path):
     ws = _open(location, tmp_path / "c1")
     ws.begin("data", "k")

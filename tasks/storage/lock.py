@@ -1,0 +1,211 @@
+"""One owner per workspace: the lock `grpoflow run`, `resume`, `sync`, a deployed pipeline flow and a continuous
+cycle take on the folder they write, held until they end.
+
+    local folder   <folder>/.grpoflow.lock, an exclusive flock (released by the kernel when the process dies);
+                   the file names the holder (pid, host, since, command) while it is held and is emptied on
+                   release, so a non-empty file found when the flock is free was left by a process that died
+    s3://          <prefix>/.grpoflow.lease, a JSON lease created with a conditional put (If-None-Match: *),
+                   renewed every ttl/3 by a background thread (If-Match: the ETag it wrote last) and deleted on
+                   release (If-Match). A lease not renewed for ``ttl_s`` by the S3 server's clock (its age is
+                   the server's Date minus the object's LastModified, so machines' clocks do not matter) is
+                   taken over with a warning, again with If-Match: of two takers, one wins
+
+A process that cannot take the lock gets :class:`WorkspaceBusy`, whose message names the holder; the CLI exits 2
+with it before any work. The lock is re-entrant within a process (the CLI takes it, then the flow it calls takes
+it again), keyed by the store's location. Why a lock: two processes on one workspace prune each other's
+checkpoints, empty each other's stage folders and both write the final model.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import json
+import logging
+import os
+import socket
+import threading
+import time
+import uuid
+from collections.abc import Iterator
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from grpoflow.tasks.storage.store import S3Store, Store
+
+LOCK_FILE = ".grpoflow.lock"
+LEASE = ".grpoflow.lease"
+LEASE_TTL_S = 60.0
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Holder:
+    """Who holds a workspace: written into the lock file or lease."""
+
+    pid: int = field(default_factory=os.getpid)
+    host: str = field(default_factory=socket.gethostname)
+    since: float = field(default_factory=time.time)
+    command: str = ""
+    owner: str = field(default_factory=lambda: uuid.uuid4().hex)
+
+    def describe(self) -> str:
+        when = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(self.since))
+        return f"pid {self.pid} on host {self.host} since {when}" + (f" ({self.command})" if self.command else "")
+
+    def dumps(self) -> bytes:
+        return json.dumps(asdict(self), sort_keys=True).encode()
+
+    @classmethod
+    def loads(cls, data: bytes) -> Holder | None:
+        """The holder a lock file or lease names; None for an empty or unreadable one (a torn write)."""
+        try:
+            raw = json.loads(data)
+            return cls(**{k: raw[k] for k in ("pid", "host", "since", "command", "owner") if k in raw})
+        except (ValueError, TypeError):
+            return None
+
+
+class WorkspaceBusy(RuntimeError):
+    """Another process holds the workspace; the message names it and what to do."""
+
+    def __init__(self, location: str, holder: Holder | None):
+        self.location, self.holder = location, holder
+        who = holder.describe() if holder else "another process (it has not written its name yet)"
+        fix = f" (stop it with `kill {holder.pid}` on {holder.host})" if holder else ""
+        super().__init__(
+            f"workspace {location} is in use by {who}; wait for it to finish{fix}, or use another run.name"
+        )
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+class _LocalLock:
+    def __init__(self, folder: Path):
+        self.path = folder / LOCK_FILE
+        self.fd: int | None = None
+
+    def acquire(self, me: Holder) -> None:
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)  # not inherited by child processes (PEP 446)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            data = os.pread(fd, 4096, 0)
+            os.close(fd)
+            raise WorkspaceBusy(str(self.path.parent), Holder.loads(data)) from None
+        left = Holder.loads(os.pread(fd, 4096, 0))
+        if left is not None and left.owner != me.owner:
+            state = "gone" if left.host == me.host and not _alive(left.pid) else "no longer holds it"
+            log.warning("workspace %s: took over the lock left by %s (that process is %s)", self.path.parent,
+                        left.describe(), state)  # fmt: skip
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, me.dumps(), 0)
+        os.fsync(fd)
+        self.fd = fd
+
+    def release(self) -> None:
+        if self.fd is not None:
+            os.ftruncate(self.fd, 0)  # emptied, never unlinked: another process may have it open already
+            os.close(self.fd)  # closing the last descriptor drops the flock
+            self.fd = None
+
+
+class _S3Lease:
+    def __init__(self, store: S3Store, ttl_s: float):
+        self.client, self.uri, self.ttl_s = store.client, store._uri(LEASE), ttl_s
+        self.etag: str | None = None
+        self.me: Holder | None = None
+        self.stop = threading.Event()
+        self.thread: threading.Thread | None = None
+
+    def acquire(self, me: Holder) -> None:
+        self.me = me
+        for _ in range(3):  # a lease deleted between our put and our read: try again
+            etag = self.client.put_if(me.dumps(), self.uri)
+            if etag is not None:
+                break
+            got = self.client.get_with_etag(self.uri)
+            if got is None:
+                continue
+            data, old, age = got
+            holder = Holder.loads(data)
+            if age < self.ttl_s:
+                raise WorkspaceBusy(self.uri.rsplit("/", 1)[0], holder)
+            etag = self.client.put_if(me.dumps(), self.uri, etag=old)
+            if etag is None:  # another process took it over first
+                got = self.client.get_with_etag(self.uri)
+                raise WorkspaceBusy(self.uri.rsplit("/", 1)[0], Holder.loads(got[0]) if got else None)
+            who = holder.describe() if holder else "an unreadable lease"
+            log.warning("workspace %s: took over the lease of %s, not renewed for %.0f s (lease ttl %.0f s)",
+                        self.uri.rsplit("/", 1)[0], who, age, self.ttl_s)  # fmt: skip
+            break
+        else:
+            raise WorkspaceBusy(self.uri.rsplit("/", 1)[0], None)
+        self.etag = etag
+        self.thread = threading.Thread(target=self._renew, name="grpoflow-lease", daemon=True)
+        self.thread.start()
+
+    def _renew(self) -> None:
+        while not self.stop.wait(self.ttl_s / 3):
+            try:
+                etag = self.client.put_if(self.me.dumps(), self.uri, etag=self.etag)
+            except OSError as e:  # S3 down for a moment: the lease lasts ttl_s, try again at the next tick
+                log.warning("workspace lease %s: renewal failed (%s); retrying", self.uri, e)
+                continue
+            if etag is None:
+                log.error("workspace lease %s: lost (another process took it over after it was not renewed for "
+                          "%.0f s); this process no longer owns the workspace", self.uri, self.ttl_s)  # fmt: skip
+                return
+            self.etag = etag
+
+    def release(self) -> None:
+        self.stop.set()
+        if self.thread is not None:
+            self.thread.join(timeout=30)
+        if self.etag is not None:
+            try:
+                self.client.delete_if(self.uri, self.etag)
+            except OSError as e:  # it expires by itself
+                log.warning("workspace lease %s: not deleted (%s); it expires in %.0f s", self.uri, e, self.ttl_s)
+            self.etag = None
+
+
+_held: dict[str, list] = {}  # location -> [lock, depth]
+_guard = threading.Lock()
+
+
+@contextlib.contextmanager
+def workspace_lock(store: Store, command: str, ttl_s: float = LEASE_TTL_S) -> Iterator[None]:
+    """Hold ``store``'s workspace for the block (re-entrant within this process); :class:`WorkspaceBusy` when
+    another process holds it. ``command`` is what the holder's record names (``grpoflow resume``)."""
+    key = store.location
+    with _guard:
+        if key in _held:
+            _held[key][1] += 1
+            lock = None
+        else:
+            lock = _S3Lease(store, ttl_s) if isinstance(store, S3Store) else _LocalLock(store.local_root)
+            lock.acquire(Holder(command=command))
+            _held[key] = [lock, 1]
+    try:
+        yield
+    finally:
+        with _guard:
+            _held[key][1] -= 1
+            if _held[key][1] == 0:
+                _held.pop(key)[0].release()
+
+
+def holds(store: Store) -> bool:
+    """Whether this process holds ``store``'s workspace."""
+    return store.location in _held
