@@ -154,12 +154,7 @@ def cmd_run(args) -> int:
     """Run the pipeline in <output_dir>/<run.name>, holding the workspace; a run.name that names an existing run
     is resumed when its finished stages keep their keys, else refused (``--force``: replaced, each named)."""
     cfg = _load(args)
-    from grpoflow.tasks.storage.lock import workspace_lock
-
-    store = open_store(join_location(cfg.run.output_dir, cfg.run.name), cfg.storage)
-    with workspace_lock(store, "grpoflow run"):
-        refuse_replacing(cfg, store, args.force)
-        return _run_pipeline(cfg)
+    return _run_pipeline(cfg, check=lambda store: refuse_replacing(cfg, store, args.force), command="grpoflow run")
 
 
 def refuse_replacing(cfg: PipelineConfig, store, force: bool) -> None:
@@ -298,7 +293,9 @@ def preflight(cfg: PipelineConfig) -> None:
                 raise ConfigError(problem)
 
 
-def _run_pipeline(cfg: PipelineConfig, before=None) -> int:
+def _run_pipeline(cfg: PipelineConfig, before=None, check=None, command: str = "grpoflow resume") -> int:
+    """Run the flow on ``cfg``'s workspace once the checks pass, holding the workspace (tasks/storage/lock.py;
+    re-entrant: `resume` takes it first); ``check(store)`` runs under the lock, ``before()`` once the server is up."""
     timeline.mark("config_loaded")
     preflight(cfg)
     _setup_env(cfg)
@@ -306,6 +303,16 @@ def _run_pipeline(cfg: PipelineConfig, before=None) -> int:
         s3.S3Client(cfg.storage).check_access(
             cfg.run.output_dir
         )  # bucket, credentials, endpoint: before Prefect and MLflow start
+    from grpoflow.tasks.storage.lock import workspace_lock
+
+    store = open_store(join_location(cfg.run.output_dir, cfg.run.name), cfg.storage)
+    with workspace_lock(store, command):  # a second process: exit 2 naming this one, before any work
+        if check is not None:
+            check(store)
+        return _serve_pipeline(cfg, before)
+
+
+def _serve_pipeline(cfg: PipelineConfig, before) -> int:
     # Prefect's server starts in its own process (its own session: Ctrl-C reaches the CLI, which stops the server
     # last) while this one does its heavy imports (vLLM's too): on two cores the two starts overlap instead of
     # adding up

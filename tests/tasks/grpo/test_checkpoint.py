@@ -41,8 +41,9 @@ def _cfg(steps: int) -> GRPOConfig:
 def test_a_full_disk_fails_the_checkpoint_cleanly_and_keeps_the_previous_one(small_disk):
     tok, model = make()
     trainer = make_trainer(_cfg(1), tok, model, small_disk / "checkpoints")
-    trainer.train()
-    first = trainer.save_checkpoint()
+    trainer.train()  # saves checkpoint-1: the last step's checkpoint (a raised max_steps trains on from it)
+    first = list_checkpoints(small_disk / "checkpoints")[-1]
+    assert first.name == "checkpoint-1"
     size = folder_bytes(first)
     assert 0 < size < 1024 * 1024, size
     filler = small_disk / "filler"
@@ -50,9 +51,8 @@ def test_a_full_disk_fails_the_checkpoint_cleanly_and_keeps_the_previous_one(sma
         free = shutil.disk_usage(small_disk).free
         f.write(b"\0" * (free - size // 2))
     trainer.cfg = _cfg(2)  # one more step, then a checkpoint that does not fit
-    trainer.train()
     with pytest.raises(CheckpointDiskFull) as err:
-        trainer.save_checkpoint()
+        trainer.train()
     msg = str(err.value)
     assert err.value.errno == 28
     assert f"no space left on the device of {small_disk / 'checkpoints'} for checkpoint-2:" in msg, msg
