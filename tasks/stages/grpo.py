@@ -107,9 +107,8 @@ def build_trainer(
         ref_model=s.ref_model, autocast_dtype=s.autocast_dtype, comm=comm, root=s.root, hooks=hooks,
     )  # fmt: skip
     trainer = GRPOTrainer(g, runtime, seed=cfg.run.seed, row_seeded=cfg.distributed.row_seeded)
-    checkpoints = list_checkpoints(trainer.checkpoint_dir)
-    if g.resume == "auto" and checkpoints:
-        trainer.load_checkpoint(checkpoints[-1])
+    if g.resume == "auto":
+        trainer.resume()  # the newest checkpoint that loads (a damaged one is skipped with a warning)
     return trainer, uploads
 
 
