@@ -11,6 +11,7 @@ this stage's MLflow run and writes the summary this process reads back and publi
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import logging
@@ -31,7 +32,7 @@ from grpoflow.tasks.pipeline.spec import Pipeline, StageSpec
 from grpoflow.tasks.stages.common import BASE_MODEL, model_and_dataset, model_params
 from grpoflow.tasks.stages.grpo_launch import WORKER, launch_spec
 from grpoflow.tasks.stages.grpo_setup import GRPOSetup, dtype_name, setup_grpo
-from grpoflow.tasks.storage.uploads import UploadQueue
+from grpoflow.tasks.storage.uploads import UploadQueue, drain_on_sigterm
 from grpoflow.tasks.storage.workspace import Workspace
 from grpoflow.tasks.tracking import timeline
 from grpoflow.tasks.tracking.plots import plot_learning_curves
@@ -80,7 +81,8 @@ def train_grpo(
     trainer, uploads = build_trainer(cfg, ws, tracker, setup, comm, node_mirrors)
     t0 = time.perf_counter()
     timeline.mark("grpo/loop_start")
-    result = train(trainer, setup.generator, comm)
+    with drain_on_sigterm(uploads) if uploads is not None else contextlib.nullcontext():  # rank 0 (or the only one)
+        result = train(trainer, setup.generator, comm)
     return save_grpo(setup, trainer, result, tracker, comm, uploads, t0)
 
 
