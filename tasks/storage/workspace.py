@@ -83,6 +83,10 @@ _CHECKPOINT = re.compile(r"checkpoint-(\d+)/(.+)")
 _IN_CHECKPOINT = re.compile(r"(?:(.*)/)?checkpoint-(\d+)/(.+)")  # <parent>/checkpoint-N/<file>, at any depth
 
 
+class CorruptManifest(ValueError):
+    """A stage's manifest.json that is not JSON (truncated, emptied by a crash): names the file."""
+
+
 def unpublished_checkpoints(local: Path, stored: list[str]) -> list[str]:
     """The complete checkpoint folders under ``local`` (checkpoint-N holding its marker), as names relative to it,
     that are newer than every complete checkpoint the store holds in the same parent folder (``stored``: the
@@ -238,12 +242,22 @@ class Workspace:
     def read_manifest(self, stage: str) -> dict[str, Any] | None:
         """The stage's manifest as the store holds it (on S3: read from S3), None when absent."""
         data = self.store.read(_name(stage, MANIFEST))
-        return None if data is None else json.loads(data)
+        if data is None:
+            return None
+        try:
+            return json.loads(data)
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            where = join_location(self.location, _name(stage, MANIFEST))
+            raise CorruptManifest(f"{where}: not valid JSON ({len(data)} bytes; truncated or corrupt): {e}") from None
 
     def completed(self, stage: str, key: str) -> dict[str, Any] | None:
         """The stored summary when the stage is complete with this key, else None; its paths re-rooted to this
         workspace's root when it was written under another (another cache_dir, a moved folder)."""
-        manifest = self.read_manifest(stage)
+        try:
+            manifest = self.read_manifest(stage)
+        except CorruptManifest as e:
+            log.warning("%s; the stage %s counts as not complete and reruns", e, stage)
+            return None
         if manifest is None or manifest.get("key") != key or "summary" not in manifest:
             return None
         old = manifest.get("root")

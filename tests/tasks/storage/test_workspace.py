@@ -11,7 +11,15 @@ import pytest
 
 from grpoflow.tasks.config.storage import StorageConfig
 from grpoflow.tasks.storage.store import LocalStore
-from grpoflow.tasks.storage.workspace import ATTEMPT, MANIFEST, Workspace, join_location, local_dir, reroot
+from grpoflow.tasks.storage.workspace import (
+    ATTEMPT,
+    MANIFEST,
+    CorruptManifest,
+    Workspace,
+    join_location,
+    local_dir,
+    reroot,
+)
 
 
 @pytest.fixture(params=["local", "s3"])
@@ -190,3 +198,16 @@ def test_a_resume_pull_keeps_local_checkpoints_not_yet_uploaded(location, tmp_pa
     third.begin("grpo", "k1")
     got = {p.parent.name for p in (third.root / "grpo/checkpoints").rglob("*") if p.is_file()}
     assert got == {"checkpoint-2", "checkpoint-3"}
+
+
+def test_a_truncated_stage_manifest_is_a_named_error_and_the_stage_reruns(location, tmp_path, caplog):
+    ws = _open(location, tmp_path / "c1")
+    ws.begin("sft", "k1")
+    ws.publish("sft", "k1", {"model_path": "x"})
+    body = ws.store.read("sft/" + MANIFEST)
+    ws.store.write("sft/" + MANIFEST, body[: len(body) // 2])
+    with pytest.raises(CorruptManifest, match=r"sft/manifest.json: not valid JSON \(\d+ bytes; truncated"):
+        ws.read_manifest("sft")
+    with caplog.at_level(logging.WARNING):
+        assert ws.completed("sft", "k1") is None
+    assert "the stage sft counts as not complete and reruns" in caplog.text
