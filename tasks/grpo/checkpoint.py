@@ -6,9 +6,13 @@
                                 shared bucket cannot run code): trainable weights, optimizer, scheduler, torch/CUDA
                                 RNG states, the round shuffler, the round in progress (its tensors)
         trainer_state.json      step counters, sampler position, config hash, history, python and numpy RNG states,
-                                the round's metadata; its presence marks the folder complete (list_checkpoints)
+                                the round's metadata, the size of every other file; its presence marks the folder
+                                complete (list_checkpoints)
 
-Written into checkpoint-N.tmp and renamed, so a half-written checkpoint is never picked up. A write that runs out
+Written into checkpoint-N.tmp, fsynced (files and folders) and renamed, the parent folder fsynced after, so a
+half-written checkpoint is never picked up, not even after a power loss. A checkpoint damaged anyway (a file cut
+short, trainer_state.json truncated) raises :class:`CheckpointCorrupt` on load, naming the file, before the
+trainer is touched; the trainer then resumes from the one before it (GRPOTrainer.resume). A write that runs out
 of disk space (:func:`out_of_space`) removes checkpoint-N.tmp and raises :class:`CheckpointDiskFull`, naming the
 folder and the bytes free and needed; the checkpoints already there are untouched.
 """
@@ -20,6 +24,7 @@ import errno
 import json
 import logging
 import os
+import pickle
 import random
 import re
 import shutil
@@ -30,6 +35,7 @@ import numpy as np
 import torch
 
 from grpoflow.tasks.grpo.rounds import Round
+from grpoflow.tasks.storage.store import fsync_dir, fsync_tree
 
 log = logging.getLogger(__name__)
 
@@ -41,6 +47,69 @@ FULL_BELOW = MiB  # a write that fails with less free than this on its device ra
 
 class CheckpointDiskFull(OSError):
     """A checkpoint could not be written for lack of disk space; the previous checkpoints are intact."""
+
+
+class CheckpointCorrupt(ValueError):
+    """A checkpoint that cannot be resumed: its trainer_state.json truncated or not JSON, a file it lists missing or
+    shorter than written, or a tensor file that does not load. Names the checkpoint and the file. ``modified``: the
+    trainer was partly overwritten before the failure (a sharded load), so it cannot start from scratch."""
+
+    def __init__(self, path: Path, file: Path | str, why: str, modified: bool = False):
+        self.path, self.file, self.why, self.modified = Path(path), Path(file), why, modified
+        super().__init__(f"checkpoint {self.path.name} ({self.path}): {self.file.name}: {why}")
+
+
+STATE = "trainer_state.json"
+REQUIRED = ("step", "micro_step", "num_tokens", "sampler", "config_hash", "history", "round")
+
+
+def file_sizes(folder: Path) -> dict[str, int]:
+    """{relative name: bytes} of every file in checkpoint folder ``folder`` but its marker: trainer_state.json
+    records them, so a resume can tell a file lost or cut short in a crash (:func:`check_files`)."""
+    return {
+        p.relative_to(folder).as_posix(): p.stat().st_size
+        for p in sorted(folder.rglob("*"))
+        if p.is_file() and p.name != STATE
+    }
+
+
+def read_json_state(path: Path) -> dict:
+    """trainer_state.json of checkpoint ``path``; :class:`CheckpointCorrupt` when missing, truncated, not JSON or
+    lacking the fields every checkpoint writes."""
+    file = path / STATE
+    try:
+        state = json.loads(file.read_bytes())
+    except FileNotFoundError:
+        raise CheckpointCorrupt(path, file, "missing (the checkpoint is incomplete)") from None
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        size = file.stat().st_size if file.is_file() else 0
+        raise CheckpointCorrupt(path, file, f"not valid JSON ({size} bytes; truncated or corrupt): {e}") from None
+    if not isinstance(state, dict) or (missing := [k for k in REQUIRED if k not in state]):
+        what = f"lacks {', '.join(missing)}" if isinstance(state, dict) else f"holds a {type(state).__name__}"
+        raise CheckpointCorrupt(path, file, f"{what} (truncated or written by something else)")
+    return state
+
+
+def check_files(path: Path, state: dict) -> None:
+    """Every file trainer_state.json lists (``files``, written since durable checkpoints) present at its size;
+    :class:`CheckpointCorrupt` naming the first that is not."""
+    for name, size in (state.get("files") or {}).items():
+        file = path / name
+        if not file.is_file():
+            raise CheckpointCorrupt(path, file, f"missing (trainer_state.json lists it, {size} bytes)")
+        if (got := file.stat().st_size) != size:
+            raise CheckpointCorrupt(path, file, f"{got} bytes, {size} written (cut short)")
+
+
+def load_tensors(path: Path, file: Path) -> dict:
+    """torch.load(``file``, weights_only=True) of checkpoint ``path``; :class:`CheckpointCorrupt` when it does not
+    load (missing, truncated, not a torch file)."""
+    try:  # weights_only: a checkpoint pulled from a shared bucket cannot run code when loaded
+        return torch.load(file, weights_only=True, map_location="cpu")
+    except FileNotFoundError:
+        raise CheckpointCorrupt(path, file, "missing") from None
+    except (OSError, EOFError, RuntimeError, pickle.UnpicklingError, ValueError) as e:
+        raise CheckpointCorrupt(path, file, f"does not load ({type(e).__name__}: {e})") from None
 
 
 def folder_bytes(path: Path) -> int:
@@ -111,22 +180,31 @@ def _write(t, tmp: Path, final: Path) -> None:
         },
         tmp / "trainer_state.pt",
     )
-    state = shared_state(t, round_meta)
-    (tmp / "trainer_state.json").write_text(json.dumps(state))
+    state = {**shared_state(t, round_meta), "files": file_sizes(tmp)}
+    (tmp / STATE).write_text(json.dumps(state))
+    publish_folder(tmp, final)
+
+
+def publish_folder(tmp: Path, final: Path) -> None:
+    """Rename the written checkpoint ``tmp`` to ``final``, durably: every file and folder in it fsynced first (the
+    rename must not publish bytes still only in the page cache), the parent folder after (the rename itself)."""
+    fsync_tree(tmp)
     shutil.rmtree(final, ignore_errors=True)
     os.replace(tmp, final)
+    fsync_dir(final.parent)
 
 
 def load(t, path: Path) -> None:
-    """Restore ``t``'s (a GRPOTrainer) state from the checkpoint folder ``path``."""
+    """Restore ``t``'s (a GRPOTrainer) state from the checkpoint folder ``path``. Everything is read and checked
+    before the trainer is touched, so a :class:`CheckpointCorrupt` leaves it as it was."""
     state = read_state(t, path)
     if "python_rng" not in state:
         raise ValueError(
             f"checkpoint {path} is in the older pickled format, which this version does not load (it could run "
             f"code); remove {path.parent} or set grpo.resume=never to start over"
         )
-    # weights_only: a checkpoint pulled from a shared bucket cannot run code when loaded
-    blob = torch.load(path / "trainer_state.pt", weights_only=True, map_location="cpu")
+    check_files(path, state)
+    blob = load_tensors(path, path / "trainer_state.pt")
     params = dict(t.model.named_parameters())
     with torch.no_grad():
         for name, value in blob["trainable"].items():
@@ -163,8 +241,9 @@ def shared_state(t, round_meta: dict | None) -> dict:
 
 
 def read_state(t, path: Path) -> dict:
-    """trainer_state.json of checkpoint ``path``, refused when written with other grpo settings."""
-    state = json.loads((path / "trainer_state.json").read_text())
+    """trainer_state.json of checkpoint ``path`` (:func:`read_json_state`), refused when written with other grpo
+    settings (a ValueError: not a damaged checkpoint, so no earlier one is tried)."""
+    state = read_json_state(path)
     if state["config_hash"] != t.config_hash:
         raise ValueError(
             f"checkpoint {path} was written with other grpo settings; remove {path.parent} or set "
@@ -211,4 +290,4 @@ def checkpoint_folders(folder: Path) -> list[Path]:
 
 def list_checkpoints(folder: Path) -> list[Path]:
     """Complete checkpoints (renamed, trainer_state.json written last), oldest first."""
-    return [p for p in checkpoint_folders(folder) if (p / "trainer_state.json").is_file()]
+    return [p for p in checkpoint_folders(folder) if (p / STATE).is_file()]

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import shutil
 from collections.abc import Callable
 from pathlib import Path
@@ -29,6 +28,7 @@ from pathlib import Path
 import torch
 
 from grpoflow.tasks.grpo import checkpoint
+from grpoflow.tasks.grpo.checkpoint import CheckpointCorrupt
 from grpoflow.tasks.grpo.rounds import Round
 
 log = logging.getLogger(__name__)
@@ -70,10 +70,10 @@ def save(trainer, final: Path) -> None:
     comm.barrier()  # every rank's files are written
     if comm.is_main:
         state = {**checkpoint.shared_state(trainer, round_meta), "world_size": comm.world}
+        state["files"] = checkpoint.file_sizes(tmp)  # every rank's (on one node; a TrainJob's node 0's only)
         with checkpoint.disk_full_guard(tmp, final):
             (tmp / "trainer_state.json").write_text(json.dumps(state))
-        shutil.rmtree(final, ignore_errors=True)
-        os.replace(tmp, final)
+        checkpoint.publish_folder(tmp, final)  # every rank's files fsynced, then renamed
 
 
 def publish(trainer, final: Path, node_push: Callable[[Path], None] | None) -> None:
@@ -87,9 +87,7 @@ def publish(trainer, final: Path, node_push: Callable[[Path], None] | None) -> N
     comm = trainer.comm
     if node_push is not None:
         if comm.local_rank == 0 and not comm.is_main:
-            tmp = final.with_name(final.name + ".tmp")
-            shutil.rmtree(final, ignore_errors=True)
-            os.replace(tmp, final)
+            checkpoint.publish_folder(final.with_name(final.name + ".tmp"), final)
             for stale in checkpoint.checkpoint_folders(final.parent)[:-2]:
                 shutil.rmtree(stale, ignore_errors=True)
             node_push(final)
@@ -99,14 +97,35 @@ def publish(trainer, final: Path, node_push: Callable[[Path], None] | None) -> N
     comm.barrier()  # no rank starts the next checkpoint before this one is in place
 
 
+def _checked(trainer, path: Path) -> tuple[dict, dict]:
+    """trainer_state.json and this rank's tensor file of checkpoint ``path``, every listed file checked, before
+    anything is loaded into the trainer; every rank learns whether all did (a collective), so all raise the same
+    :class:`CheckpointCorrupt` (the first failing rank's) and fall back together."""
+    try:
+        state = checkpoint.read_state(trainer, path)
+        checkpoint.check_files(path, state)
+        same_world = state["world_size"] == trainer.comm.world
+        mine = path / (f"rank{trainer.comm.rank}.pt" if same_world else "rank0.pt")
+        blob, error = checkpoint.load_tensors(path, mine), None
+    except CheckpointCorrupt as e:
+        state, blob, error = {}, {}, (str(e.file), e.why)
+    errors = [x for x in trainer.comm.all_gather_object(error) if x is not None]
+    if errors:
+        raise CheckpointCorrupt(path, errors[0][0], errors[0][1])
+    return state, blob
+
+
 def load(trainer, path: Path) -> None:
     """Continue from checkpoint ``path`` (written by :func:`save`, on any number of processes)."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
 
-    state = checkpoint.read_state(trainer, path)
+    state, blob = _checked(trainer, path)
     dicts = _state_dicts(trainer)
-    dcp.load(dicts, checkpoint_id=str(path / "dcp"))
+    try:
+        dcp.load(dicts, checkpoint_id=str(path / "dcp"))  # a collective: a bad shard fails it on every rank
+    except Exception as e:  # noqa: BLE001 - any failure to read the shards is a damaged checkpoint
+        raise CheckpointCorrupt(path, path / "dcp", f"shards do not load ({type(e).__name__}: {e})", True) from None
     options = StateDictOptions(ignore_frozen_params=True, strict=False)  # the frozen base is not in a checkpoint
     set_state_dict(
         trainer.root,
@@ -116,8 +135,6 @@ def load(trainer, path: Path) -> None:
         options=options,
     )
     same_world = state["world_size"] == trainer.comm.world
-    mine = path / f"rank{trainer.comm.rank}.pt"
-    blob = torch.load(mine if same_world else path / "rank0.pt", weights_only=True, map_location="cpu")
     trainer.scheduler.load_state_dict(blob["scheduler"])
     checkpoint.restore_reference(trainer, blob)
     if same_world:

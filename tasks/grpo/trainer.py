@@ -470,6 +470,28 @@ class GRPOTrainer:
         if self.on_checkpoint is not None:
             self.on_checkpoint(final)
 
+    def resume(self) -> Path | None:
+        """Continue from the newest checkpoint in checkpoint_dir that loads, and return it. A damaged one
+        (:class:`~checkpoint.CheckpointCorrupt`: trainer_state.json truncated, a file missing or cut short, a tensor
+        file that does not load) is skipped with a warning naming it and why, and the one before it is tried; with
+        none left the run starts from scratch (step 0), as it does when there is no checkpoint at all, and the
+        warning says so. Other errors (another grpo config, another format) are raised as they are."""
+        candidates = list_checkpoints(self.checkpoint_dir)
+        for i, path in enumerate(reversed(candidates)):
+            try:
+                self.load_checkpoint(path)
+                return path
+            except checkpoint.CheckpointCorrupt as e:
+                left = len(candidates) - i - 1
+                if e.modified and not left:
+                    raise checkpoint.CheckpointCorrupt(
+                        e.path, e.file, f"{e.why}; no earlier checkpoint, and the model was partly loaded so the "
+                        f"run cannot start from scratch: remove {e.path} and resume",
+                    ) from e  # fmt: skip
+                then = f"resuming from {candidates[left - 1].name} instead" if left else "GRPO starts from scratch"
+                log.warning("GRPO: skipping checkpoint %s, it cannot be resumed: %s; %s", path.name, e, then)
+        return None
+
     def load_checkpoint(self, path: Path) -> None:
         if (path / "dcp").is_dir():  # written by several processes (tasks/grpo/dist_checkpoint.py)
             return dist_checkpoint.load(self, path)

@@ -11,6 +11,7 @@ this stage's MLflow run and writes the summary this process reads back and publi
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import logging
@@ -31,7 +32,7 @@ from grpoflow.tasks.pipeline.spec import Pipeline, StageSpec
 from grpoflow.tasks.stages.common import BASE_MODEL, model_and_dataset, model_params
 from grpoflow.tasks.stages.grpo_launch import WORKER, launch_spec
 from grpoflow.tasks.stages.grpo_setup import GRPOSetup, dtype_name, setup_grpo
-from grpoflow.tasks.storage.uploads import UploadQueue
+from grpoflow.tasks.storage.uploads import UploadQueue, drain_on_sigterm
 from grpoflow.tasks.storage.workspace import Workspace
 from grpoflow.tasks.tracking import timeline
 from grpoflow.tasks.tracking.plots import plot_learning_curves
@@ -80,7 +81,8 @@ def train_grpo(
     trainer, uploads = build_trainer(cfg, ws, tracker, setup, comm, node_mirrors)
     t0 = time.perf_counter()
     timeline.mark("grpo/loop_start")
-    result = train(trainer, setup.generator, comm)
+    with drain_on_sigterm(uploads) if uploads is not None else contextlib.nullcontext():  # rank 0 (or the only one)
+        result = train(trainer, setup.generator, comm)
     return save_grpo(setup, trainer, result, tracker, comm, uploads, t0)
 
 
@@ -90,7 +92,8 @@ def build_trainer(
     """The trainer over ``s`` with its checkpoint hooks (on S3: uploaded in the background, the queue returned),
     resumed from the newest checkpoint in grpo/checkpoints when grpo.resume is auto."""
     g, out_dir = cfg.grpo, s.out_dir
-    uploads = checkpoint_uploads(ws, out_dir / "checkpoints") if comm.is_main else None  # S3: in the background
+    unsent = ws.unpublished("grpo", "checkpoints") if comm.is_main else []  # saved, killed before their upload
+    uploads = checkpoint_uploads(ws, out_dir / "checkpoints", unsent) if comm.is_main else None  # in the background
 
     def on_checkpoint(final):  # S3: a killed stage resumes from there (a TrainJob's node 0 keeps others' shards)
         if uploads is not None:
@@ -107,9 +110,11 @@ def build_trainer(
         ref_model=s.ref_model, autocast_dtype=s.autocast_dtype, comm=comm, root=s.root, hooks=hooks,
     )  # fmt: skip
     trainer = GRPOTrainer(g, runtime, seed=cfg.run.seed, row_seeded=cfg.distributed.row_seeded)
-    checkpoints = list_checkpoints(trainer.checkpoint_dir)
-    if g.resume == "auto" and checkpoints:
-        trainer.load_checkpoint(checkpoints[-1])
+    resumed = trainer.resume() if g.resume == "auto" else None  # the newest that loads (damaged ones: a warning)
+    for name in unsent:  # kept by the pull on resume; a damaged one (newer than the one resumed) is not sent
+        if resumed is not None and int(name.rsplit("-", 1)[1]) <= int(resumed.name.rsplit("-", 1)[1]):
+            log.info("GRPO: uploading %s, saved before the stage was stopped and not on S3 yet", name)
+            on_checkpoint(trainer.checkpoint_dir / name)
     return trainer, uploads
 
 
@@ -159,13 +164,14 @@ def save_grpo(
     return summary
 
 
-def checkpoint_uploads(ws: Workspace, folder) -> UploadQueue:
+def checkpoint_uploads(ws: Workspace, folder, unsent: list[str] = ()) -> UploadQueue:
     """The background queue of checkpoint uploads, bounded by storage.outage_budget_s and
     storage.max_pending_uploads. Built for every workspace: for a local one its jobs upload nothing and only prune
-    what the trainer prunes too (a file either removes first is fine for the other)."""
+    what the trainer prunes too (a file either removes first is fine for the other). ``unsent``: local checkpoints
+    not on S3 yet (queued by :func:`build_trainer`), not counted as done."""
     st = ws.store.settings
     cap = min(30.0, max(1.0, st.outage_budget_s / 5))  # several attempts fit in a small budget
-    done = [p.name for p in list_checkpoints(folder)]  # pulled from S3 when the stage began
+    done = [p.name for p in list_checkpoints(folder) if p.name not in unsent]  # pulled from S3 when the stage began
     return UploadQueue(ws.store.where, st.outage_budget_s, st.max_pending_uploads, backoff_cap_s=cap, done=done)
 
 

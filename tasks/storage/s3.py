@@ -54,6 +54,11 @@ class S3NoSuchBucketError(S3NotFoundError):
     """The bucket itself does not exist."""
 
 
+class S3UnsafeKeyError(S3Error, ValueError):
+    """An object whose key, relative to the prefix being downloaded, would be written outside the target folder
+    (a '..' segment, an absolute name): refused before anything is written."""
+
+
 class S3AccessError(S3Error, PermissionError):
     """Missing, wrong or insufficient credentials."""
 
@@ -220,6 +225,22 @@ class _KnownSize:
 
     def on_done(self, **kwargs) -> None:
         pass
+
+
+def confined(folder: Path, name: str, uri: str) -> Path:
+    """folder/name for the object ``uri`` whose key below the downloaded prefix is ``name``, refused with
+    :class:`S3UnsafeKeyError` when it would land outside ``folder``: an absolute name, a '..' or '.' segment, or a
+    path that resolves (through links too) elsewhere. S3 keys are plain strings, so a bucket shared with others may
+    hold 'prefix/../../.bashrc'."""
+    parts = name.replace("\\", "/").split("/")
+    root = folder.resolve()
+    target = (folder / name).resolve()
+    if name.startswith("/") or any(p in ("..", ".") for p in parts) or not target.is_relative_to(root):
+        raise S3UnsafeKeyError(
+            f"{uri}: its key below the prefix, {name!r}, resolves outside {folder} ({target}); refused, nothing "
+            "downloaded (remove or rename the object)"
+        )
+    return folder / name
 
 
 def _files(folder: Path) -> list[str]:
@@ -514,11 +535,15 @@ class S3Client:
         """Make folder ``path`` hold the objects under s3 prefix_uri/: download what differs, many files at once
         through one TransferManager (each written beside its target and renamed), ``markers`` last; with
         ``delete``, first remove local files that have no object (``markers`` first). Relative names in
-        ``exclude`` are neither downloaded nor deleted. Returns the downloaded paths."""
+        ``exclude`` are neither downloaded nor deleted. A key that would land outside ``path`` ('..', absolute) fails
+        the whole download with :class:`S3UnsafeKeyError` before any file is touched. Returns the downloaded
+        paths."""
         folder = Path(path)
         prefix = prefix_uri.rstrip("/") + "/"
         remote = {o["uri"][len(prefix) :]: o for o in self.list_objects(prefix)}
         remote = {n: o for n, o in remote.items() if n and not n.endswith("/") and n not in exclude}  # no dir markers
+        for name, obj in remote.items():  # every key checked before anything is deleted or written
+            confined(folder, name, obj["uri"])
         if delete and folder.is_dir():
             stale = [n for n in _files(folder) if n not in remote and n not in exclude]
             for name in sorted(stale, key=lambda n: n.rsplit("/", 1)[-1] not in markers):  # markers first

@@ -5,7 +5,8 @@ takes names relative to the location ('grpo/manifest.json', 'grpo/checkpoints/')
 where the files are. What every store guarantees:
 
 * ``write`` is atomic: a reader sees the whole new content or the old (or nothing), never a part. Locally the
-  bytes go to a temp file beside the target, then ``os.replace`` (:func:`write_atomic`, the one helper for it);
+  bytes go to a temp file beside the target, fsynced, then ``os.replace`` and the folder fsynced (:func:`write_atomic`,
+  the one helper for it: durable across a power loss);
   on S3 one PutObject is atomic by itself, and the local copy under ``local_root`` is written (atomically) first,
   so the mirror stays in step with what was written.
 * ``delete`` removes names in the order given, and a missing name is fine (a local file the trainer pruned a
@@ -46,19 +47,52 @@ class Entry:
     etag: str
 
 
+def fsync_dir(path: str | Path) -> None:
+    """fsync folder ``path``, so the names created, renamed or removed in it survive a power loss (a rename is
+    durable only once its folder is synced). Platforms that cannot open a folder (Windows) skip it."""
+    try:
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
+    except (IsADirectoryError, PermissionError):
+        return
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def fsync_tree(folder: str | Path) -> None:
+    """fsync every file under ``folder`` and every folder in it (``folder`` included): before a folder written
+    file by file is published by a rename, so the rename never makes visible a folder whose bytes are still in the
+    page cache only."""
+    folder = Path(folder)
+    for here, _, files in os.walk(folder):
+        for name in files:
+            fd = os.open(Path(here) / name, os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+        fsync_dir(here)
+
+
 def write_atomic(path: str | Path, data: bytes) -> Path:
-    """Write ``data`` to ``path`` whole or not at all: a temp file in the same folder, flushed, then renamed over
-    ``path`` (a crash leaves the old content, or no file, and at most a stray temp file that nothing reads)."""
+    """Write ``data`` to ``path`` whole or not at all, durably: a temp file in the same folder, flushed and
+    fsynced, renamed over ``path``, then the folder fsynced (so the rename too survives a power loss). A crash
+    leaves the old content, or no file, and at most a stray temp file that nothing reads; never an empty or
+    truncated ``path``."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     try:
         with os.fdopen(fd, "wb") as f:
             f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
+    fsync_dir(path.parent)
     return path
 
 

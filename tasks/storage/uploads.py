@@ -15,15 +15,20 @@ queue; the next ``submit`` or ``drain`` in the training thread raises its :class
 names the last job that finished (the last checkpoint safely on S3). While the endpoint does not answer a
 warning says so every ``warn_every_s`` ("S3 endpoint X unreachable for 12 s, 2 checkpoint(s) queued"), and
 another when it is back.
+
+:func:`drain_on_sigterm` makes a SIGTERM (a scheduler stopping the pod, torchrun stopping the ranks) wait for the
+queued uploads, each within the budget, before the process exits, so checkpoints saved before the signal are on S3.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import signal
 import threading
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 from grpoflow.tasks.storage.s3 import S3AccessError, S3Error, bounded_attempt
 
@@ -211,3 +216,53 @@ class UploadQueue:
                 self.done.append(name)
                 self._running = None
                 self._cond.notify_all()
+
+
+class Terminated(BaseException):
+    """SIGTERM arrived inside :func:`drain_on_sigterm` (a BaseException, so no ``except Exception`` swallows it)."""
+
+
+@contextlib.contextmanager
+def drain_on_sigterm(queue: UploadQueue) -> Iterator[None]:
+    """Within the block, SIGTERM stops the block (:class:`Terminated`, raised in the main thread), waits for
+    ``queue``'s pending uploads (each within its outage budget; a second SIGTERM meanwhile acts as before the block)
+    and exits with status 143 (128 + SIGTERM), or hands the signal to the handler installed before when that is a
+    Python function. The handler before is restored on leaving the block, so tests and the Prefect worker keep
+    theirs. Outside the main thread (signals go to the main thread only) or where SIGTERM is ignored, nothing is
+    installed."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = signal.getsignal(signal.SIGTERM)
+    if previous == signal.SIG_IGN:
+        yield
+        return
+
+    def stop(signum, frame):
+        raise Terminated()
+
+    signal.signal(signal.SIGTERM, stop)
+    try:
+        yield
+    except Terminated:
+        signal.signal(signal.SIGTERM, previous)
+        pending = queue.pending()
+        log.warning(
+            "SIGTERM: waiting for %d checkpoint upload(s) to %s before exiting (%s; each within "
+            "storage.outage_budget_s=%g)",
+            len(pending),
+            queue.where,
+            ", ".join(pending) or "none",
+            queue.budget_s,
+        )
+        try:
+            queue.drain()
+            log.warning(
+                "SIGTERM: checkpoint uploads done (%s on S3); exiting", queue.done[-1] if queue.done else "none"
+            )
+        finally:
+            if callable(previous):
+                previous(signal.SIGTERM, None)
+            raise SystemExit(128 + signal.SIGTERM) from None
+    finally:
+        signal.signal(signal.SIGTERM, previous)

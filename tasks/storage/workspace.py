@@ -33,6 +33,7 @@ them, so they stay valid under another cache_dir (or a local workspace that was 
 from __future__ import annotations
 
 import json
+import logging
 import re
 import shutil
 import time
@@ -42,6 +43,8 @@ from typing import Any
 from grpoflow.tasks.config.storage import StorageConfig
 from grpoflow.tasks.storage.store import Store, open_store, write_atomic
 from grpoflow.tasks.storage.store import join_location as join_location  # re-exported: callers name it here
+
+log = logging.getLogger(__name__)
 
 MANIFEST = "manifest.json"
 ATTEMPT = "attempt.json"
@@ -86,6 +89,34 @@ def _not_lower(old: dict[str, Any] | None, new: dict[str, Any] | None) -> bool:
 
 
 _CHECKPOINT = re.compile(r"checkpoint-(\d+)/(.+)")
+_IN_CHECKPOINT = re.compile(r"(?:(.*)/)?checkpoint-(\d+)/(.+)")  # <parent>/checkpoint-N/<file>, at any depth
+
+
+class CorruptManifest(ValueError):
+    """A stage's manifest.json that is not JSON (truncated, emptied by a crash): names the file."""
+
+
+def unpublished_checkpoints(local: Path, stored: list[str]) -> list[str]:
+    """The complete checkpoint folders under ``local`` (checkpoint-N holding its marker), as names relative to it,
+    that are newer than every complete checkpoint the store holds in the same parent folder (``stored``: the
+    store's names relative to the same folder). Saved here and not yet uploaded (a stage killed with uploads
+    queued): a pull must keep them, the upload queue sends them. Older ones absent from the store were pruned
+    there after newer ones went up, so a pull may remove them."""
+    newest: dict[str, int] = {}
+    for name in stored:
+        found = _IN_CHECKPOINT.fullmatch(name)
+        if found and found[3] in MARKERS:
+            newest[found[1] or ""] = max(newest.get(found[1] or "", -1), int(found[2]))
+    out = []
+    for marker in local.rglob("checkpoint-*/" + MARKERS[0]) if local.is_dir() else ():
+        found = _IN_CHECKPOINT.fullmatch(marker.relative_to(local).as_posix())
+        if found and int(found[2]) > newest.get(found[1] or "", -1):
+            out.append(marker.parent.relative_to(local).as_posix())
+    return sorted(out, key=lambda n: int(n.rsplit("-", 1)[1]))
+
+
+def _files_in(local: Path, folders: list[str]) -> list[str]:
+    return [p.relative_to(local).as_posix() for f in folders for p in (local / f).rglob("*") if p.is_file()]
 
 
 class Workspace:
@@ -188,18 +219,54 @@ class Workspace:
 
     def pull(self, stage: str, sub: str = "") -> None:
         """Make the local <stage>/<sub> match the store now (nothing moves for a local workspace): the files
-        another machine pushed (a TrainJob's node 0)."""
-        self.store.sync_down(_name(stage, sub), delete=True, markers=MARKERS, exclude=(MANIFEST,))
+        another machine pushed (a TrainJob's node 0). Local complete checkpoints newer than the store's are kept
+        (:func:`unpublished_checkpoints`)."""
+        folder = _name(stage, sub)
+        self._pull_keeping_unpublished(folder, [e.name[len(folder) + 1 :] for e in self.store.list(folder + "/")])
+
+    def _pull_keeping_unpublished(self, folder: str, stored: list[str]) -> None:
+        """sync_down(``folder``, delete) except the files of the local complete checkpoints the store lacks
+        (``stored``: the store's names relative to ``folder``): neither deleted nor overwritten, each named in a
+        log line."""
+        local = self.root / folder
+        keep = unpublished_checkpoints(local, stored)
+        if keep:
+            log.warning(
+                "%s: keeping local checkpoint(s) %s, complete here and newer than any on %s (not uploaded yet); "
+                "the pull leaves them and the GRPO stage uploads them",
+                local,
+                ", ".join(keep),
+                self.store.location,
+            )
+        exclude = (MANIFEST, *_files_in(local, keep))
+        self.store.sync_down(folder, delete=True, markers=MARKERS, exclude=exclude)
+
+    def unpublished(self, stage: str, sub: str = "") -> list[str]:
+        """Names (checkpoint-N) of the complete checkpoints in the local <stage>/<sub> newer than any complete one
+        the store holds there: still to upload. Always empty for a local workspace (the store is the folder)."""
+        folder = _name(stage, sub)
+        stored = [e.name[len(folder) + 1 :] for e in self.store.list(folder + "/")]
+        return [n.rsplit("/", 1)[-1] for n in unpublished_checkpoints(self.root / folder, stored) if "/" not in n]
 
     def read_manifest(self, stage: str) -> dict[str, Any] | None:
         """The stage's manifest as the store holds it (on S3: read from S3), None when absent."""
         data = self.store.read(_name(stage, MANIFEST))
-        return None if data is None else json.loads(data)
+        if data is None:
+            return None
+        try:
+            return json.loads(data)
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            where = join_location(self.location, _name(stage, MANIFEST))
+            raise CorruptManifest(f"{where}: not valid JSON ({len(data)} bytes; truncated or corrupt): {e}") from None
 
     def completed(self, stage: str, key: str) -> dict[str, Any] | None:
         """The stored summary when the stage is complete with this key, else None; its paths re-rooted to this
         workspace's root when it was written under another (another cache_dir, a moved folder)."""
-        manifest = self.read_manifest(stage)
+        try:
+            manifest = self.read_manifest(stage)
+        except CorruptManifest as e:
+            log.warning("%s; the stage %s counts as not complete and reruns", e, stage)
+            return None
         if manifest is None or manifest.get("key") != key or "summary" not in manifest:
             return None
         old = manifest.get("root")
@@ -235,7 +302,7 @@ class Workspace:
             outcome = "removed"
         folder.mkdir(parents=True, exist_ok=True)
         if stored:
-            self.store.sync_down(stage, delete=True, markers=MARKERS, exclude=(MANIFEST,))
+            self._pull_keeping_unpublished(stage, [e.name[len(stage) + 1 :] for e in stored])
         record = {"key": key, "continues": continues, "extents": extents or {}, "started_at": time.time()}
         self.store.write(_name(stage, ATTEMPT), json.dumps(record).encode())
         return outcome

@@ -119,6 +119,47 @@ def test_markers_go_up_last_and_come_down_first(env, tmp_path, store):
     assert [u.rsplit("/", 1)[1] for u in uploaded] == ["a.bin", "z.bin", "trainer_state.json"]
 
 
+@pytest.mark.parametrize("evil", ["ws/../../escaped.txt", "ws/sub/../../../escaped.txt"])
+def test_a_key_leading_outside_the_folder_is_refused_and_nothing_is_written(env, tmp_path, store, monkeypatch, evil):
+    """A key with '..' below the pulled prefix: the pull refuses it with S3UnsafeKeyError naming it, writes no file
+    anywhere (not even the sane one beside it) and deletes nothing. The key is put into the real server first;
+    SeaweedFS refuses '..' segments itself (InvalidRequest), and other servers (or a bucket written through another
+    gateway) may not, so then the real listing is served with the key added to it (the object's size and ETag are a
+    real object's): the check runs on the listing, before any request for the key."""
+    base = f"pull-{evil.count('..')}"
+    store.client.put_object(Bucket=env.bucket, Key=f"{base}/ws/good.txt", Body=b"good")
+    try:
+        store.client.put_object(Bucket=env.bucket, Key=f"{base}/{evil}", Body=b"good")
+    except Exception as e:  # noqa: BLE001 - SeaweedFS: InvalidRequest
+        assert "InvalidRequest" in str(e), e
+        real_list = store.list_objects
+
+        def listing(prefix_uri, **kw):
+            objects = real_list(prefix_uri, **kw)
+            good = next(o for o in objects if o["uri"].endswith("/good.txt"))
+            return [*objects, {**good, "uri": _uri(env, base, evil)}]
+
+        monkeypatch.setattr(store, "list_objects", listing)
+    dst = tmp_path / "a" / "b" / "mirror"
+    dst.mkdir(parents=True)
+    (dst / "kept.txt").write_text("local")
+    with pytest.raises(s3.S3UnsafeKeyError) as err:
+        store.download_dir(_uri(env, base, "ws"), dst, delete=True)
+    assert evil.removeprefix("ws/") in str(err.value) and str(dst) in str(err.value)
+    assert not list(tmp_path.rglob("escaped.txt")) and not (dst / "good.txt").exists()
+    assert sorted(p.name for p in dst.iterdir()) == ["kept.txt"]  # the delete did not run either
+
+
+def test_confined_refuses_absolute_and_dot_names(tmp_path):
+    assert s3.confined(tmp_path, "a/b.txt", "s3://b/a/b.txt") == tmp_path / "a" / "b.txt"
+    for name in ("/etc/passwd", "a/./b", "..", "a/../../b"):
+        with pytest.raises(s3.S3UnsafeKeyError, match="resolves outside"):
+            s3.confined(tmp_path, name, f"s3://b/{name}")
+    (tmp_path / "link").symlink_to(tmp_path.parent)
+    with pytest.raises(s3.S3UnsafeKeyError):
+        s3.confined(tmp_path, "link/x", "s3://b/link/x")
+
+
 # ------------------------------------------------------------------------------------------ errors
 def test_missing_key_and_bucket_name_the_uri(env, tmp_path, store):
     missing = _uri(env, "no", "such.json")

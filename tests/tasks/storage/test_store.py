@@ -3,15 +3,17 @@ S3Store on a real SeaweedFS server. Plus the S3Store's folder transfers: many fi
 TransferManager, markers only after every other file is up."""
 
 import os
+import stat
 import threading
 import time
 import uuid
+from pathlib import Path
 
 import pytest
 
 from grpoflow.tasks.config.storage import StorageConfig
 from grpoflow.tasks.storage import s3
-from grpoflow.tasks.storage.store import Entry, LocalStore, S3Store, Store, open_store, write_atomic
+from grpoflow.tasks.storage.store import Entry, LocalStore, S3Store, Store, fsync_tree, open_store, write_atomic
 
 MARK = "trainer_state.json"
 
@@ -75,6 +77,47 @@ def test_write_atomic_replaces_whole(tmp_path):
     path = write_atomic(tmp_path / "d" / "f.txt", b"1" * 10)
     write_atomic(path, b"2")
     assert path.read_bytes() == b"2" and [p.name for p in path.parent.iterdir()] == ["f.txt"]
+
+
+def _record_fsyncs(monkeypatch) -> list[tuple[str, object]]:
+    """os.fsync recorded (what it synced, with the target's state at that moment) and still called: an fsync's
+    effect cannot be observed without pulling the power, so the test checks what is synced and when."""
+    calls: list[tuple[str, object]] = []
+    real = os.fsync
+
+    def fsync(fd):
+        st = os.fstat(fd)
+        target = Path(os.readlink(f"/proc/self/fd/{fd}"))
+        calls.append(("dir" if stat.S_ISDIR(st.st_mode) else "file", target))
+        real(fd)
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    return calls
+
+
+@pytest.mark.skipif(not Path("/proc/self/fd").is_dir(), reason="reads fd targets from /proc")
+def test_write_atomic_fsyncs_the_file_before_the_rename_and_the_folder_after(tmp_path, monkeypatch):
+    calls = _record_fsyncs(monkeypatch)
+    renamed: list[int] = []
+    real_replace = os.replace
+    monkeypatch.setattr(os, "replace", lambda a, b: (renamed.append(len(calls)), real_replace(a, b)))
+    path = write_atomic(tmp_path / "d" / "manifest.json", b"{}")
+    kinds = [k for k, _ in calls]
+    assert kinds == ["file", "dir"], calls
+    assert calls[0][1].parent == path.parent and calls[0][1].name.startswith(".manifest.json.")  # the temp file
+    assert renamed == [1]  # the file was synced before the rename, the folder after it
+    assert calls[1][1] == path.parent
+
+
+@pytest.mark.skipif(not Path("/proc/self/fd").is_dir(), reason="reads fd targets from /proc")
+def test_fsync_tree_syncs_every_file_and_folder(tmp_path, monkeypatch):
+    (tmp_path / "ck" / "sub").mkdir(parents=True)
+    for name in ("a.bin", "sub/b.bin"):
+        (tmp_path / "ck" / name).write_bytes(b"x")
+    calls = _record_fsyncs(monkeypatch)
+    fsync_tree(tmp_path / "ck")
+    synced = {(k, p.relative_to(tmp_path).as_posix()) for k, p in calls}
+    assert synced == {("file", "ck/a.bin"), ("file", "ck/sub/b.bin"), ("dir", "ck"), ("dir", "ck/sub")}
 
 
 def test_list_and_delete(store):

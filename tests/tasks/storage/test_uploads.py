@@ -2,15 +2,22 @@
 backoff, the background queue (order, bound, failure), and a real `weed mini` killed and restarted under it."""
 
 import logging
+import os
+import re
+import signal
+import subprocess
+import sys
 import threading
 import time
+import uuid
+from pathlib import Path
 
 import pytest
 
 from grpoflow.tasks.config.storage import StorageConfig
 from grpoflow.tasks.storage import s3
 from grpoflow.tasks.storage.s3 import S3AccessError, S3Client, S3Error
-from grpoflow.tasks.storage.uploads import StorageOutage, UploadQueue, backoff_s, retry_outage
+from grpoflow.tasks.storage.uploads import StorageOutage, UploadQueue, backoff_s, drain_on_sigterm, retry_outage
 from grpoflow.tasks.storage.workspace import Workspace
 from tests.servers import SeaweedMini
 
@@ -218,3 +225,54 @@ def test_a_silent_endpoint_fails_the_upload_within_the_budget_and_a_few_seconds(
     took = time.monotonic() - t0
     assert budget <= took <= budget + 7, took  # 1 s connect + 5 s read, at most, past the budget
     assert "Read timeout" in str(err.value) or "timed out" in str(err.value), err.value
+
+
+@pytest.mark.faults
+def test_sigterm_during_uploads_drains_the_queue_before_exiting(env, tmp_path):
+    """A real process with checkpoint uploads queued to the real S3 server gets SIGTERM: it waits for them, exits
+    with 143 within seconds, and every checkpoint is complete on S3 (each file at its size, the marker too)."""
+    location = f"s3://{env.bucket}/sigterm/{uuid.uuid4().hex[:8]}/r1"
+    script = Path(__file__).with_name("sigterm_uploads.py")
+    count, mib = 3, 48
+    proc = subprocess.Popen(
+        [sys.executable, str(script), location, str(tmp_path / "cache"), str(count), str(mib)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)},
+    )
+    try:
+        line = proc.stdout.readline()
+        while line and not line.startswith("queued"):
+            line = proc.stdout.readline()
+        assert line.startswith("queued"), proc.stdout.read()
+        proc.send_signal(signal.SIGTERM)
+        signalled = time.monotonic()
+        out = line + proc.stdout.read()
+        code = proc.wait(timeout=60)
+        took = time.monotonic() - signalled
+    finally:
+        proc.kill()
+    assert code == 143, out
+    assert took < 30, (took, out)  # the uploads' time, not the 600 s "training" nor the 60 s budget
+    pending = re.search(r"SIGTERM: waiting for (\d+) checkpoint upload\(s\)", out)
+    assert pending and int(pending[1]) >= 1, out  # the signal came while uploads were pending
+    client = s3.S3Client(StorageConfig(cache_dir=str(tmp_path / "cache")))
+    objects = {o["uri"].rsplit("/", 2)[-2] + "/" + o["uri"].rsplit("/", 1)[-1]: o["size"] for o in
+               client.list_objects(f"{location}/grpo/checkpoints/")}  # fmt: skip
+    for step in range(1, count + 1):
+        assert objects.get(f"checkpoint-{step}/model.safetensors") == mib * 2**20, (objects, out)
+        assert f"checkpoint-{step}/trainer_state.json" in objects, (objects, out)
+
+
+def test_drain_on_sigterm_restores_the_handler_before_it_and_is_inert_off_the_main_thread():
+    queue = UploadQueue("nowhere", budget_s=1, max_pending=1)
+    before = signal.getsignal(signal.SIGTERM)
+    with drain_on_sigterm(queue):
+        assert signal.getsignal(signal.SIGTERM) is not before
+    assert signal.getsignal(signal.SIGTERM) is before
+    seen = []
+    thread = threading.Thread(target=lambda: seen.append(drain_on_sigterm(queue).__enter__() is None))
+    thread.start()
+    thread.join()
+    assert seen == [True] and signal.getsignal(signal.SIGTERM) is before

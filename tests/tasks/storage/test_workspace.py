@@ -3,6 +3,7 @@ The same calls, the same outcomes; where the stores differ it is only in what a 
 sees."""
 
 import json
+import logging
 import shutil
 import uuid
 
@@ -10,7 +11,15 @@ import pytest
 
 from grpoflow.tasks.config.storage import StorageConfig
 from grpoflow.tasks.storage.store import LocalStore
-from grpoflow.tasks.storage.workspace import ATTEMPT, MANIFEST, Workspace, join_location, local_dir, reroot
+from grpoflow.tasks.storage.workspace import (
+    ATTEMPT,
+    MANIFEST,
+    CorruptManifest,
+    Workspace,
+    join_location,
+    local_dir,
+    reroot,
+)
 
 
 @pytest.fixture(params=["local", "s3"])
@@ -164,3 +173,60 @@ def test_local_pruning_by_the_trainer_and_a_queued_job_do_not_race_into_an_error
     ws.push_checkpoint("grpo", "checkpoints", "checkpoint-3")
     trainer.join()
     assert sorted(p.name for p in folder.iterdir()) == ["checkpoint-2", "checkpoint-3"]
+
+
+def _checkpoint(folder, step: int, complete: bool = True) -> None:
+    ckpt = folder / f"checkpoint-{step}"
+    ckpt.mkdir(parents=True)
+    (ckpt / "model.bin").write_bytes(bytes([step]) * 100)
+    if complete:
+        (ckpt / "trainer_state.json").write_text(json.dumps({"step": step}))
+
+
+def test_a_resume_pull_keeps_local_checkpoints_not_yet_uploaded(location, tmp_path, caplog):
+    """A stage killed with checkpoint uploads queued: its complete local checkpoints newer than the store's stay
+    through the pull of the resumed attempt (the upload queue sends them: ``unpublished`` names them); an older
+    local one the store pruned and an incomplete one go, as before."""
+    ws = _open(location, tmp_path / "c1")
+    ws.begin("grpo", "k1")
+    folder = ws.stage_dir("grpo") / "checkpoints"
+    for step in (1, 2):
+        _checkpoint(folder, step)
+        ws.push_checkpoint("grpo", "checkpoints", f"checkpoint-{step}", keep=1)  # the store keeps checkpoint-2
+    _checkpoint(folder, 3)  # saved, never uploaded (killed with it queued)
+    _checkpoint(folder, 4)
+    _checkpoint(folder, 5, complete=False)  # killed while writing it
+    again = _open(location, tmp_path / "c1")
+    with caplog.at_level(logging.WARNING):
+        again.begin("grpo", "k1")
+    files = {p.relative_to(folder).as_posix(): p.read_bytes() for p in folder.rglob("*") if p.is_file()}
+    left = sorted({name.split("/")[0] for name in files})
+    if _is_local(ws):  # the folder is the store (push_checkpoint pruned checkpoint-1 in it): nothing else moves
+        assert left == ["checkpoint-2", "checkpoint-3", "checkpoint-4", "checkpoint-5"]
+        assert again.unpublished("grpo", "checkpoints") == []
+        return
+    assert left == ["checkpoint-2", "checkpoint-3", "checkpoint-4"]  # 1: pruned on S3; 5: incomplete
+    for step in (3, 4):
+        assert files[f"checkpoint-{step}/model.bin"] == bytes([step]) * 100
+        assert json.loads(files[f"checkpoint-{step}/trainer_state.json"]) == {"step": step}
+    assert "keeping local checkpoint(s) checkpoints/checkpoint-3, checkpoints/checkpoint-4" in caplog.text
+    assert again.unpublished("grpo", "checkpoints") == ["checkpoint-3", "checkpoint-4"]
+    again.push_checkpoint("grpo", "checkpoints", "checkpoint-3")
+    assert again.unpublished("grpo", "checkpoints") == ["checkpoint-4"]
+    third = _open(location, tmp_path / "c2")  # another machine: sees what reached S3
+    third.begin("grpo", "k1")
+    got = {p.parent.name for p in (third.root / "grpo/checkpoints").rglob("*") if p.is_file()}
+    assert got == {"checkpoint-2", "checkpoint-3"}
+
+
+def test_a_truncated_stage_manifest_is_a_named_error_and_the_stage_reruns(location, tmp_path, caplog):
+    ws = _open(location, tmp_path / "c1")
+    ws.begin("sft", "k1")
+    ws.publish("sft", "k1", {"model_path": "x"})
+    body = ws.store.read("sft/" + MANIFEST)
+    ws.store.write("sft/" + MANIFEST, body[: len(body) // 2])
+    with pytest.raises(CorruptManifest, match=r"sft/manifest.json: not valid JSON \(\d+ bytes; truncated"):
+        ws.read_manifest("sft")
+    with caplog.at_level(logging.WARNING):
+        assert ws.completed("sft", "k1") is None
+    assert "the stage sft counts as not complete and reruns" in caplog.text
