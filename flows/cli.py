@@ -467,6 +467,27 @@ def cmd_data_landed(args) -> int:
     return 0
 
 
+def cmd_continuous_status(args) -> int:
+    """What the continuous flow has consumed from SOURCE, what it quarantined and why, and what waits."""
+    from grpoflow.flows.continuous import LEDGER, join_location
+    from grpoflow.tasks.ops.datasource import Ledger, list_source, state_location
+
+    output_dir = args.output_dir or config_from_dict({}).run.output_dir
+    ledger = Ledger(join_location(state_location(args.source, args.state_dir, output_dir), LEDGER))
+    try:
+        entries = ledger.entries()
+        waiting = ledger.new_files(list_source(args.source))
+    except (ValueError, OSError) as e:
+        raise ConfigError(str(e)) from None
+    consumed = [e for e in entries if not e.get("quarantined")]
+    print(f"ledger {ledger.location}: {len(consumed)} files consumed")
+    for e in ledger.quarantined():
+        when = e.get("quarantined_at", "?")
+        print(f"quarantined: {e['name']} (cycle {e.get('cycle', '?')}, {when}): {e['error']}")
+    print(f"waiting: {len(waiting)} new files{': ' if waiting else ''}{', '.join(f.name for f in waiting)}")
+    return 0
+
+
 def cmd_validate(args) -> int:
     cfg = _load(args)
     print(json.dumps(cfg.to_dict(), indent=2) if args.show else "config OK")
@@ -526,6 +547,11 @@ def main(argv: list[str] | None = None) -> int:
         help="passed on to `prefect deploy` (default --all), e.g. -n grpo-continuous/local --params '{...}'",
     )
     p.set_defaults(fn=cmd_deploy)
+    p = sub.add_parser("continuous-status", help="what the continuous flow consumed, quarantined (why), and what waits")
+    p.add_argument("source", metavar="SOURCE", help="the deployment's data source (a folder or s3://bucket/prefix)")
+    p.add_argument("--state-dir", help="the deployment's state_dir, when it sets one")
+    p.add_argument("--output-dir", help="the config's run.output_dir, when not the default 'runs'")
+    p.set_defaults(fn=cmd_continuous_status)
     p = sub.add_parser("data-landed", help="emit the grpoflow.data.landed event: starts a continuous cycle")
     p.add_argument("path", metavar="PATH", help="the new file or folder (or s3://bucket/prefix)")
     p.set_defaults(fn=cmd_data_landed)

@@ -2,6 +2,8 @@
 interval schedule and by the ``grpoflow.data.landed`` event).
 
     list the source -> files not in the ledger? -> none: done, nothing consumed
+                                               -> check each (a bad one is quarantined: named by file
+                                                  and line in the ledger and the log; the others train)
                                                -> gather them into one training file
                                                -> download the champion (registry alias), if any
                                                -> the pipeline: data -> GRPO from the champion -> eval -> export
@@ -18,6 +20,7 @@ first rather than training on the same files.
 
 from __future__ import annotations
 
+import functools
 import time
 from pathlib import Path
 
@@ -86,13 +89,23 @@ def _cycle(cfg: PipelineConfig, source: str, state: str, logger) -> dict:
         logger.info("no new data files in %s (ledger %s): nothing to do", source, ledger.location)
         return {"consumed": [], "decision": None}
     from grpoflow.flows.pipeline import grpo_pipeline
-    from grpoflow.tasks.ops.continuous import cycle_config, gather
+    from grpoflow.tasks.ops.continuous import check_file, cycle_config, gather
 
     name = time.strftime("cycle-%Y%m%d-%H%M%S")
     ws = join_location(state, "cycles", name)
     # the new rows and the champion are this worker's local inputs of the cycle (beside an S3 workspace's cache)
     incoming = (local_path(ws, cfg.storage.cache_dir) if is_s3_uri(ws) else Path(ws)) / "incoming"
-    data_file, rows = gather(new, incoming / "train.jsonl", cfg.storage)
+    check = functools.partial(check_file, cfg=cfg)
+    data_file, rows, bad = gather(new, incoming / "train.jsonl", cfg.storage, check=check)
+    for f, error in bad:  # one line each, naming the landed file and line; the good files train
+        logger.error("quarantined %s: %s (fix it and land it again under its name)", f.name, error)
+    if bad:
+        ledger.quarantine(bad, cycle=name)
+        new = [f for f in new if f not in {b for b, _ in bad}]
+    quarantined = [{"name": f.name, "uri": f.uri, "error": e} for f, e in bad]
+    if not new:
+        logger.info("no new data file can train (%d quarantined): nothing to do", len(bad))
+        return {"consumed": [], "quarantined": quarantined, "decision": None}
     logger.info("%d new data files (%d rows) in %s: %s", len(new), rows, source, [f.name for f in new])
     champion = champion_task(cfg, str(incoming / "champion"))
     if champion is None:
@@ -111,13 +124,14 @@ def _cycle(cfg: PipelineConfig, source: str, state: str, logger) -> dict:
         e = result["eval"]
         decision += f" (held-out: start {e['accuracy_before']:.1%}, new {e['accuracy_after']:.1%})"
     logger.info("decision: %s", decision)
-    _tag_run(cycle, result, new, champion, decision)
+    _tag_run(cycle, result, new, champion, decision, quarantined)
     ledger.record(new, cycle=name, mlflow_run_id=result["mlflow_run_id"])
     logger.info("ledger %s: recorded %d files", ledger.location, len(new))
-    return {"consumed": [f.name for f in new], "decision": decision, "mlflow_run_id": result["mlflow_run_id"]}
+    out = {"consumed": [f.name for f in new], "quarantined": quarantined, "decision": decision}
+    return {**out, "mlflow_run_id": result["mlflow_run_id"]}
 
 
-def _tag_run(cfg, result: dict, files, champion, decision: str) -> None:
+def _tag_run(cfg, result: dict, files, champion, decision: str, quarantined: list[dict]) -> None:
     """What the cycle consumed, where it started and what it decided, on its MLflow parent run."""
     import json
 
@@ -131,6 +145,9 @@ def _tag_run(cfg, result: dict, files, champion, decision: str) -> None:
         "continuous.warm_start": start,
         "continuous.files": ", ".join(f.name for f in files)[:5000],
         "continuous.decision": decision[:5000],
+        "continuous.quarantined": ", ".join(q["name"] for q in quarantined)[:5000],
     }.items():
         client.set_tag(rid, key, value)
     client.log_text(rid, json.dumps([f.__dict__ for f in files], indent=2), "consumed_files.json")
+    if quarantined:
+        client.log_text(rid, json.dumps(quarantined, indent=2), "quarantined_files.json")

@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import logging
 import shutil
+from collections.abc import Callable
 from pathlib import Path
 
 from grpoflow.tasks.config import ConfigError, PipelineConfig, StorageConfig
@@ -35,25 +36,57 @@ def check_continuous_config(cfg: PipelineConfig) -> None:
         raise ConfigError("tracking.register_model: must be true for the continuous flow (it promotes in the registry)")
 
 
-def gather(files: list[DataFile], dest: Path, storage: StorageConfig | None = None) -> tuple[Path, int]:
+def check_file(f: DataFile, path: Path, cfg: PipelineConfig) -> str | None:
+    """Why landed file ``f`` (its bytes at ``path``) cannot train, named by its own URI and line (as an editor
+    shows it), with the rules of the data stage (data.question_field/answer_field, data.format,
+    data.on_invalid_row); None when it can. Checked one by one, so one bad file does not fail the others."""
+    from grpoflow.tasks.dataio.rows import columns, detect_format, map_rows
+    from grpoflow.tasks.dataio.sources import load_source, row_locator
+
+    d = cfg.data
+    try:
+        q, a = columns(load_source(str(path)), d.question_field, d.answer_field, f.uri)
+        fmt = d.format if d.format != "auto" else detect_format(a)
+        examples, skipped = map_rows(q, a, fmt, d, f.uri, row_locator(str(path)))
+    except (ValueError, OSError) as e:
+        text = str(e)
+        return text if f.uri in text or f.name in text else f"{f.uri}: {text}"
+    if not examples:
+        return f"{f.uri}: no usable row ({len(skipped)} invalid; the first: {skipped[0][1] if skipped else 'none'})"
+    return None
+
+
+def gather(
+    files: list[DataFile],
+    dest: Path,
+    storage: StorageConfig | None = None,
+    check: Callable[[DataFile, Path], str | None] | None = None,
+) -> tuple[Path, int, list[tuple[DataFile, str]]]:
     """Every row of ``files`` (any format the data stage reads; S3 ones fetched with ``storage``) in one JSON-lines
-    file; (path, rows)."""
+    file: (path, rows, the files left out with why). ``check(file, local path)`` (:func:`check_file`) says why a
+    file cannot train; such a file, or one that does not load, is left out rather than failing the others."""
     from grpoflow.tasks.dataio.sources import load_source
 
     download_dir = dest.parent / "downloads"
     rows = 0
+    bad: list[tuple[DataFile, str]] = []
     dest.parent.mkdir(parents=True, exist_ok=True)
     with open(dest, "w") as out:
         for f in files:
             path = fetch(f, download_dir, storage)
-            try:
-                ds = load_source(str(path))
-            except (ValueError, FileNotFoundError) as e:
-                raise ValueError(f"new data file {f.uri}: {e}") from e
+            problem = check(f, path) if check is not None else None
+            if problem is None:
+                try:
+                    ds = load_source(str(path))
+                except (ValueError, FileNotFoundError) as e:
+                    problem = f"new data file {f.uri}: {e}"
+            if problem is not None:
+                bad.append((f, problem))
+                continue
             for row in ds:
                 out.write(json.dumps(row, default=str) + "\n")
                 rows += 1
-    return dest, rows
+    return dest, rows, bad
 
 
 def champion_model(cfg: PipelineConfig, dest: Path) -> tuple[str, dict] | None:

@@ -122,7 +122,21 @@ class Ledger:
             raise ValueError(f"ledger {self.location}: not a grpoflow ledger ({type(e).__name__}: {e})") from e
 
     def keys(self) -> set[str]:
+        """The identities of every file seen: consumed, or quarantined (not retried until it changes)."""
         return {f"{e['name']}|{e['size']}|{e['hash']}" for e in self.entries()}
+
+    def quarantined(self) -> list[dict]:
+        """The quarantined entries no later entry of the same name supersedes (a fixed file landed again under
+        its name is consumed, or quarantined anew): each with its ``error``."""
+        latest: dict[str, dict] = {}
+        for e in self.entries():
+            latest[e["name"]] = e
+        return [e for e in latest.values() if e.get("quarantined")]
+
+    def quarantine(self, bad: list[tuple[DataFile, str]], **info) -> None:
+        """Record files that cannot train, each with its error: skipped by :meth:`new_files` until their content
+        changes, listed by :meth:`quarantined` (`grpoflow continuous-status`)."""
+        self._add([{**asdict(f), "quarantined": True, "error": error, **info} for f, error in bad])
 
     def new_files(self, files: list[DataFile]) -> list[DataFile]:
         """The files of ``files`` not in the ledger yet (a rewritten file has another size or hash: new)."""
@@ -131,8 +145,13 @@ class Ledger:
 
     def record(self, files: list[DataFile], **info) -> None:
         """Add ``files`` (with ``info``, e.g. the cycle name and MLflow run id) and replace the ledger whole."""
+        self._add([{**asdict(f), **info} for f in files])
+
+    def _add(self, new: list[dict]) -> None:
+        """Append ``new`` entries (stamped) and replace the ledger whole; the caller holds the state folder's lock
+        (flows/continuous.py), so this read-modify-write has one writer."""
         at = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
-        entries = self.entries() + [{**asdict(f), "consumed_at": at, **info} for f in files]
+        entries = self.entries() + [{**e, "quarantined_at" if e.get("quarantined") else "consumed_at": at} for e in new]
         text = json.dumps({"consumed": entries}, indent=2)
         if self.store is not None:
             self.store.put_bytes(text.encode(), self.location)

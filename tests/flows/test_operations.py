@@ -2,6 +2,7 @@
 server-backed path is tests/flows/test_deployments.py)."""
 
 import json
+from functools import partial
 from pathlib import Path
 
 import pytest
@@ -10,7 +11,7 @@ from prefect.settings import PREFECT_API_URL, temporary_settings
 
 from grpoflow.flows.cli import main
 from grpoflow.tasks.config import ConfigError, load_config
-from grpoflow.tasks.ops.continuous import check_continuous_config, cycle_config, gather
+from grpoflow.tasks.ops.continuous import check_continuous_config, check_file, cycle_config, gather
 from grpoflow.tasks.ops.datasource import Ledger, list_source
 from grpoflow.tasks.pipeline.errors import StageError
 from tests.paths import MICRO
@@ -41,15 +42,51 @@ def test_gather_puts_every_format_into_one_jsonl(tmp_path):
     src.mkdir()
     (src / "a.jsonl").write_text(json.dumps({"question": "What is 1 + 2?", "answer": "3"}) + "\n")
     (src / "b.csv").write_text("question,answer\nWhat is 2 + 2?,4\nWhat is 5 + 1?,6\n")
-    path, rows = gather(list_source(str(src)), tmp_path / "cycle" / "train.jsonl")
+    path, rows, bad = gather(list_source(str(src)), tmp_path / "cycle" / "train.jsonl")
+    assert bad == []
     lines = [json.loads(line) for line in path.read_text().splitlines()]
     assert rows == 3 and [r["question"] for r in lines] == ["What is 1 + 2?", "What is 2 + 2?", "What is 5 + 1?"]
 
 
 def test_gather_names_a_bad_file(tmp_path):
     (tmp_path / "bad.parquet").write_text("not parquet")
-    with pytest.raises(ValueError, match="bad.parquet"):
-        gather(list_source(str(tmp_path)), tmp_path / "out" / "train.jsonl")
+    _, rows, bad = gather(list_source(str(tmp_path)), tmp_path / "out" / "train.jsonl")
+    assert rows == 0 and [f.name for f, _ in bad] == ["bad.parquet"] and "bad.parquet" in bad[0][1]
+
+
+def _landed(src: Path) -> None:
+    src.mkdir()
+    (src / "good.jsonl").write_text(json.dumps({"question": "What is 1 + 2?", "answer": "3"}) + "\n")
+    rows = [{"question": "What is 2 + 2?", "answer": "4"}, {"question": "What is 5 + 1?"}]
+    (src / "bad.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+
+
+def test_each_landed_file_is_checked_alone_and_a_bad_one_is_quarantined_by_its_own_line(tmp_path, capsys):
+    src = tmp_path / "landing"
+    _landed(src)
+    cfg = load_config(MICRO, [f"run.output_dir={tmp_path}", "data.eval_source=heldout.jsonl"])
+    files = list_source(str(src))
+    path, rows, bad = gather(files, tmp_path / "cycle" / "train.jsonl", check=partial(check_file, cfg=cfg))
+    assert rows == 1 and json.loads(path.read_text())["question"] == "What is 1 + 2?"  # the good file trains
+    ((file, error),) = bad
+    assert file.name == "bad.jsonl" and error.startswith(f"{src / 'bad.jsonl'} line 2: answer is missing"), error
+
+    ledger = Ledger(tmp_path / "state" / "ledger.json")
+    ledger.quarantine(bad, cycle="cycle-1")
+    ledger.record([f for f in files if f.name == "good.jsonl"], cycle="cycle-1")
+    assert ledger.new_files(list_source(str(src))) == []  # not retried until it changes
+    assert [e["name"] for e in ledger.quarantined()] == ["bad.jsonl"]
+    status = ["continuous-status", str(src), "--state-dir", str(tmp_path / "state")]
+    assert main(status) == 0
+    out = capsys.readouterr().out
+    assert "1 files consumed" in out and "quarantined: bad.jsonl (cycle cycle-1, " in out and "line 2" in out
+    assert "waiting: 0 new files" in out
+
+    (src / "bad.jsonl").write_text(json.dumps({"question": "What is 5 + 1?", "answer": "6"}) + "\n")  # fixed
+    assert [f.name for f in ledger.new_files(list_source(str(src)))] == ["bad.jsonl"]
+    assert main(status) == 0
+    assert "waiting: 1 new files: bad.jsonl" in capsys.readouterr().out
+    assert check_file(list_source(str(src))[0], src / "bad.jsonl", cfg) is None
 
 
 def test_commands_need_a_server_and_an_existing_path(tmp_path, capsys):
@@ -99,34 +136,29 @@ def test_prefect_yaml_declares_the_fixed_names():
 
 
 @pytest.mark.slow
-def test_a_failed_cycle_consumes_nothing(tmp_path):
-    """The flow in-process: a new file the data stage rejects fails the cycle, and the ledger stays empty, so the
-    next cycle sees the file again."""
+def test_a_bad_file_among_good_ones_is_quarantined_and_the_good_ones_train(tmp_path):
+    """The flow in-process: the bad file is named by its own path and line and recorded as quarantined; the good
+    one trains and is consumed; neither is offered again until it changes."""
     from grpoflow.flows.continuous import grpo_continuous
 
     src = tmp_path / "incoming"
-    src.mkdir()
-    (src / "bad.jsonl").write_text(json.dumps({"prompt": "no question column"}) + "\n")
+    _landed(src)
     (tmp_path / "heldout.jsonl").write_text(json.dumps({"question": "What is 1 + 1?", "answer": "2"}) + "\n")
     overrides = [f"run.output_dir={tmp_path / 'runs'}", f"data.eval_source={tmp_path / 'heldout.jsonl'}"]
-    state = grpo_continuous(
-        config=str(MICRO), overrides=overrides, source=str(src), state_dir=str(tmp_path / "state"), return_state=True
+    out = grpo_continuous(config=str(MICRO), overrides=overrides, source=str(src), state_dir=str(tmp_path / "state"))
+    assert out["consumed"] == ["good.jsonl"]
+    assert [q["name"] for q in out["quarantined"]] == ["bad.jsonl"] and "line 2: answer is missing" in (
+        out["quarantined"][0]["error"]
     )
-    assert state.is_failed()
-    with pytest.raises(StageError, match="data: .*'question': no row has it"):  # one line naming the stage
-        state.result()
-    assert not (tmp_path / "state" / "ledger.json").exists()
-    assert [f.name for f in Ledger(tmp_path / "state" / "ledger.json").new_files(list_source(str(src)))] == [
-        "bad.jsonl"
-    ]
+    ledger = Ledger(tmp_path / "state" / "ledger.json")
+    assert ledger.new_files(list_source(str(src))) == [] and [e["name"] for e in ledger.quarantined()] == ["bad.jsonl"]
 
 
 @pytest.mark.slow
 def test_a_cycle_keeps_its_state_on_s3(tmp_path, seaweedfs, monkeypatch):
     """An s3:// source with a local run.output_dir: the ledger and the cycle's workspace live under the source's
     hidden state prefix (no local folder named 's3:'), so a restarted worker pod sees what was consumed. A cycle
-    whose data stage rejects the new file consumes nothing there; once the file is fixed, the next cycle fails
-    no more at data, and the ledger on S3 then holds the file."""
+    whose data stage fails (here on the held-out file) consumes nothing there."""
     from grpoflow.flows.continuous import grpo_continuous
     from grpoflow.tasks.storage import s3
 
@@ -135,8 +167,8 @@ def test_a_cycle_keeps_its_state_on_s3(tmp_path, seaweedfs, monkeypatch):
     monkeypatch.chdir(tmp_path)
     store = s3.S3Client()
     source = f"s3://{seaweedfs.bucket}/landing-{tmp_path.name}"
-    store.put_bytes(json.dumps({"prompt": "no question column"}).encode() + b"\n", f"{source}/bad.jsonl")
-    (tmp_path / "heldout.jsonl").write_text(json.dumps({"question": "What is 1 + 1?", "answer": "2"}) + "\n")
+    store.put_bytes(json.dumps({"question": "What is 1 + 1?", "answer": "2"}).encode() + b"\n", f"{source}/new.jsonl")
+    (tmp_path / "heldout.jsonl").write_text(json.dumps({"prompt": "no question column"}) + "\n")
     overrides = [
         "run.output_dir=runs",
         f"data.eval_source={tmp_path / 'heldout.jsonl'}",
@@ -151,7 +183,8 @@ def test_a_cycle_keeps_its_state_on_s3(tmp_path, seaweedfs, monkeypatch):
     written = [o["uri"] for o in store.list_objects(f"{source}/_grpoflow-continuous/cycles/")]
     assert any(uri.endswith("/config.yaml") for uri in written), written  # the cycle's workspace, on S3
     assert not (tmp_path / "s3:").exists() and not (tmp_path / "runs" / "continuous").exists()
-    assert [f.name for f in Ledger(ledger).new_files(list_source(source))] == ["bad.jsonl"]
+    assert [f.name for f in Ledger(ledger).new_files(list_source(source))] == ["new.jsonl"]
+    assert not store.exists(f"{source}/_grpoflow-continuous/.grpoflow.lease")  # the cycle's lease, released
 
 
 def test_a_champion_adapter_is_merged_onto_its_base(tmp_path):

@@ -110,6 +110,7 @@ def test_s3_prefix_source_lists_fetches_and_gathers(seaweedfs, monkeypatch, tmp_
     with pytest.raises(ValueError, match=f"ledger {state}/ledger.json: not a grpoflow ledger"):
         restarted.keys()
 
-    out, rows = gather(list_source(prefix), tmp_path / "cycle" / "train.jsonl")
+    out, rows, bad = gather(list_source(prefix), tmp_path / "cycle" / "train.jsonl")
+    assert bad == []
     assert rows == 2
     assert [json.loads(line)["answer"] for line in out.read_text().splitlines()] == ["10", "4"]
