@@ -183,7 +183,7 @@ class Journal:
 
     def pending(self, limit: int = 2000) -> list[tuple[int, dict[str, Any]]]:
         """Up to ``limit`` unsent lines as (offset after the line, op); a partial last line (being written) waits.
-        A complete line that is not JSON comes as ``{"op": "bad", "offset", "data"}`` (the sender quarantines it);
+        A complete line that is not JSON comes as ``{"op": "bad", "offset", "text"}`` (the sender quarantines it);
         one that holds a whole line after a torn one (an older journal appended after a crash) keeps that line."""
         out: list[tuple[int, dict[str, Any]]] = []
         start = self.sent()
@@ -226,8 +226,8 @@ def _parse(raw: bytes, pos: int) -> list[tuple[int, dict[str, Any]]]:
         except ValueError:
             pass
         else:
-            return [(pos, {"op": "bad", "offset": pos, "data": raw[:cut].decode("utf-8", "replace")}), (pos, op)]
-    return [(pos, {"op": "bad", "offset": pos, "data": raw.decode("utf-8", "replace")})]
+            return [(pos, {"op": "bad", "offset": pos, "text": raw[:cut].decode("utf-8", "replace")}), (pos, op)]
+    return [(pos, {"op": "bad", "offset": pos, "text": raw.decode("utf-8", "replace")})]
 
 
 def _last_line_start(path: Path, size: int) -> int:

@@ -175,7 +175,7 @@ class Sender:
         while ops := self.journal.pending():
             for end, op in group(ops):
                 if op["op"] == "bad":
-                    self.journal.quarantine(op["offset"], op["data"].encode(), "a line that is not JSON")
+                    self.journal.quarantine(op["offset"], op["text"].encode(), "a line that is not JSON")
                     self.journal.mark_sent(end)
                     continue
                 try:
