@@ -420,7 +420,11 @@ def timeline_rows(t: dict | None) -> list[tuple[str, str]]:
 
 
 def cmd_sync(args) -> int:
-    """Send what RUN_DIR's tracking journal holds unsent (a tracking server that was down when the run ended)."""
+    """Send what RUN_DIR's tracking journal holds unsent (a tracking server that was down when the run ended).
+
+    Exit 0 when all was sent; 1 while records remain (each journal's count and the store's last answer are
+    printed); 2 when a journal was written for another store than the one it would send to (both named), unless
+    --force-store."""
     run_dir = Path(args.run_dir).resolve()
     if not (run_dir / "config.yaml").is_file():
         raise ConfigError(
@@ -434,6 +438,7 @@ def cmd_sync(args) -> int:
 
 def _sync(args, run_dir: Path) -> int:
     from grpoflow.tasks.tracking.journal import JOURNAL_DIR
+    from grpoflow.tasks.tracking.journal_store import describe, other_store, redact_uri
     from grpoflow.tasks.tracking.reach import tracking_problem
     from grpoflow.tasks.tracking.sender import replay
     from grpoflow.tasks.tracking.tracker import tracking_uri
@@ -443,14 +448,30 @@ def _sync(args, run_dir: Path) -> int:
         update={"run": cfg.run.model_copy(update={"name": run_dir.name, "output_dir": str(run_dir.parent)})}
     )
     uri = args.tracking_uri or tracking_uri(cfg)
+    folder = run_dir / JOURNAL_DIR
+    others = {p: r for p in sorted(folder.glob("*.jsonl")) if (r := other_store(p, uri)) is not None}
+    if others and not args.force_store:
+        lines = "; ".join(f"{p} was written for {describe(r)}" for p, r in others.items())
+        raise ConfigError(
+            f"sync: {lines}, not {redact_uri(uri)} (the store this sync would send to); its runs are not there. "
+            "Pass --tracking-uri with the journal's store, or --force-store to send to this one anyway"
+        )
     if problem := tracking_problem(uri):
         raise ConfigError(problem)
-    left = replay(run_dir / JOURNAL_DIR, uri, args.timeout, cfg.tracking.request_timeout_s)
-    for name, n in left.items():
-        print(f"{name}: {'sent' if n == 0 else f'{n} records still unsent'}")
-    if not left:
-        print(f"{run_dir / JOURNAL_DIR}: nothing unsent")
-    return 1 if any(left.values()) else 0
+    done = replay(folder, uri, args.timeout, cfg.tracking.request_timeout_s, force_store=args.force_store)
+    for name, r in done.items():
+        dropped = f"; {len(r.dropped)} refused by the store and dropped: {', '.join(r.dropped)}" if r.dropped else ""
+        if r.left == 0:
+            print(f"{name}: sent{dropped}")
+        else:
+            why = f"written for {r.other_store}" if r.other_store else r.error or "no answer"
+            print(f"{name}: {r.left} records remain in {folder / (name + '.jsonl')} ({why}){dropped}")
+    if not done:
+        print(f"{folder}: nothing unsent")
+    if left := sum(r.left for r in done.values()):
+        print(f"grpoflow: {left} records remain unsent; `grpoflow sync {args.run_dir}` sends them", file=sys.stderr)
+        return 1
+    return 0
 
 
 def cmd_deploy(args) -> int:
@@ -533,6 +554,12 @@ def main(argv: list[str] | None = None) -> int:
         help="default: the run's tracking.uri, $MLFLOW_TRACKING_URI, else <RUN_DIR>/../mlflow.db",
     )
     p.add_argument("--timeout", type=float, default=300.0, help="seconds to keep trying (default 300)")
+    p.add_argument(
+        "--force-store",
+        action="store_true",
+        help="send journals written for another tracking store to this one anyway (without it, sync exits 2 "
+        "naming both stores)",
+    )
     p.set_defaults(fn=cmd_sync)
     p = sub.add_parser("compare", help="two runs side by side from MLflow: accuracy, reward, step time, config diff")
     for name in ("run_a", "run_b"):

@@ -8,6 +8,7 @@ from typing import Any, Literal
 from pydantic import AliasChoices, BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
 from grpoflow.tasks.config.base import _Section
+from grpoflow.tasks.config.reward_names import check_reward_names
 
 
 # --------------------------------------------------------------------------------------------
@@ -347,6 +348,7 @@ class GRPOConfig(OptimizerFields):
             )
         # raises with the formula; a run config validates its round over distributed's world size (load.py)
         self.batching((info.context or {}).get("num_processes", 1))
+        check_reward_names(self.reward_funcs)
         if self.reward_weights is not None and len(self.reward_weights) != len(self.reward_funcs):
             raise ValueError(
                 f"reward_weights has {len(self.reward_weights)} values for {len(self.reward_funcs)} reward_funcs"

@@ -161,11 +161,14 @@ def open_pipeline_run(cfg: PipelineConfig, ws: Workspace, tags: dict[str, Any]) 
 
 
 def replay_journal(cfg: PipelineConfig, root, uri: str) -> dict[str, int]:
-    """Send what the journals in <root>/tracking-journal hold unsent; {journal: records still unsent}."""
+    """Send what the journals in <root>/tracking-journal hold unsent; {journal: records still unsent}. A journal
+    written for another store than ``uri`` is left as it is (`grpoflow sync --force-store` sends it anyway)."""
     from grpoflow.tasks.tracking.journal import JOURNAL_DIR
     from grpoflow.tasks.tracking.sender import replay
 
-    left = replay(root / JOURNAL_DIR, uri, cfg.tracking.flush_timeout_s, cfg.tracking.request_timeout_s)
-    if any(left.values()):
-        log.warning("tracking journal: %d records still unsent to %s (it does not answer)", sum(left.values()), uri)
+    done = replay(root / JOURNAL_DIR, uri, cfg.tracking.flush_timeout_s, cfg.tracking.request_timeout_s)
+    left = {name: r.left for name, r in done.items()}
+    if n := sum(r.left for r in done.values() if not r.other_store):
+        errors = sorted({r.error for r in done.values() if r.error})
+        log.warning("tracking journal: %d records still unsent to %s (%s)", n, uri, "; ".join(errors) or "no answer")
     return left

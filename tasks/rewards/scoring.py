@@ -20,6 +20,7 @@ from functools import partial
 from typing import Any
 
 from grpoflow.tasks.config import CodeRewardConfig
+from grpoflow.tasks.config.reward_names import reward_name
 from grpoflow.tasks.rewards.code import CodeTests, code_tests
 from grpoflow.tasks.rewards.text import (
     completion_text,
@@ -65,7 +66,7 @@ def _import_reward(path: str) -> tuple[str, RewardFunc]:
         # ValueError, like every other bad reward spec, so that callers catch one type.
         raise ValueError(f"reward {path!r} is not callable (got {type(obj).__name__})")  # noqa: TRY004
     check_signature(path, obj)
-    return getattr(obj, "__name__", attr_path.rsplit(".", 1)[-1]), obj
+    return reward_name(path), obj
 
 
 def check_signature(spec: str, fn: Callable) -> None:
@@ -86,7 +87,8 @@ def check_signature(spec: str, fn: Callable) -> None:
 def resolve_reward_funcs(names: list[str], code: CodeRewardConfig | None = None) -> list[tuple[str, RewardFunc]]:
     """Built-in names or 'package.module:function' import paths -> [(name, function)], in order.
 
-    The name of an imported function is its ``__name__``; it becomes the metric name (rewards/<name>/mean).
+    The name of an imported function is its spec's attribute name, made safe for MLflow (tasks/config/reward_names.py:
+    a lambda bound to ``mod:bonus`` is "bonus"); it becomes the metric name (rewards/<name>/mean).
     ``code_tests`` is built with ``code`` (grpo.code_reward) and checks its sandbox can isolate here.
     """
     resolved: list[tuple[str, RewardFunc]] = []

@@ -11,10 +11,13 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from grpoflow.tasks.tracking.journal import WARN_EVERY_S, Journal, backoff_s, group, permanent
+from grpoflow.tasks.tracking.journal import WARN_EVERY_S, Journal, backoff_s, group
+from grpoflow.tasks.tracking.journal_store import describe, other_store
+from grpoflow.tasks.tracking.refusal import first_line, send_splitting
 
 log = logging.getLogger("grpoflow.tracking")
 
@@ -82,6 +85,9 @@ def _fast_rest_store(uri: str, timeout: float):
     return OneTryRestStore(lambda: get_default_host_creds(uri))
 
 
+KINDS = {"m": "metric", "p": "param", "t": "tag"}
+
+
 def send(client: FastClient, run_id: str, op: dict[str, Any]) -> None:
     """Carry out one journal line against the store."""
     from mlflow.entities import Metric, Param, RunTag
@@ -114,6 +120,21 @@ def send(client: FastClient, run_id: str, op: dict[str, Any]) -> None:
         raise ValueError(f"unknown journal line {kind!r}")
 
 
+def deliver(client: FastClient, run_id: str, op: dict[str, Any]) -> list[tuple[str, str]]:
+    """Send one (merged) journal line; returns what the store refused for good as (what, reason), e.g.
+    ("metric 'rewards/<lambda>/mean'", "INVALID_PARAMETER_VALUE: ..."). A refused batch is bisected: the rest of it
+    is sent. A passing failure raises (the line stays in the journal)."""
+    if op["op"] != "batch":
+        what = f"{op['op']} {op.get('path') or op.get('status') or op.get('name') or ''}".strip()
+        return [(what, reason) for _, reason in send_splitting(lambda _: send(client, run_id, op), [op])]
+    items = [(k, item) for k in KINDS for item in op.get(k, ())]
+
+    def send_items(part):
+        send(client, run_id, {"op": "batch", **{k: [item for kind, item in part if kind == k] for k in KINDS}})
+
+    return [(f"{KINDS[k]} {item[0]!r}", reason) for (k, item), reason in send_splitting(send_items, items)]
+
+
 class Sender:
     """One thread per journal: sends its lines in order, with backoff while the store does not answer."""
 
@@ -129,6 +150,7 @@ class Sender:
         self._next_try = 0.0
         self._last_warn = 0.0
         self.last_error = ""
+        self.dropped: list[str] = []  # what the store refused for good: "metric 'key'", ...
         self._client: FastClient | None = None
         self._deadline = float("inf")
         self._thread = threading.Thread(target=self._loop, name=f"mlflow-sender-{journal.run_id[:8]}", daemon=True)
@@ -152,14 +174,25 @@ class Sender:
         """Send what is pending now; True when the journal is fully sent, False after a failed send."""
         while ops := self.journal.pending():
             for end, op in group(ops):
+                if op["op"] == "bad":
+                    self.journal.quarantine(op["offset"], op["text"].encode(), "a line that is not JSON")
+                    self.journal.mark_sent(end)
+                    continue
                 try:
-                    send(self.client, self.journal.run_id, op)
+                    refused = deliver(self.client, self.journal.run_id, op)
                 except Exception as e:
-                    if permanent(e):
-                        log.warning("run %s: MLflow refused a %s (%s); skipped", self.journal.run_id, op["op"], e)
-                    else:
-                        self._failed(e)
-                        return False
+                    self._failed(e)
+                    return False
+                for what, reason in refused:
+                    self.dropped.append(what)
+                    log.warning(
+                        "run %s: MLflow %s refused %s for good (%s); dropped from %s",
+                        self.journal.run_id,
+                        self.uri,
+                        what,
+                        reason,
+                        self.journal.path,
+                    )
                 self.journal.mark_sent(end)
                 self._recovered()
         return True
@@ -168,7 +201,7 @@ class Sender:
         now = time.monotonic()
         self.failures += 1
         self._next_try = now + backoff_s(self.failures)
-        self.last_error = str(e).strip().splitlines()[0][:200] if str(e).strip() else type(e).__name__
+        self.last_error = first_line(e)
         if self.down_since is None:
             self.down_since = now
         if now - self._last_warn >= WARN_EVERY_S or self.failures == 1:
@@ -253,24 +286,47 @@ class Sender:
         return True
 
 
-def replay(folder: Path, uri: str, timeout: float, request_timeout_s: float = 10.0) -> dict[str, int]:
-    """Send what every journal in ``folder`` left unsent, each in order; {journal name: records left unsent}."""
-    left: dict[str, int] = {}
+@dataclass
+class Replayed:
+    """What ``replay`` did with one journal: records ``left`` unsent and why (``error``: the store's last answer;
+    ``other_store``: the store it was written for, when that is not the one given and not forced), and the items
+    the store refused for good (``dropped``: "metric 'key'", ...)."""
+
+    left: int
+    dropped: list[str] = field(default_factory=list)
+    error: str = ""
+    other_store: str = ""
+
+
+def replay(
+    folder: Path, uri: str, timeout: float, request_timeout_s: float = 10.0, force_store: bool = False
+) -> dict[str, Replayed]:
+    """Send what every journal in ``folder`` left unsent, each in order, retrying passing failures until ``timeout``
+    s have gone by; {journal name: Replayed}. A journal written for another store than ``uri`` is not sent unless
+    ``force_store``. A torn last line is cut off first (Journal.repair) unless a writer holds the journal."""
+    out: dict[str, Replayed] = {}
     if not Path(folder).is_dir():
-        return left
+        return out
     deadline = time.monotonic() + timeout
-    client = FastClient(uri, request_timeout_s)
+    client = None
     for path in sorted(Path(folder).glob("*.jsonl")):
         journal = Journal(path.parent, Journal.run_of(path), path.stem)
+        journal.repair()
         if journal.pending_count() == 0:
             continue
+        if not force_store and (record := other_store(path, uri)) is not None:
+            log.warning("tracking journal %s was written for %s, not %s: not sent", path, describe(record), uri)
+            out[journal.name] = Replayed(journal.pending_count(), other_store=describe(record))
+            continue
+        client = client or FastClient(uri, request_timeout_s)
         sender = _Replayer(journal, client)
         while not sender.drain_once() and time.monotonic() < deadline:
             time.sleep(min(backoff_s(sender.failures), max(deadline - time.monotonic(), 0)))
-        left[journal.name] = journal.pending_count()
-        if left[journal.name] == 0:
+        left = journal.pending_count()
+        out[journal.name] = Replayed(left, sender.dropped, sender.last_error if left else "")
+        if left == 0:
             log.info("run %s: journal %s sent", journal.run_id, path)
-    return left
+    return out
 
 
 class _Replayer(Sender):
@@ -279,3 +335,4 @@ class _Replayer(Sender):
     def __init__(self, journal: Journal, client: FastClient):  # noqa: D107
         self.journal, self.uri, self._client = journal, client.uri, client
         self.down_since, self.failures, self._next_try, self._last_warn, self.last_error = None, 0, 0.0, 0.0, ""
+        self.dropped = []

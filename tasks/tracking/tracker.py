@@ -90,6 +90,7 @@ class RunLogger:
         name: str | None = None,
         flush_timeout_s: float = 60.0,
         request_timeout_s: float = 10.0,
+        experiment: str | None = None,
     ):
         self.client = client
         self.run_id = run_id
@@ -100,9 +101,10 @@ class RunLogger:
         self.journal = self.sender = None
         if client is not None and journal is not None:
             from grpoflow.tasks.tracking.journal import Journal
+            from grpoflow.tasks.tracking.journal_store import store_record
             from grpoflow.tasks.tracking.sender import Sender
 
-            self.journal = Journal(journal, run_id, name)
+            self.journal = Journal(journal, run_id, name, store_record(client.tracking_uri, experiment))
             self.sender = Sender(self.journal, client.tracking_uri, request_timeout_s)
 
     def omit_constant(self, constant: dict[str, str]) -> None:
@@ -160,6 +162,8 @@ class RunLogger:
         ]
         for i in range(0, len(items), 1000):
             self._batch(metrics=items[i : i + 1000])
+        if self.journal is not None:
+            self.journal.sync()  # the end of a logged step: what it logged survives a power loss
 
     def log_params(self, params: dict[str, Any]) -> None:
         if self.client is None:
@@ -194,6 +198,7 @@ class RunLogger:
             )
             return
         self.journal.append({"op": "status", "status": status, "end_time": end_time})
+        self.journal.sync()
         self.sender.wake()
 
     def _artifact(self, path: Path, artifact_path: str | None) -> None:
@@ -275,6 +280,7 @@ class RunLogger:
         if self.sender is None:
             return True
         sent = self.sender.close(self.flush_timeout_s)
+        self.journal.close()
         if sent and self.journal.files.is_dir():
             shutil.rmtree(self.journal.files, ignore_errors=True)  # the artifacts' copies: on the server now
         return sent
@@ -300,7 +306,13 @@ def logger_for(
     t = cfg.tracking
     folder = (root or workspace_dir(cfg)) / JOURNAL_DIR
     return RunLogger(
-        client, run_id, folder, name, flush_timeout_s=t.flush_timeout_s, request_timeout_s=t.request_timeout_s
+        client,
+        run_id,
+        folder,
+        name,
+        flush_timeout_s=t.flush_timeout_s,
+        request_timeout_s=t.request_timeout_s,
+        experiment=cfg.tracking.experiment,
     )
 
 

@@ -287,3 +287,26 @@ def test_reward_timeout_key_default_alias_and_zero():
     # raising the bound on resume keeps the GRPO stage's key (and so its checkpoints)
     keys = [stage_keys(PIPELINE, config_from_dict({"grpo": {"reward_timeout": t}}))["grpo"] for t in (5, 500)]
     assert keys[0] == keys[1]
+
+
+def test_a_lambda_reward_logs_under_its_attribute_name(tmp_path, monkeypatch):
+    (tmp_path / "lambda_rewards.py").write_text("bonus = lambda prompts, completions, **kw: [1.0] * len(completions)\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    [(name, fn)] = resolve_reward_funcs(["lambda_rewards:bonus"])
+    assert fn.__name__ == "<lambda>" and name == "bonus"  # rewards/bonus/mean: a key MLflow stores
+
+
+def test_reward_names_are_safe_and_two_that_collide_are_refused_at_config_load():
+    from grpoflow.tasks.config import ConfigError, config_from_dict
+    from grpoflow.tasks.config.reward_names import reward_name
+
+    assert [reward_name(s) for s in ("correctness", "m:Holder.score", "<lambda>", "m:a<b>c")] == [
+        "correctness",
+        "score",
+        "lambda",
+        "a_b_c",
+    ]
+    with pytest.raises(
+        (ConfigError, ValueError), match=r"'a\.x:score' and 'b\.y:score' would both log as rewards/score"
+    ):
+        config_from_dict({"grpo": {"reward_funcs": ["correctness", "a.x:score", "b.y:score"]}})

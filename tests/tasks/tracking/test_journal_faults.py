@@ -1,0 +1,164 @@
+"""Fault injection against a real `mlflow server` (one for the module): the journal keeps every line until the
+store has it. `grpoflow sync` refuses a journal written for another store; an auth and rate-limit outage (a proxy
+answering 401/403/429 before forwarding) loses nothing; a torn last line costs only itself; one key MLflow refuses
+costs only that key, not its batch."""
+
+import http.client
+import logging
+import os
+import re
+import subprocess
+import sys
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from urllib.parse import urlsplit
+
+import pytest
+from mlflow.tracking import MlflowClient
+
+from grpoflow.tasks.tracking.journal import JOURNAL_DIR, Journal
+from grpoflow.tasks.tracking.journal_store import store_record
+from grpoflow.tasks.tracking.sender import replay
+from grpoflow.tasks.tracking.tracker import RunLogger
+
+pytestmark = [pytest.mark.faults, pytest.mark.slow]
+
+
+class FlakyProxy:
+    """An HTTP proxy in front of ``upstream`` that answers the first requests with ``failures`` (status codes, in
+    order; a plain-text body as a gateway sends) and forwards every later one."""
+
+    def __init__(self, upstream: str, failures: list[int]):
+        self.failures = list(failures)
+        self.answered: list[int] = []
+        host = urlsplit(upstream)
+        proxy = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def _any(self):
+                body = self.rfile.read(int(self.headers.get("Content-Length") or 0))
+                if proxy.failures:
+                    status = proxy.failures.pop(0)
+                    proxy.answered.append(status)
+                    self.send_response(status)
+                    self.send_header("Content-Type", "text/plain")
+                    self.send_header("Content-Length", "9")
+                    self.end_headers()
+                    self.wfile.write(b"Forbidden")
+                    return
+                conn = http.client.HTTPConnection(host.hostname, host.port, timeout=30)
+                headers = {k: v for k, v in self.headers.items() if k.lower() not in ("host", "connection")}
+                conn.request(self.command, self.path, body=body or None, headers=headers)
+                resp = conn.getresponse()
+                data = resp.read()
+                proxy.answered.append(resp.status)
+                self.send_response(resp.status)
+                self.send_header("Content-Type", resp.getheader("Content-Type", "application/json"))
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+                conn.close()
+
+            do_GET = do_POST = do_PATCH = do_DELETE = do_PUT = _any
+
+            def log_message(self, *args):
+                pass
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
+
+    def __enter__(self):
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        self.server.shutdown()
+        self.server.server_close()
+
+
+def _run(client: MlflowClient) -> str:
+    exp = client.get_experiment_by_name("faults") or client.get_experiment(client.create_experiment("faults"))
+    return client.create_run(exp.experiment_id).info.run_id
+
+
+def _steps(client: MlflowClient, rid: str, key: str = "loss") -> list[int]:
+    return sorted(m.step for m in client.get_metric_history(rid, key))
+
+
+def _workspace(tmp: Path, server: str, rid: str, steps: int, torn: bytes = b"") -> Path:
+    """A run workspace whose journal (written for ``server``) holds ``steps`` unsent loss points."""
+    run_dir = tmp / "runs" / "r"
+    run_dir.mkdir(parents=True)
+    (run_dir / "config.yaml").write_text(f"run:\n  name: r\n  output_dir: {tmp / 'runs'}\n")
+    journal = Journal(run_dir / JOURNAL_DIR, rid, store=store_record(server, "faults"))
+    for step in range(1, steps + 1):
+        journal.append({"op": "batch", "m": [["loss", 1.0 / step, 1000 + step, step]], "p": [], "t": []})
+    journal.close()
+    with journal.path.open("ab") as f:
+        f.write(torn)
+    return run_dir
+
+
+def _sync(run_dir: Path, *args: str) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if k != "MLFLOW_TRACKING_URI"}  # a fresh shell, as in the issue
+    cmd = [sys.executable, "-m", "grpoflow.flows.cli", "sync", str(run_dir), "--timeout", "60", *args]
+    return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=240)
+
+
+def test_sync_refuses_a_journal_written_for_another_store(mlflow_server, tmp_path):
+    client = MlflowClient(mlflow_server)
+    rid = _run(client)
+    run_dir = _workspace(tmp_path, mlflow_server, rid, steps=5)
+    res = _sync(run_dir)  # no $MLFLOW_TRACKING_URI: the default store would be <runs>/mlflow.db
+    assert res.returncode == 2, res.stderr
+    assert mlflow_server in res.stderr and str(tmp_path / "runs" / "mlflow.db") in res.stderr
+    assert "--force-store" in res.stderr
+    assert Journal(run_dir / JOURNAL_DIR, rid).pending_count() == 5  # nothing dropped
+    res = _sync(run_dir, "--tracking-uri", mlflow_server)
+    assert res.returncode == 0, res.stderr
+    assert _steps(client, rid) == [1, 2, 3, 4, 5]
+
+
+def test_an_auth_and_rate_limit_outage_loses_nothing(mlflow_server, tmp_path):
+    client = MlflowClient(mlflow_server)
+    rid = _run(client)
+    with FlakyProxy(mlflow_server, [401, 403, 429]) as proxy:
+        logger = RunLogger(MlflowClient(proxy.url), rid, tmp_path / JOURNAL_DIR, flush_timeout_s=60)
+        for step in range(1, 21):
+            logger.log_metrics({"loss": 1 / step, "rewards/bonus/mean": step}, step=step)
+        assert logger.end(True)
+        assert proxy.answered[:3] == [401, 403, 429] and 200 in proxy.answered
+    assert logger.sender.dropped == []
+    assert _steps(client, rid) == list(range(1, 21)) and _steps(client, rid, "rewards/bonus/mean") == list(range(1, 21))
+    assert client.get_run(rid).info.status == "FINISHED"
+
+
+def test_sync_sends_the_good_lines_of_a_journal_with_a_torn_last_line(mlflow_server, tmp_path):
+    client = MlflowClient(mlflow_server)
+    rid = _run(client)
+    run_dir = _workspace(tmp_path, mlflow_server, rid, steps=4, torn=b'{"op":"batch","m":[["loss",0.1')
+    res = _sync(run_dir, "--tracking-uri", mlflow_server)
+    assert res.returncode == 0, res.stderr
+    path = run_dir / JOURNAL_DIR / f"{rid}.jsonl"
+    assert re.search(rf"tracking journal {re.escape(str(path))}: a torn last line .* at byte \d+", res.stderr)
+    assert "Traceback" not in res.stderr
+    assert _steps(client, rid) == [1, 2, 3, 4]
+
+
+def test_one_refused_key_in_a_batch_costs_only_that_key(mlflow_server, tmp_path, caplog):
+    client = MlflowClient(mlflow_server)
+    rid = _run(client)
+    folder = tmp_path / JOURNAL_DIR
+    journal = Journal(folder, rid, store=store_record(mlflow_server, "faults"))
+    for step in range(1, 4):  # three lines the sender merges into one batch
+        metrics = [[f"m{i}", float(i), 1000 + step, step] for i in range(100)]
+        journal.append({"op": "batch", "m": [*metrics, ["rewards/<lambda>/mean", 1.0, 1000 + step, step]], "p": []})
+    journal.close()
+    with caplog.at_level(logging.WARNING):
+        done = replay(folder, mlflow_server, timeout=60)
+    assert done[rid].left == 0 and done[rid].dropped == ["metric 'rewards/<lambda>/mean'"] * 3
+    assert "rewards/<lambda>/mean" in caplog.text
+    run = client.get_run(rid)
+    assert len(run.data.metrics) == 100 and _steps(client, rid, "m7") == [1, 2, 3]
