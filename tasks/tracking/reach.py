@@ -7,6 +7,8 @@ from __future__ import annotations
 import urllib.error
 import urllib.request
 
+from grpoflow.tasks.config.secrets import redact, without_userinfo
+
 PROBE_TIMEOUT_S = 5.0
 
 
@@ -14,7 +16,7 @@ def unreachable(url: str, timeout: float = PROBE_TIMEOUT_S) -> str | None:
     """Why ``url`` gives no HTTP answer within ``timeout`` seconds (refused, no route, timed out, DNS); None when
     any HTTP status comes back."""
     try:
-        with urllib.request.urlopen(urllib.request.Request(url, method="GET"), timeout=timeout):
+        with urllib.request.urlopen(urllib.request.Request(without_userinfo(url), method="GET"), timeout=timeout):
             return None
     except urllib.error.HTTPError:  # an answer: the server is there
         return None
@@ -31,6 +33,6 @@ def tracking_problem(uri: str, timeout: float = PROBE_TIMEOUT_S) -> str | None:
     if why is None:
         return None
     return (
-        f"MLflow tracking server {uri} does not answer ({why}); start it, or fix tracking.uri / "
+        f"MLflow tracking server {redact(uri)} does not answer ({why}); start it, or fix tracking.uri / "
         "$MLFLOW_TRACKING_URI (unset both to track in <output_dir>/mlflow.db)"
     )

@@ -168,7 +168,7 @@ def test_storage_section_and_credentials_are_rejected_in_config():
     ]:
         with pytest.raises(ConfigError, match=f"{key}: credentials do not belong in the config"):
             load_config(MICRO, [override])
-    with pytest.raises(ConfigError, match="tracking.uri: holds a user:password"):
+    with pytest.raises(ConfigError, match="tracking.uri: holds a user:password in the URI"):
         load_config(MICRO, ["tracking.uri=http://me:secret@127.0.0.1:5000"])
     with pytest.raises(ConfigError, match="storage.multipart_threshold_mb"):
         load_config(MICRO, ["storage.multipart_threshold_mb=1"])
