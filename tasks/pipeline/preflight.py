@@ -2,7 +2,8 @@
 line naming the config key) or None. Nothing here retries: a server or hub that does not answer in a few
 seconds is reported now, not after the data stage and minutes of a client's own retries.
 
-- :func:`output_dir_problem`: run.output_dir under an existing file (no workspace can be made there).
+- :func:`output_dir_problem`: run.output_dir under an existing file, or in a folder this process cannot write (a
+  read-only mount, another user's folder): no workspace can be made there.
 - :func:`tracking_problem` (tasks/tracking/reach.py): an http(s) MLflow tracking URI that does not answer. One GET
   with a short timeout; any HTTP answer (even 404 behind a proxy) counts as reachable.
 - :func:`hub_problem`: a Hugging Face model or dataset id that is not in the local cache while the hub cannot
@@ -13,6 +14,7 @@ from __future__ import annotations
 
 import os
 import re
+import tempfile
 from pathlib import Path
 
 from grpoflow.tasks.tracking.reach import PROBE_TIMEOUT_S, tracking_problem, unreachable
@@ -29,9 +31,24 @@ def output_dir_problem(output_dir: str) -> str | None:
     for p in (path, *path.parents):
         if p.exists():
             if p.is_dir():
-                return None
+                return _unwritable(output_dir, path, p)
             what = "is a file" if p == path else f"lies under {p}, which is a file"
             return f"run.output_dir: {output_dir} {what}; a run workspace needs a folder there"
+    return None
+
+
+def _unwritable(output_dir: str, path: Path, folder: Path) -> str | None:
+    """``folder`` (run.output_dir or its nearest existing ancestor) refusing a new entry: a real try (a probe folder
+    made and removed), since permission bits say nothing of a read-only mount and nothing to root."""
+    try:
+        os.rmdir(tempfile.mkdtemp(prefix=".grpoflow-write-probe-", dir=folder))
+    except OSError as e:
+        where = "" if folder == path else f" (it would be made inside {folder})"
+        why = e.strerror or type(e).__name__
+        return (
+            f"run.output_dir: {output_dir} is not writable{where}: {why}; choose a folder this user can write "
+            "(run.output_dir=...) or fix its permissions"
+        )
     return None
 
 
