@@ -148,5 +148,7 @@ def replay_journal(cfg: PipelineConfig, root, uri: str) -> dict[str, int]:
 
     left = replay(root / JOURNAL_DIR, uri, cfg.tracking.flush_timeout_s, cfg.tracking.request_timeout_s)
     if any(left.values()):
-        log.warning("tracking journal: %d records still unsent to %s (it does not answer)", sum(left.values()), uri)
+        log.warning(
+            "tracking journal: %d records still unsent to %s (it does not answer)", sum(left.values()), redact(uri)
+        )
     return left

@@ -26,7 +26,7 @@ from mlflow.entities import Metric, Param, RunTag
 from mlflow.tracking import MlflowClient
 
 from grpoflow.tasks.config import PipelineConfig
-from grpoflow.tasks.config.secrets import redact
+from grpoflow.tasks.config.secrets import redact, without_userinfo
 from grpoflow.tasks.storage.store import LocalStore
 from grpoflow.tasks.storage.workspace import join_location, local_dir
 from grpoflow.tasks.tracking import run_meta
@@ -332,7 +332,7 @@ def run_url(client: MlflowClient, run_id: str, base: str | None = None) -> str:
     """The run's page in the MLflow UI's model-training view (``?workflowType=machine_learning``: 3.x opens its GenAI
     view otherwise). ``base``: the UI's address; default the tracking server's, or 127.0.0.1:5000 (``mlflow ui``)
     for a local store."""
-    uri = client.tracking_uri
+    uri = redact(without_userinfo(client.tracking_uri))  # printed and logged: no credentials, which a browser asks
     base = base or (uri.rstrip("/") if uri.startswith(("http://", "https://")) else "http://127.0.0.1:5000")
     exp = client.get_run(run_id).info.experiment_id
     return f"{base}/#/experiments/{exp}/runs/{run_id}?workflowType=machine_learning"

@@ -13,7 +13,7 @@ from grpoflow.tasks.pipeline.resume import open_pipeline_run
 from grpoflow.tasks.stages.grpo_launch import launch_spec
 from grpoflow.tasks.storage.workspace import Workspace
 from grpoflow.tasks.tracking.reach import tracking_problem
-from grpoflow.tasks.tracking.tracker import STAGE_RUNS, stage_run
+from grpoflow.tasks.tracking.tracker import STAGE_RUNS, run_url, stage_run
 
 SECRET = "s3cr3t-Pa55"
 
@@ -28,6 +28,8 @@ def test_credentials_in_the_env_uri_are_used_but_never_written(mlflow_server, tm
     with stage_run(cfg, parent.run_id, PIPELINE["grpo"], ws.root, key="k1", ws=ws) as stage:
         spec = launch_spec(cfg, ws, stage, "unused-model", tmp_path / "launch")
         stage.log_metrics({"loss": 0.5}, step=1)
+    url = run_url(parent.client, parent.run_id)  # printed at the end of a run
+    assert url.startswith(f"{mlflow_server.rstrip('/')}/#/experiments/") and SECRET not in url
     parent.end(True)
 
     written = {p.name: p.read_text() for p in (ws.root / "run.json", ws.root / STAGE_RUNS)}
