@@ -127,6 +127,14 @@ def _load(args) -> PipelineConfig:
 
     if problem := model_problem(cfg.model.name):  # a bad GGUF or folder: now, not after data prep
         raise ConfigError(f"model.name: {problem}")
+    from grpoflow.tasks.model.sources import cached_model
+
+    folder = cached_model(cfg.model.name, cfg.model.cache_dir)
+    if cfg.model.name != "tiny" and folder and Path(folder).expanduser().is_dir():  # a local folder: its template
+        from grpoflow.tasks.model.template import chat_template_problem
+
+        if problem := chat_template_problem(folder, cfg.model, cfg.data.system_prompt):
+            raise ConfigError(problem)
     from grpoflow.tasks.model.context import context_problem, known_context
 
     if (known := known_context(cfg)) and (problem := context_problem(cfg, *known)):  # lengths past the context

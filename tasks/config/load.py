@@ -14,6 +14,7 @@ from pydantic import ValidationError
 
 from grpoflow.tasks.config.base import ConfigError
 from grpoflow.tasks.config.pipeline import PipelineConfig
+from grpoflow.tasks.config.secrets import redact, uri_credentials
 from grpoflow.tasks.config.trl_keys import merge_trl_section
 
 PACKAGED_CONFIGS = files("grpoflow.configs")  # configs/*.yaml, shipped with the package
@@ -85,14 +86,11 @@ def _format_error(err: ValidationError, sources: dict[str, str] | None = None) -
 
 
 # Credentials come from the AWS chain (env, ~/.aws), never from the config, which is logged to MLflow and saved
-# in the workspace: a key that looks like one, or a URI with user:password in it, is refused by name.
+# in the workspace: a key that looks like one, or a URI with credentials in it (tasks/config/secrets.py), is refused.
 _CREDENTIAL_KEY = re.compile(
     r"(^|_)(secret|secret_key|password|passwd|credentials?|api_key|access_key|access_key_id|session_token|"
     r"auth_token|hf_token)$|^token$"
 )
-
-
-_URI_USERINFO = re.compile(r"^[a-z][a-z0-9+.-]*://[^/@\s]+:[^/@\s]*@", re.IGNORECASE)
 
 
 def _reject_credentials(node: Any, path: str = "") -> None:
@@ -106,10 +104,11 @@ def _reject_credentials(node: Any, path: str = "") -> None:
                 "use the standard AWS chain instead: AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY, or AWS_PROFILE with "
                 "~/.aws/credentials (MLflow servers: MLFLOW_TRACKING_USERNAME / MLFLOW_TRACKING_PASSWORD)"
             )
-        if isinstance(v, str) and _URI_USERINFO.match(v):
+        if isinstance(v, str) and (what := uri_credentials(v)):
             raise ConfigError(
-                f"{key}: holds a user:password in the URI; credentials do not belong in the config "
-                "(for an MLflow server use MLFLOW_TRACKING_USERNAME / MLFLOW_TRACKING_PASSWORD)"
+                f"{key}: holds {what} in the URI ({redact(v)}); credentials do not belong in the config "
+                "(for an MLflow server use MLFLOW_TRACKING_USERNAME / MLFLOW_TRACKING_PASSWORD, or "
+                "MLFLOW_TRACKING_TOKEN)"
             )
         _reject_credentials(v, f"{key}.")
 

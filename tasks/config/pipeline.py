@@ -328,6 +328,12 @@ class ExportConfig(_Section):
         "q4_k_m needs llama.cpp: llama-cpp-python (the llamacpp extra) or llama-quantize on PATH (else skipped with "
         "a warning).",
     )
+    quantize_timeout_s: float = Field(
+        1800.0,
+        gt=0,
+        description="Seconds llama-quantize may run for one GGUF type before it is stopped and the export fails "
+        "naming the command (a 7B model takes a few minutes on a laptop).",
+    )
 
     @model_validator(mode="after")
     def _gguf(self) -> ExportConfig:

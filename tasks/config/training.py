@@ -50,7 +50,12 @@ class SFTConfig(OptimizerFields):
     enabled: bool = Field(True, description="Run the SFT stage; false: GRPO starts from model.name.")
     num_train_epochs: float = Field(1.0, gt=0, description="Passes over the training rows, unless max_steps is set.")
     max_steps: int | None = Field(None, ge=1, description="Overrides num_train_epochs when set.")
-    max_length: int = Field(512, ge=8, description="Prompt plus reference completion are cut to this many tokens.")
+    max_length: int = Field(
+        512,
+        ge=8,
+        description="Prompt plus reference completion are cut to this many tokens (the cut ones counted and "
+        "warned about; one whose prompt alone fills it is dropped).",
+    )
     use_lora: bool = Field(True, description="Train model.lora adapters (merged into the checkpoint) or all weights.")
     completion_only_loss: bool = Field(
         True, description="Loss on the completion's tokens only; false: on the prompt's tokens too."

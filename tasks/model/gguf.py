@@ -61,6 +61,14 @@ LLAMA3_PRETOKENIZE_REGEX = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L
 PRE_TOKENIZERS = {QWEN2_PRETOKENIZE_REGEX: "qwen2", LLAMA3_PRETOKENIZE_REGEX: "llama-bpe"}
 
 
+QUANTIZE_TIMEOUT_S = 1800.0  # llama-quantize of a 7B model takes minutes; a hung one is stopped after this
+
+
+class QuantizeError(ChildProcessError):
+    """llama-quantize exited non-zero or did not finish within its timeout; the message names the command, its
+    exit code (or the timeout) and the end of its stderr. An OSError: the stage reports it in one line."""
+
+
 class GGUFUnavailable(RuntimeError):
     """The requested GGUF type needs llama.cpp, which is not installed (neither llama-cpp-python nor
     llama-quantize)."""
@@ -296,12 +304,15 @@ def add_metadata(writer: gguf.GGUFWriter, hp: HParams, vocab: Vocab, out_type: s
         writer.add_add_bos_token(False)
 
 
-def write_gguf(model_dir: str | Path, out_path: Path, out_type: str) -> dict:
+def write_gguf(
+    model_dir: str | Path, out_path: Path, out_type: str, quantize_timeout_s: float = QUANTIZE_TIMEOUT_S
+) -> dict:
     """Convert the HF causal LM in ``model_dir`` into ``out_path`` as ``out_type`` (see ``GGUF_TYPES``).
 
     Returns a summary (path, type, architecture, tensors, bytes, vocab, pre-tokenizer, seconds). Raises
     ValueError for an unknown type or an unsupported model, GGUFUnavailable for q4_k_m without llama.cpp;
-    both before any file is written. The written file is read back with gguf.GGUFReader (tensor names)."""
+    both before any file is written; QuantizeError when llama-quantize fails or runs past ``quantize_timeout_s``.
+    The written file is read back with gguf.GGUFReader (tensor names)."""
     t0 = time.perf_counter()
     model_dir, out_path = Path(model_dir), Path(out_path)
     if out_type not in GGUF_TYPES:
@@ -309,7 +320,7 @@ def write_gguf(model_dir: str | Path, out_path: Path, out_type: str) -> dict:
     hp = read_hparams(model_dir)
     vocab = load_vocab(model_dir, hp.n_vocab)
     if out_type in LLAMA_QUANTIZE_TYPES:
-        return quantize_with_llama_cpp(model_dir, out_path, out_type, t0)
+        return quantize_with_llama_cpp(model_dir, out_path, out_type, t0, quantize_timeout_s)
 
     writer = gguf.GGUFWriter(path=None, arch=gguf.MODEL_ARCH_NAMES[hp.arch], use_temp_file=True)
     add_metadata(writer, hp, vocab, out_type, model_dir.name)
@@ -376,9 +387,35 @@ def quantize_in_process(llama_cpp, src: Path, dst: Path, out_type: str) -> None:
         raise RuntimeError(f"llama.cpp llama_model_quantize({src} -> {out_type}) failed with status {rc}")
 
 
-def quantize_with_llama_cpp(model_dir: Path, out_path: Path, out_type: str, t0: float) -> dict:
+def run_llama_quantize(binary: str, src: Path, dst: Path, out_type: str, timeout_s: float) -> None:
+    """``llama-quantize SRC DST TYPE`` as a child process, stopped after ``timeout_s`` seconds; QuantizeError
+    naming the command, its exit code (or the timeout) and the last lines of its stderr."""
+    cmd = [binary, str(src), str(dst), LLAMA_QUANTIZE_TYPES[out_type]]
+    shown = " ".join(cmd)
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s)
+    except subprocess.TimeoutExpired as e:
+        raise QuantizeError(
+            f"GGUF {out_type}: `{shown}` did not finish within {timeout_s:g} s (export.quantize_timeout_s) and was "
+            f"stopped{_tail(e.stderr)}"
+        ) from None
+    except OSError as e:  # not executable, a missing interpreter
+        raise QuantizeError(f"GGUF {out_type}: `{shown}` could not start: {e.strerror or e}") from None
+    if proc.returncode != 0:
+        raise QuantizeError(f"GGUF {out_type}: `{shown}` exited with code {proc.returncode}{_tail(proc.stderr)}")
+
+
+def _tail(stderr: str | bytes | None, lines: int = 5) -> str:
+    text = stderr.decode(errors="replace") if isinstance(stderr, bytes) else (stderr or "")
+    last = [line for line in text.strip().splitlines() if line.strip()][-lines:]
+    return f"; its stderr ends: {' | '.join(last)[-1000:]}" if last else "; no stderr"
+
+
+def quantize_with_llama_cpp(
+    model_dir: Path, out_path: Path, out_type: str, t0: float, timeout_s: float = QUANTIZE_TIMEOUT_S
+) -> dict:
     """``q4_k_m`` & co: write a 16-bit GGUF next to ``out_path`` and quantize it with llama.cpp, in process
-    (llama-cpp-python) or with ``llama-quantize`` on PATH."""
+    (llama-cpp-python) or with ``llama-quantize`` on PATH (stopped after ``timeout_s``)."""
     lib = llama_cpp_module()
     binary = None if lib is not None else llama_quantize_binary()
     if lib is None and binary is None:
@@ -396,11 +433,7 @@ def quantize_with_llama_cpp(model_dir: Path, out_path: Path, out_type: str, t0: 
         if lib is not None:
             quantize_in_process(lib, src, tmp, out_type)
         else:
-            proc = subprocess.run(
-                [binary, str(src), str(tmp), LLAMA_QUANTIZE_TYPES[out_type]], capture_output=True, text=True
-            )
-            if proc.returncode != 0:
-                raise RuntimeError(f"llama-quantize failed ({proc.returncode}): {proc.stderr[-2000:]}")
+            run_llama_quantize(binary, src, tmp, out_type, timeout_s)
         tmp.replace(out_path)
     finally:
         src.unlink(missing_ok=True)

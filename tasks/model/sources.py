@@ -153,6 +153,7 @@ def model_problem(name: str) -> str | None:
                 return f"{name}: no such model folder"
             if not (path / "config.json").is_file():
                 return f"{name}: a folder without config.json, not a transformers model folder"
+            return tokenizer_files_problem(path)
         return None
     if not path.is_file():
         return f"{name}: no such GGUF file"
@@ -166,6 +167,26 @@ def model_problem(name: str) -> str | None:
     if arch not in supported:
         return f"{name}: architecture {arch!r}, which transformers cannot convert from GGUF (it takes {supported})"
     return None
+
+
+# what AutoTokenizer reads a vocabulary from: a fast tokenizer's tokenizer.json, a sentencepiece model, or a slow
+# tokenizer's vocabulary (BPE: vocab.json with merges.txt; WordPiece: vocab.txt)
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "spiece.model", "vocab.txt")
+
+
+def tokenizer_files_problem(folder: Path) -> str | None:
+    """A model folder without the files of a tokenizer (saved with model.save_pretrained alone): every stage loads
+    the tokenizer from model.name, so it is refused now, naming the folder and the files looked for."""
+    if any((folder / f).is_file() for f in _TOKENIZER_FILES):
+        return None
+    if (folder / "vocab.json").is_file():
+        if (folder / "merges.txt").is_file():
+            return None
+        return f"{folder}: has vocab.json but no merges.txt, which a BPE tokenizer needs beside it"
+    return (
+        f"{folder}: no tokenizer files (none of {', '.join(_TOKENIZER_FILES)}, vocab.json + merges.txt); save the "
+        "tokenizer into the folder (tokenizer.save_pretrained) or copy its files from where the model came from"
+    )
 
 
 def converted_folder(path: Path, cache: Path) -> Path:

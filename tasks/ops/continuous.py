@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import shutil
 from collections.abc import Callable
 from pathlib import Path
@@ -141,6 +142,10 @@ def _merge_adapter(adapter_dir: Path, out: Path, cfg: PipelineConfig) -> Path:
     return out
 
 
+def _pinned_default(cfg: PipelineConfig, tracking_uri) -> str | None:
+    return None if os.environ.get("MLFLOW_TRACKING_URI") else tracking_uri(cfg)
+
+
 def cycle_config(cfg: PipelineConfig, name: str, data_file: Path, warm_start: bool) -> PipelineConfig:
     """The pipeline config of one cycle: the new rows as the source, the tracking store pinned (its default lies
     under run.output_dir), and no SFT when GRPO warm-starts from the champion."""
@@ -149,7 +154,9 @@ def cycle_config(cfg: PipelineConfig, name: str, data_file: Path, warm_start: bo
     update = {
         "run": cfg.run.model_copy(update={"name": name}),
         "data": cfg.data.model_copy(update={"source": str(data_file), "split": "train"}),
-        "tracking": cfg.tracking.model_copy(update={"uri": tracking_uri(cfg)}),
+        # the default store's path pinned; $MLFLOW_TRACKING_URI is not copied in (it may hold credentials, which
+        # the config refuses and must not write to config.yaml), every cycle reads it from the environment
+        "tracking": cfg.tracking.model_copy(update={"uri": cfg.tracking.uri or _pinned_default(cfg, tracking_uri)}),
     }
     if warm_start:
         update["sft"] = cfg.sft.model_copy(update={"enabled": False})

@@ -17,6 +17,7 @@ from typing import Any
 import yaml
 
 from grpoflow.tasks.config import PipelineConfig
+from grpoflow.tasks.config.secrets import redact
 from grpoflow.tasks.pipeline.fingerprint import continue_key, extents, fingerprints, key_of
 from grpoflow.tasks.pipeline.spec import Pipeline
 from grpoflow.tasks.storage.workspace import Workspace
@@ -132,7 +133,7 @@ def open_pipeline_run(cfg: PipelineConfig, ws: Workspace, tags: dict[str, Any]) 
     uri = tracking_uri(cfg)
     replay_journal(cfg, ws.root, uri)
     prev = json.loads(ws.read_text(RUN_FILE) or "{}")
-    if prev.get("tracking_uri") == uri and prev.get("mlflow_run_id"):
+    if redact(prev.get("tracking_uri") or "") == redact(uri) and prev.get("mlflow_run_id"):
         client = MlflowClient(uri)
         try:
             run = client.get_run(prev["mlflow_run_id"])
@@ -156,7 +157,7 @@ def open_pipeline_run(cfg: PipelineConfig, ws: Workspace, tags: dict[str, Any]) 
             log.info("continuing MLflow run %s (resume %d)", rid, resumes)
             return parent
     parent = start_pipeline_run(cfg, tags, ws.root)
-    ws.write_text(RUN_FILE, json.dumps({"mlflow_run_id": parent.run_id, "tracking_uri": uri}, indent=2))
+    ws.write_text(RUN_FILE, json.dumps({"mlflow_run_id": parent.run_id, "tracking_uri": redact(uri)}, indent=2))
     return parent
 
 
@@ -170,5 +171,7 @@ def replay_journal(cfg: PipelineConfig, root, uri: str) -> dict[str, int]:
     left = {name: r.left for name, r in done.items()}
     if n := sum(r.left for r in done.values() if not r.other_store):
         errors = sorted({r.error for r in done.values() if r.error})
-        log.warning("tracking journal: %d records still unsent to %s (%s)", n, uri, "; ".join(errors) or "no answer")
+        log.warning(
+            "tracking journal: %d records still unsent to %s (%s)", n, redact(uri), "; ".join(errors) or "no answer"
+        )
     return left

@@ -60,15 +60,19 @@ def greedy_tokens(model, tokenizer, prompts: list[list[int]], max_new_tokens: in
     return gen.generate(prompts, 1, SamplingParams(max_new_tokens=max_new_tokens, greedy=True)).completion_ids
 
 
-def export_gguf(merged_dir: Path, gguf_dir: Path, types: list[str], tracker: RunLogger) -> tuple[dict, dict]:
-    """export/gguf/model-<type>.gguf for each type: ({type: path}, {skipped type: reason})."""
+def export_gguf(
+    merged_dir: Path, gguf_dir: Path, types: list[str], tracker: RunLogger, quantize_timeout_s: float
+) -> tuple[dict, dict]:
+    """export/gguf/model-<type>.gguf for each type: ({type: path}, {skipped type: reason}). A type llama.cpp is
+    missing for is skipped with a warning; a llama-quantize that fails or times out fails the stage (QuantizeError,
+    naming the command)."""
     from grpoflow.tasks.model.gguf import GGUFUnavailable, write_gguf
 
     shutil.rmtree(gguf_dir, ignore_errors=True)
     written, skipped = {}, {}
     for out_type in dict.fromkeys(types):
         try:
-            info = write_gguf(merged_dir, gguf_dir / f"model-{out_type}.gguf", out_type)
+            info = write_gguf(merged_dir, gguf_dir / f"model-{out_type}.gguf", out_type, quantize_timeout_s)
         except (GGUFUnavailable, ValueError) as e:
             log.warning("export: %s", e)
             skipped[out_type] = str(e)
@@ -145,7 +149,7 @@ def run_export(
             summary |= verify_merged(trained_logprobs, prompts, completions, merged_dir, x.merged_dtype, trained_dtype)
         tracker.log_artifact(merged_dir, "merged")
         if x.gguf:
-            summary["gguf"], skipped = export_gguf(merged_dir, out / "gguf", x.gguf, tracker)
+            summary["gguf"], skipped = export_gguf(merged_dir, out / "gguf", x.gguf, tracker, x.quantize_timeout_s)
             if skipped:
                 summary["gguf_skipped"] = skipped
     summary["seconds"] = time.perf_counter() - t0

@@ -8,6 +8,7 @@ import shutil
 from pathlib import Path
 
 from grpoflow.tasks.config import PipelineConfig, config_to_json
+from grpoflow.tasks.config.secrets import redact
 from grpoflow.tasks.stages.common import base_model_path
 from grpoflow.tasks.storage.workspace import Workspace
 from grpoflow.tasks.tracking.tracker import RunLogger, tracking_uri
@@ -29,7 +30,7 @@ def launch_spec(cfg: PipelineConfig, ws: Workspace, tracker: RunLogger, init_mod
         "config": config_to_json(cfg),  # the process boundary: the workers read it back with config_from_json
         "workspace": ws.location,
         "init_model": init_model,
-        "tracking_uri": tracking_uri(cfg) if tracker else None,
+        "tracking_uri": redact(tracking_uri(cfg)) if tracker else None,  # the real one: the workers' environment
         "run_id": tracker.run_id,
         "summary": str(folder / "summary.json"),
     }

@@ -27,6 +27,7 @@ from pathlib import Path
 import torch
 
 from grpoflow.tasks.config import config_from_json
+from grpoflow.tasks.config.secrets import unredact
 from grpoflow.tasks.launch.dist import launched_world_size, process_group
 from grpoflow.tasks.launch.torchrun import write_rank_error
 from grpoflow.tasks.model.device import resolve_device
@@ -142,7 +143,7 @@ def rank_tracker(cfg, spec: dict, comm, ws: Workspace) -> RunLogger:
     if comm.is_main and spec["run_id"]:
         from mlflow.tracking import MlflowClient
 
-        client = MlflowClient(spec["tracking_uri"])
+        client = MlflowClient(unredact(spec["tracking_uri"]))
         return logger_for(cfg, client, spec["run_id"], ws.root, f"{spec['run_id']}.rank0")
     return RunLogger.disabled()
 

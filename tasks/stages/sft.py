@@ -50,17 +50,61 @@ from grpoflow.tasks.tracking.tracker import RunLogger
 log = logging.getLogger(__name__)
 
 
-def tokenize_sft(rows, tokenizer, max_length: int, completion_only: bool) -> list[tuple[list[int], list[int]]]:
+@dataclasses.dataclass(frozen=True)
+class LengthCut:
+    """What sft.max_length did to the train split: ``cut`` examples lost the end of their reference, ``dropped``
+    (among them) kept no reference token at all, of ``total``; ``longest``: the longest example, in tokens."""
+
+    total: int
+    cut: int
+    dropped: int
+    longest: int
+
+
+def tokenize_sft(
+    rows, tokenizer, max_length: int, completion_only: bool
+) -> tuple[list[tuple[list[int], list[int]]], LengthCut]:
     """(ids, labels) of each row: chat-templated prompt + reference + EOS, cut to ``max_length``; with
-    ``completion_only`` the prompt's labels are -100."""
-    examples = []
+    ``completion_only`` the prompt's labels are -100. A row whose prompt alone fills ``max_length`` is left out:
+    none of its answer survives the cut (with completion_only it would train on nothing: loss 0.0). Returns the
+    examples and the counts of what was cut (:func:`report_cut` warns about them)."""
+    examples, cut, dropped, longest, total = [], 0, 0, 0, 0
     for row in rows:
+        total += 1
         p = prompt_ids(tokenizer, row["prompt"])
         c = tokenizer(row["reference"], add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
+        longest = max(longest, len(p) + len(c))
+        if len(p) + len(c) > max_length:
+            cut += 1
+            if len(p) >= max_length:
+                dropped += 1
+                continue
         ids = (p + c)[:max_length]
         labels = ([-100] * len(p) if completion_only else p) + c
         examples.append((ids, labels[:max_length]))
-    return examples
+    return examples, LengthCut(total, cut, dropped, longest)
+
+
+def report_cut(cut: LengthCut, max_length: int, tracker: RunLogger) -> None:
+    """Warn, with the counts and sft.max_length, about examples the length cut shortened or dropped, and log the
+    counts as the stage run's params; a ValueError naming the key when no example keeps any answer token."""
+    tracker.log_params({"sft_examples_cut": cut.cut, "sft_examples_dropped": cut.dropped})
+    if cut.total and cut.dropped == cut.total:
+        raise ValueError(
+            f"sft.max_length={max_length}: every one of the {cut.total} train examples has a prompt of "
+            f"{max_length} tokens or more, so no answer token is left to train on; raise sft.max_length (the "
+            f"longest example is {cut.longest} tokens) or shorten data.system_prompt"
+        )
+    if cut.cut:
+        log.warning(
+            "SFT: %d of %d train examples are longer than sft.max_length=%d tokens and lose the end of their "
+            "answer (%d with no answer token left are dropped); the longest is %d tokens: raise sft.max_length",
+            cut.cut,
+            cut.total,
+            max_length,
+            cut.dropped,
+            cut.longest,
+        )
 
 
 def collate(batch: list[tuple[list[int], list[int]]], pad_id: int):
@@ -104,6 +148,8 @@ class SFTSetup:
     examples: list[tuple[list[int], list[int]]]
     per_step: int  # examples per optimizer step (batch size x gradient accumulation)
     total_steps: int
+    examples_cut: int = 0  # longer than sft.max_length (tokenize_sft)
+    examples_dropped: int = 0  # of those, with no answer token left: not among ``examples``
 
 
 def run_sft(cfg: PipelineConfig, ws: Workspace, tracker: RunLogger) -> dict:
@@ -135,13 +181,16 @@ def setup_sft(cfg: PipelineConfig, ws: Workspace, tracker: RunLogger) -> tuple[S
     model = load_trainable(base, cfg.model, use_lora, device)
     autocast_dtype = compute_dtype(cfg.model, use_lora)
     trainable, total = count_parameters(model)
-    examples = tokenize_sft(load_split(prepared(ws), "train"), tokenizer, s.max_length, s.completion_only_loss)
+    examples, cut = tokenize_sft(load_split(prepared(ws), "train"), tokenizer, s.max_length, s.completion_only_loss)
+    report_cut(cut, s.max_length, tracker)
     per_step = s.per_device_train_batch_size * s.gradient_accumulation_steps
     steps_per_epoch = max(1, math.ceil(len(examples) / per_step))
     total_steps = s.max_steps or max(1, math.ceil(s.num_train_epochs * steps_per_epoch))
     tracker.log_params({"trainable_params": trainable, "total_params": total, "total_steps": total_steps})
     log.info("SFT: %d examples, %d steps, %d/%d trainable parameters", len(examples), total_steps, trainable, total)
-    setup = SFTSetup(base, tokenizer, device, autocast_dtype, use_lora, qlora, examples, per_step, total_steps)
+    setup = SFTSetup(
+        base, tokenizer, device, autocast_dtype, use_lora, qlora, examples, per_step, total_steps, cut.cut, cut.dropped
+    )
     return setup, model
 
 
@@ -218,6 +267,8 @@ def save_sft(ws: Workspace, s: SFTSetup, model, loss_val: float, t0: float) -> d
         "steps": s.total_steps,
         "final_loss": loss_val,
         "train_examples": len(s.examples),
+        "examples_cut": s.examples_cut,  # longer than sft.max_length: the end of their answer lost
+        "examples_dropped": s.examples_dropped,  # no answer token left: not trained on
         "seconds": time.perf_counter() - t0,
     }
 

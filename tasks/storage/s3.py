@@ -10,7 +10,8 @@ Transfers use boto3's managed transfer: files above ``storage.multipart_threshol
 exponential backoff ("standard" mode, ``storage.max_attempts`` attempts). Failures become :class:`S3Error`
 (an OSError) whose message names the URI and the endpoint: :class:`S3NotFoundError` (also a
 FileNotFoundError) for a missing bucket or key, :class:`S3AccessError` (a PermissionError) for refused or
-missing credentials, plain S3Error for an unreachable endpoint.
+missing credentials (:class:`S3ClockSkewError` when the refusal is this machine's clock, not the credentials),
+plain S3Error for an unreachable endpoint.
 
 Every call goes through an :class:`S3Client` built from the run's ``storage`` settings (passed, never
 process-global). Folder sync (:meth:`S3Client.upload_dir`, :meth:`S3Client.download_dir`) runs
@@ -61,6 +62,11 @@ class S3UnsafeKeyError(S3Error, ValueError):
 
 class S3AccessError(S3Error, PermissionError):
     """Missing, wrong or insufficient credentials."""
+
+
+class S3ClockSkewError(S3AccessError):
+    """The server refused the request's signature time (RequestTimeTooSkewed): this machine's clock is off by more
+    than S3's 15 minutes. A 403 like bad credentials, but new credentials would not help; syncing the clock does."""
 
 
 # --------------------------------------------------------------------------------------------
@@ -325,6 +331,14 @@ class S3Client:
             if check_bucket and not _bucket_exists(self.client, bucket):
                 return S3NoSuchBucketError(f"{uri}: bucket {bucket!r} does not exist at {where}")
             return S3NotFoundError(f"{uri}: no such object at {where}")
+        if code == "RequestTimeTooSkewed":
+            times = ", ".join(f"{k} {err[k]}" for k in ("RequestTime", "ServerTime") if err.get(k))
+            return S3ClockSkewError(
+                f"{uri}: {where} refused the request as sent at the wrong time (RequestTimeTooSkewed"
+                f"{': ' + times if times else ''}): this machine's clock differs from the server's by more than "
+                "15 minutes; the credentials are not the cause. Sync the clock (`timedatectl set-ntp true`, "
+                "`chronyc makestep`, or in a container the host's clock) and run again"
+            )
         if code in ("AccessDenied", "InvalidAccessKeyId", "SignatureDoesNotMatch", "403", "Forbidden") or status == 403:
             return S3AccessError(
                 f"{uri}: access denied by {where} ({code or status}: {err.get('Message', '')}); check the credentials "

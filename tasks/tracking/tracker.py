@@ -26,6 +26,7 @@ from mlflow.entities import Metric, Param, RunTag
 from mlflow.tracking import MlflowClient
 
 from grpoflow.tasks.config import PipelineConfig
+from grpoflow.tasks.config.secrets import redact, without_userinfo
 from grpoflow.tasks.storage.store import LocalStore
 from grpoflow.tasks.storage.workspace import join_location, local_dir
 from grpoflow.tasks.tracking import run_meta
@@ -343,7 +344,7 @@ def run_url(client: MlflowClient, run_id: str, base: str | None = None) -> str:
     """The run's page in the MLflow UI's model-training view (``?workflowType=machine_learning``: 3.x opens its GenAI
     view otherwise). ``base``: the UI's address; default the tracking server's, or 127.0.0.1:5000 (``mlflow ui``)
     for a local store."""
-    uri = client.tracking_uri
+    uri = redact(without_userinfo(client.tracking_uri))  # printed and logged: no credentials, which a browser asks
     base = base or (uri.rstrip("/") if uri.startswith(("http://", "https://")) else "http://127.0.0.1:5000")
     exp = client.get_run(run_id).info.experiment_id
     return f"{base}/#/experiments/{exp}/runs/{run_id}?workflowType=machine_learning"
@@ -396,7 +397,7 @@ def reopen_stage_run(client: MlflowClient, root: Path, stage: str, key: str | No
     from mlflow.exceptions import MlflowException
 
     prev = recorded_stage_run(root, stage, ws)
-    if key is None or prev.get("key") != key or prev.get("tracking_uri") != client.tracking_uri:
+    if key is None or prev.get("key") != key or redact(prev.get("tracking_uri") or "") != redact(client.tracking_uri):
         return None
     try:
         run = client.get_run(prev["run_id"])
@@ -450,7 +451,7 @@ def stage_run(
         }
         run = client.create_run(parent.info.experiment_id, run_name=run_meta.stage_name(cfg, spec), tags=tags)
         logger = logger_for(cfg, client, run.info.run_id, root)
-        record_stage_run(root, stage, {"run_id": run.info.run_id, "key": key or "", "tracking_uri": uri}, ws)
+        record_stage_run(root, stage, {"run_id": run.info.run_id, "key": key or "", "tracking_uri": redact(uri)}, ws)
     ok = False
     try:
         yield logger

@@ -5,6 +5,7 @@ complete."""
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -266,3 +267,31 @@ def test_compare_of_a_missing_folder_and_an_output_dir_under_a_file_fail_in_one_
     last = _one_line(_cli(tmp_path, "run", str(MICRO), f"run.output_dir={blocker / 'runs'}"), 2)
     want = f"grpoflow: run.output_dir: {blocker / 'runs'} lies under {blocker}, which is a file; a run workspace"
     assert last == want + " needs a folder there"
+
+
+def test_a_read_only_output_dir_is_refused_at_load_naming_it(tmp_path):
+    """A folder the process cannot write (here: owned by root, mode 555, the CLI run as nobody when the tests run as
+    root, whom permission bits do not stop): exit 2 before any work, naming the folder, not a PermissionError
+    traceback from the first stage."""
+    import stat
+    import tempfile
+
+    base = Path(tempfile.mkdtemp(prefix="grpoflow-ro-"))  # outside pytest's 0700 root, for nobody to reach
+    try:
+        base.chmod(0o755)
+        locked = base / "locked"
+        locked.mkdir()
+        locked.chmod(stat.S_IRUSR | stat.S_IXUSR | stat.S_IRGRP | stat.S_IXGRP | stat.S_IROTH | stat.S_IXOTH)
+        out = locked / "runs"
+        cmd = [sys.executable, "-m", "grpoflow.flows.cli", "validate", str(MICRO), f"run.output_dir={out}"]
+        if os.geteuid() == 0:
+            cmd = ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", *cmd]
+        env = _env(tmp_path, HOME=str(base), PYTHONDONTWRITEBYTECODE="1")
+        res = subprocess.run(cmd, env=env, cwd=base, capture_output=True, text=True, timeout=300)
+        last = _one_line(res, 2)
+        assert last.startswith(f"grpoflow: run.output_dir: {out} is not writable (it would be made inside {locked})")
+        assert "Permission denied" in last, last
+        assert not out.exists()
+    finally:
+        locked.chmod(0o755)
+        shutil.rmtree(base, ignore_errors=True)

@@ -7,6 +7,7 @@ import json
 import os
 import re
 import stat
+import time
 from pathlib import Path
 
 import datasets
@@ -263,6 +264,33 @@ def test_q4_k_m_runs_llama_quantize_on_a_16_bit_gguf(models, tmp_path, monkeypat
     r = gguf.GGUFReader(tmp_path / "out" / "m.gguf")
     assert info["tensors"] == len(r.tensors) and field(r, "general.file_type") == gguf.LlamaFileType.MOSTLY_F16
     assert info["quantizer"] == str(fake)
+
+
+@pytest.mark.parametrize("case", ["fails", "hangs"])
+def test_a_failing_or_hung_llama_quantize_is_a_named_error(models, tmp_path, monkeypatch, case):
+    """A real llama-quantize stand-in on PATH that exits 1 after writing to stderr, or sleeps past the timeout: a
+    QuantizeError (an OSError, so the stage reports it in one line) naming the command, the exit code or the
+    timeout, and the stderr's last lines; no file left behind."""
+    path = models[("qwen2", True)][0]
+    monkeypatch.setattr(gguf_export, "llama_cpp_module", lambda: None)
+    fake = tmp_path / "bin" / "llama-quantize"
+    fake.parent.mkdir()
+    body = "echo 'llama_model_quantize: failed to quantize: unknown model arch' >&2; exit 1"
+    fake.write_text("#!/bin/sh\n" + (body if case == "fails" else "echo 'loading model' >&2; exec sleep 30") + "\n")
+    fake.chmod(fake.stat().st_mode | stat.S_IEXEC)
+    monkeypatch.setenv("PATH", f"{fake.parent}{os.pathsep}{os.environ['PATH']}")
+    out = tmp_path / "out" / "m.gguf"
+    t0 = time.monotonic()
+    with pytest.raises(gguf_export.QuantizeError) as info:
+        write_gguf(path, out, "q4_k_m", quantize_timeout_s=2)
+    msg = str(info.value)
+    assert msg.startswith(f"GGUF q4_k_m: `{fake} ") and " Q4_K_M`" in msg, msg
+    if case == "fails":
+        assert "exited with code 1; its stderr ends: llama_model_quantize: failed to quantize" in msg, msg
+    else:
+        assert "did not finish within 2 s (export.quantize_timeout_s)" in msg and "loading model" in msg, msg
+        assert time.monotonic() - t0 < 20
+    assert isinstance(info.value, OSError) and list(out.parent.iterdir()) == []
 
 
 def test_export_stage_writes_and_lists_gguf(models, tmp_path, monkeypatch):

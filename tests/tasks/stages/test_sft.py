@@ -27,7 +27,9 @@ def test_labelled_token_loss_equals_the_full_logits_loss_and_its_gradient(lora: 
         {"prompt": [{"role": "user", "content": f"What is {a} + {a}?"}], "reference": f"<answer>{2 * a}</answer>"}
         for a in (3, 17, 250)  # different lengths: padding on the right of the shorter rows
     ]
-    ids, labels, mask = collate(tokenize_sft(rows, tok, 64, completion_only), tok.pad_token_id)
+    examples, cut = tokenize_sft(rows, tok, 64, completion_only)
+    assert cut.cut == cut.dropped == 0 and cut.total == 3
+    ids, labels, mask = collate(examples, tok.pad_token_id)
     assert (mask == 0).any() and (labels[:, 1:] == -100).any()
     params = [p for p in model.parameters() if p.requires_grad]
 
@@ -60,3 +62,32 @@ def test_run_sft_trains_and_saves_a_plain_model(tmp_path, lora):
     assert summary["model_path"] == str(out) and summary["steps"] == 2 and summary["final_loss"] > 0
     assert summary["train_examples"] == 40 and summary["base_model"] == str(ws.stage_dir("base_model"))
     assert (out / "model.safetensors").is_file() and not (out / "adapter_config.json").exists()  # LoRA merged
+
+
+def test_examples_past_max_length_are_counted_warned_and_dropped_when_no_answer_is_left(caplog) -> None:
+    """sft.max_length cuts the end of an example: counted, warned with the count and the key; a row whose prompt
+    alone fills max_length (no answer token left: loss 0.0 with completion_only) is left out."""
+    from grpoflow.tasks.model.loading import prompt_ids
+    from grpoflow.tasks.stages.sft import report_cut
+
+    tok, _ = make(lora=False)
+    short = {"prompt": [{"role": "user", "content": "What is 1 + 1?"}], "reference": "<answer>2</answer>"}
+    long_q = "What is " + " + ".join(["1"] * 40) + "?"
+    long = {"prompt": [{"role": "user", "content": long_q}], "reference": "<answer>40</answer>"}
+    full = len(prompt_ids(tok, short["prompt"])) + len(tok(short["reference"], add_special_tokens=False)["input_ids"])
+    max_length = full + 1  # the short row and its EOS fit exactly; the long one's prompt alone is longer
+    assert len(prompt_ids(tok, long["prompt"])) > max_length
+    examples, cut = tokenize_sft([short, long, short], tok, max_length, completion_only=True)
+    assert (cut.total, cut.cut, cut.dropped) == (3, 1, 1) and cut.longest > max_length
+    assert len(examples) == 2 and all(any(label != -100 for label in labels) for _, labels in examples)
+    with caplog.at_level("WARNING", logger="grpoflow.tasks.stages.sft"):
+        report_cut(cut, max_length, RunLogger.disabled())
+    assert f"1 of 3 train examples are longer than sft.max_length={max_length}" in caplog.text
+    assert "1 with no answer token left are dropped" in caplog.text
+    # a cut that keeps part of the answer: counted, kept
+    examples, cut = tokenize_sft([short], tok, full - 1, completion_only=True)
+    assert (cut.cut, cut.dropped, len(examples)) == (1, 0, 1)
+    # nothing left at all: a named error, not a run of loss 0.0
+    _, cut = tokenize_sft([long, long], tok, 8, completion_only=True)
+    with pytest.raises(ValueError, match=r"sft.max_length=8: every one of the 2 train examples has a prompt of 8"):
+        report_cut(cut, 8, RunLogger.disabled())

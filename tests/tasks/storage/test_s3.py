@@ -209,7 +209,7 @@ def test_storage_section_and_credentials_are_rejected_in_config():
     ]:
         with pytest.raises(ConfigError, match=f"{key}: credentials do not belong in the config"):
             load_config(MICRO, [override])
-    with pytest.raises(ConfigError, match="tracking.uri: holds a user:password"):
+    with pytest.raises(ConfigError, match="tracking.uri: holds a user:password in the URI"):
         load_config(MICRO, ["tracking.uri=http://me:secret@127.0.0.1:5000"])
     with pytest.raises(ConfigError, match="storage.multipart_threshold_mb"):
         load_config(MICRO, ["storage.multipart_threshold_mb=1"])
@@ -353,3 +353,43 @@ def test_run_on_a_missing_bucket_fails_before_starting(env, tmp_path, capsys):
     assert main(args) == 1
     err = capsys.readouterr().err
     assert f"grpoflow: s3://no-such-bucket/runs: bucket 'no-such-bucket' does not exist at {env.endpoint}" in err
+
+
+SKEWED = (
+    b'<?xml version="1.0" encoding="UTF-8"?><Error><Code>RequestTimeTooSkewed</Code>'
+    b"<Message>The difference between the request time and the current time is too large.</Message>"
+    b"<RequestTime>20260101T000000Z</RequestTime><ServerTime>2026-01-01T01:00:00Z</ServerTime></Error>"
+)
+
+
+def test_clock_skew_is_named_not_reported_as_bad_credentials(monkeypatch):
+    """A server that answers 403 RequestTimeTooSkewed (what AWS says to a machine whose clock is 15+ minutes off):
+    the error names the clock and the fix, not the credentials."""
+    import http.server
+    import threading
+
+    class Skewed(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):
+            self.send_response(403)
+            self.send_header("Content-Type", "application/xml")
+            self.send_header("Content-Length", str(len(SKEWED)))
+            self.end_headers()
+            self.wfile.write(SKEWED)
+
+        def log_message(self, *args):
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Skewed)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "any")
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "any")
+    try:
+        store = s3.S3Client(StorageConfig(endpoint_url=f"http://127.0.0.1:{server.server_port}", max_attempts=1))
+        with pytest.raises(s3.S3ClockSkewError) as info:
+            store.get_json("s3://bkt/k.json")
+    finally:
+        server.shutdown()
+    msg = str(info.value)
+    assert "s3://bkt/k.json" in msg and "RequestTimeTooSkewed" in msg and "ServerTime 2026-01-01T01:00:00Z" in msg
+    assert "Sync the clock" in msg and "check the credentials" not in msg
+    assert isinstance(info.value, PermissionError)  # still refused access: callers that exit 2 on it keep doing so
