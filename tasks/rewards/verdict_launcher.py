@@ -28,6 +28,7 @@ import os
 import resource
 import struct
 import sys
+import traceback  # now: after the uid drop the Python install may be unreadable (rlimits, /root)
 
 MAX_MESSAGE = 64 << 20
 MAX_DEPTH = 200
@@ -113,7 +114,7 @@ def serve(source, req, resp):
         namespace.clear()
         loaded = "MemoryError"
     except BaseException as e:  # SystemExit too: the program did not run to its end
-        __import__("traceback").print_exc()
+        traceback.print_exc()
         loaded = type(e).__name__
     sys.stdout.flush()
     sys.stderr.flush()
@@ -239,27 +240,30 @@ class Channel:
         self.remote_errors = []
 
     def ask(self, *request):
+        """Send a request, return (found, value); a program's exception is raised here as the builtin exception
+        of that name (else RuntimeError); anything out of protocol breaks the channel."""
         if self.broken:
             raise ChannelBroken(self.broken)
         try:
             send(self.req, list(request))
             reply = receive(self.resp)
-            if type(reply) is not list or not reply or reply[0] not in ("ok", "err", "missing"):
-                raise ValueError("reply out of protocol")
-            if reply[0] == "ok" and len(reply) == 2:
+            if type(reply) is list and len(reply) == 2 and reply[0] == "ok":
                 return True, decode(reply[1])
-            if reply[0] == "missing":
+            if reply == ["missing"]:
                 return False, None
-            if reply[0] == "err" and len(reply) == 3 and type(reply[1]) is str and type(reply[2]) is str:
-                self.remote_errors.append(reply[1])
-                cls = getattr(builtins, reply[1], None)
-                if not (isinstance(cls, type) and issubclass(cls, Exception)):
-                    cls = RuntimeError
-                raise cls(f"{reply[1]}: {reply[2]}" if cls is RuntimeError else reply[2])
-            raise ValueError("reply out of protocol")
-        except (EOFError, OSError, ValueError, RecursionError, MemoryError) as e:
+            if not (type(reply) is list and len(reply) == 3 and reply[0] == "err"):
+                raise ValueError("reply out of protocol")
+            name, message = reply[1], reply[2]
+            if type(name) is not str or type(message) is not str:
+                raise ValueError("reply out of protocol")
+        except (EOFError, OSError, ValueError, TypeError, RecursionError, MemoryError) as e:
             self.broken = f"{type(e).__name__}: {e}"
             raise ChannelBroken(self.broken) from None
+        self.remote_errors.append(name)
+        cls = getattr(builtins, name, None)
+        if not (isinstance(cls, type) and issubclass(cls, Exception)):
+            raise RuntimeError(f"{name}: {message}")
+        raise cls(message)
 
 
 CHANNEL = None
@@ -356,7 +360,7 @@ def judge(pid, req, resp, input_fd, verdict_fd, judge_uid):
         CHANNEL.broken = CHANNEL.broken or f"{type(e).__name__}: {e}"
         detail = f"channel broken: {CHANNEL.broken}"
     except BaseException:
-        __import__("traceback").print_exc()
+        traceback.print_exc()
         sys.stderr.flush()
         status = "memory" if "MemoryError" in CHANNEL.remote_errors else "failed"
         detail = "the tests failed"
