@@ -70,13 +70,21 @@ class CodeTests:
         return counts
 
     def check_isolation(self) -> str:
-        """The isolation in force; ValueError when it is rlimits only and code_reward.allow_unsafe is off."""
+        """The isolation in force; ValueError when it is rlimits only and code_reward.allow_unsafe is off, or on
+        but refused (:func:`sandbox.unsafe_refusal`: not root and credentials this uid could read)."""
         mode = sandbox.isolation()
         if mode != "bwrap" and not self.cfg.allow_unsafe:
             raise ValueError(
                 "reward 'code_tests': bwrap cannot isolate programs on this machine (see the log); set "
                 "grpo.code_reward.allow_unsafe=true to run them with rlimits only (no network or PID isolation)"
             )
+        if mode != "bwrap":
+            if reason := sandbox.unsafe_refusal():
+                raise ValueError(
+                    "reward 'code_tests': grpo.code_reward.allow_unsafe refused: not root, so programs would run "
+                    f"as this uid, and {reason} (docs/rewards.md, 'allow_unsafe')"
+                )
+            sandbox.harden_for_unsafe()
         return mode
 
     def __call__(self, prompts: list[Any], completions: list[Any], **kwargs: Any) -> list[float | None]:
