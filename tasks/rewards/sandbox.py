@@ -315,8 +315,8 @@ def run_python(source: str, limits: Limits, mode: str | None = None, tests: str 
             finally:
                 _kill_group(proc)  # also what a fork bomb left behind in the group
                 if group is not None:
-                    group.close()
-                if os.geteuid() == 0:
+                    group.close()  # every process of the run: none can leave the cgroup (its files are root's)
+                elif os.geteuid() == 0:
                     for u in {uid, judge_uid}:
                         if left := _reap_run_uid(u):
                             log.warning("code sandbox: processes %s of run uid %d survived SIGKILL for 10 s", left, u)
