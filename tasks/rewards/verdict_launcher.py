@@ -30,7 +30,7 @@ import struct
 import sys
 import traceback  # now: after the uid drop the Python install may be unreadable (rlimits, /root)
 
-MAX_MESSAGE = 64 << 20
+MAX_MESSAGE = 16 << 20
 MAX_DEPTH = 200
 _LEN = struct.Struct(">I")
 
@@ -361,9 +361,10 @@ def not_dumpable():
         raise OSError(ctypes.get_errno(), "prctl(PR_SET_DUMPABLE, 0) failed")
 
 
-def judge(pid, req, resp, input_fd, verdict_fd, judge_uid):
+def judge(pid, req, resp, input_fd, verdict_fd, judge_uid, mem):
     global CHANNEL
     os.write(verdict_fd, b"started\n")
+    resource.setrlimit(resource.RLIMIT_AS, (mem, mem))  # what the program sends it is bounded too
     if os.getuid() == 0:
         os.setgroups([])
         os.setgid(judge_uid)
@@ -433,7 +434,7 @@ def main():
     os.close(req_r)
     os.close(resp_w)
     os.close(0)
-    judge(pid, req_w, resp_r, input_fd, verdict_fd, judge_uid)
+    judge(pid, req_w, resp_r, input_fd, verdict_fd, judge_uid, mem)
     os._exit(0)
 
 

@@ -230,12 +230,13 @@ def test_memory_through_many_processes_hits_the_run_cap(mode: str) -> None:
     cap_mb = sandbox.cgroup_caps(LIMITS)[0] >> 20
     n = cap_mb // 150 + 2
     program = (
-        "import os\npids = []\n"
+        "import os, time\npids = []\n"
         f"for _ in range({n}):\n"
         "    pid = os.fork()\n"
         "    if pid == 0:\n"
         "        b = bytearray(150 << 20)\n"
         "        for i in range(0, len(b), 4096):\n            b[i] = 1\n"
+        "        time.sleep(2)\n"  # all hold their memory at once
         "        os._exit(0)\n"
         "    pids.append(pid)\n"
         "print(sorted(os.waitstatus_to_exitcode(os.waitpid(p, 0)[1]) for p in pids))\n"
