@@ -2,8 +2,8 @@
 cgroup of its own under this process's cgroup, where this machine lets us make one.
 
 - cgroup v2 (``/sys/fs/cgroup/cgroup.controllers`` lists memory and pids, and this process's cgroup is
-  writable, as root or in a delegated systemd scope): ``memory.max``, ``memory.swap.max = 0``, ``pids.max``;
-  ``cgroup.kill`` ends the run.
+  writable: as root, or in a delegated systemd scope, ``systemd-run --user --scope -p Delegate=yes``; see
+  :func:`_v2_parent`): ``memory.max``, ``memory.swap.max = 0``, ``pids.max``; ``cgroup.kill`` ends the run.
 - cgroup v1 (writable ``memory`` and ``pids`` hierarchies, as root in a container of a v1 or hybrid host):
   ``memory.limit_in_bytes`` (and ``memory.memsw.limit_in_bytes`` where swap accounting is on), ``pids.max``.
 - neither: no cap beyond the per-process rlimits; :func:`detect` says which, and the sandbox logs it once.
@@ -13,9 +13,11 @@ pid into each ``cgroup.procs`` and ``exec``s bwrap (so the fork that makes bwrap
 
 from __future__ import annotations
 
+import atexit
 import os
 import secrets
 import signal
+import threading
 import time
 from dataclasses import dataclass
 from functools import cache
@@ -55,18 +57,38 @@ class Hierarchy:
     parents: tuple[Path, ...]
 
 
+def _v2_parent(own: Path) -> Path | None:
+    """``own``/grpoflow-sandbox with memory and pids enabled for its children, or None.
+
+    A v2 cgroup that holds processes cannot enable controllers for its children ("no internal processes"): when
+    this process is the only one in its cgroup (a delegated scope started for the trainer), it first moves itself
+    into a leaf ``grpoflow-trainer``; it never moves another process."""
+    wanted = {"memory", "pids"}
+    if not wanted <= set((own / "cgroup.subtree_control").read_text().split()):
+        procs = (own / "cgroup.procs").read_text().split()
+        if procs and procs != [str(os.getpid())]:
+            return None
+        if procs:
+            leaf = own / "grpoflow-trainer"
+            leaf.mkdir(exist_ok=True)
+            (leaf / "cgroup.procs").write_text(str(os.getpid()))
+        (own / "cgroup.subtree_control").write_text("+memory +pids")
+    parent = own / "grpoflow-sandbox"
+    parent.mkdir(exist_ok=True)
+    (parent / "cgroup.subtree_control").write_text("+memory +pids")  # parent holds no process, only runs
+    return parent if _try_make(parent) else None
+
+
 @cache
 def detect() -> Hierarchy | None:
     """The writable hierarchy with memory and pids control, None when there is none."""
     v2 = _own_path(None)
     controllers = ROOT / "cgroup.controllers"
     if v2 is not None and controllers.is_file() and {"memory", "pids"} <= set(controllers.read_text().split()):
-        parent = ROOT / v2.lstrip("/") / "grpoflow-sandbox"
         try:
-            parent.mkdir(exist_ok=True)
-            # a v2 cgroup with processes cannot enable controllers for children: ours hold none, only runs
-            (parent / "cgroup.subtree_control").write_text("+memory +pids")
-            if _try_make(parent):
+            parent = _v2_parent(ROOT / v2.lstrip("/"))
+            if parent is not None:
+                _remove_stale(parent)
                 return Hierarchy(2, (parent,))
         except OSError:
             pass
@@ -80,17 +102,20 @@ def detect() -> Hierarchy | None:
         if not _try_make(parent):
             return None
         parents.append(parent)
+        _remove_stale(parent)
     return Hierarchy(1, tuple(parents))
 
 
 class RunCgroup:
-    """One run's cgroup(s): made with the caps, joined by the wrapped command, emptied and removed by
-    :meth:`close`."""
+    """One run's cgroup(s) with the caps: joined by the wrapped command (:meth:`wrap`), emptied by :meth:`empty`,
+    removed by :meth:`close`. :func:`acquire` and :func:`release` reuse them across runs: making and removing a
+    memory cgroup costs several milliseconds a run."""
 
     def __init__(self, hierarchy: Hierarchy, memory_bytes: int, max_pids: int) -> None:
         self.hierarchy = hierarchy
-        name = f"grpoflow-run-{secrets.token_hex(6)}"
+        name = f"{PREFIX}{os.getpid()}-{secrets.token_hex(6)}"
         self.dirs = tuple(p / name for p in hierarchy.parents)
+        self._oom_base = 0
         for d in self.dirs:
             d.mkdir()
         try:
@@ -121,34 +146,111 @@ class RunCgroup:
         script = 'for f in "$@"; do [ "$f" = -- ] && break; echo $$ > "$f" || exit 97; shift; done; shift; exec "$@"'
         return ["/bin/sh", "-c", script, "sh", *(str(d / "cgroup.procs") for d in self.dirs), "--", *cmd]
 
-    def oom_killed(self) -> bool:
-        """Whether the memory cap was hit (a process OOM-killed, or an allocation refused at the cap)."""
+    def _ooms(self) -> int:
         try:
             if self.hierarchy.version == 2:
                 events = dict(line.split() for line in (self.dirs[0] / "memory.events").read_text().splitlines())
-                return int(events.get("oom_kill", 0)) > 0 or int(events.get("max", 0)) > 0
-            return int((self.dirs[0] / "memory.failcnt").read_text()) > 0
+                return int(events.get("oom_kill", 0)) + int(events.get("max", 0))
+            return int((self.dirs[0] / "memory.failcnt").read_text())
         except (OSError, ValueError):
-            return False
+            return 0
 
-    def close(self, wait_s: float = 10.0) -> None:
-        """Kill whatever is left in the cgroup(s) and remove them (retrying while the kernel reaps)."""
+    def pids_charged(self) -> int:
+        """pids.current: tasks still charged to the cgroup (zombies included)."""
+        try:
+            return int((self.dirs[-1] / "pids.current").read_text())
+        except (OSError, ValueError):
+            return 1
+
+    def oom_killed(self) -> bool:
+        """Whether the memory cap was hit in this run (a process OOM-killed, or an allocation at the cap)."""
+        return self._ooms() > self._oom_base
+
+    def empty(self, wait_s: float = 10.0) -> bool:
+        """Kill every process in the cgroup(s) and wait until none is left; False if some outlived ``wait_s``.
+        A run's processes cannot leave: the cgroup files are root's (and not mounted in bwrap)."""
         deadline = time.monotonic() + wait_s
         for d in self.dirs:
-            while d.exists():
+            kill = d / "cgroup.kill"
+            while True:
                 try:
-                    if self.hierarchy.version == 2 and (d / "cgroup.kill").exists():
-                        (d / "cgroup.kill").write_text("1")
-                    else:
-                        for pid in (d / "cgroup.procs").read_text().split():
-                            try:
-                                os.kill(int(pid), signal.SIGKILL)
-                            except (ProcessLookupError, PermissionError):
-                                pass
+                    pids = (d / "cgroup.procs").read_text().split()
+                except FileNotFoundError:
+                    break
+                if not pids:
+                    break
+                if time.monotonic() > deadline:
+                    return False
+                if self.hierarchy.version == 2 and kill.exists():
+                    kill.write_text("1")
+                else:
+                    for pid in pids:
+                        try:
+                            os.kill(int(pid), signal.SIGKILL)
+                        except (ProcessLookupError, PermissionError):
+                            pass
+                time.sleep(0.0005)
+        return True
+
+    def close(self, wait_s: float = 10.0) -> None:
+        """Empty the cgroup(s) and remove them."""
+        self.empty(wait_s)
+        deadline = time.monotonic() + wait_s
+        for d in self.dirs:
+            while True:
+                try:
                     d.rmdir()
+                    break
                 except FileNotFoundError:
                     break
                 except OSError:
                     if time.monotonic() > deadline:
                         break
-                    time.sleep(0.005)
+                    time.sleep(0.0005)
+
+
+PREFIX = "grpoflow-run-"
+_pool: dict[tuple[Hierarchy, int, int], list[RunCgroup]] = {}
+_pool_lock = threading.Lock()
+
+
+def acquire(hierarchy: Hierarchy, memory_bytes: int, max_pids: int) -> RunCgroup:
+    """An empty cgroup with these caps: an idle one from the pool, else a new one."""
+    with _pool_lock:
+        idle = _pool.get((hierarchy, memory_bytes, max_pids))
+        group = idle.pop() if idle else None
+    if group is None:
+        group = RunCgroup(hierarchy, memory_bytes, max_pids)
+    group._oom_base = group._ooms()
+    return group
+
+
+def release(group: RunCgroup, memory_bytes: int, max_pids: int) -> None:
+    """Back to the pool once empty and with no pid still charged (a dying task or an unreaped zombie still counts
+    in pids.current: reused, the cgroup would start the next run with less than its pids.max); else removed."""
+    if not group.empty() or group.pids_charged():
+        group.close()
+        return
+    with _pool_lock:
+        _pool.setdefault((group.hierarchy, memory_bytes, max_pids), []).append(group)
+
+
+@atexit.register
+def close_all() -> None:
+    """Remove the pooled cgroups (at exit; a killed trainer's are removed by the next :func:`detect`)."""
+    with _pool_lock:
+        groups = [g for idle in _pool.values() for g in idle]
+        _pool.clear()
+    for g in groups:
+        g.close(wait_s=1.0)
+
+
+def _remove_stale(parent: Path) -> None:
+    """Empty run cgroups left by a process that is gone (a trainer killed before its atexit)."""
+    for d in parent.glob(f"{PREFIX}*"):
+        pid = d.name[len(PREFIX) :].split("-", 1)[0]
+        if pid.isdigit() and not Path(f"/proc/{pid}").exists():
+            try:
+                d.rmdir()
+            except OSError:
+                pass

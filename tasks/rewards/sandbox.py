@@ -290,7 +290,7 @@ def run_python(source: str, limits: Limits, mode: str | None = None, tests: str 
                 fds.append(seccomp_fd)
             cmd = [*_bwrap_args(bwrap, limits, str(src), seccomp_fd), *cmd]
         if (hierarchy := cgroups.detect()) is not None:
-            group = cgroups.RunCgroup(hierarchy, *cgroup_caps(limits))
+            group = cgroups.acquire(hierarchy, *cgroup_caps(limits))
             cmd = group.wrap(cmd)
         with open(top / "stdout", "wb") as out, open(top / "stderr", "wb") as err:
             try:
@@ -314,8 +314,8 @@ def run_python(source: str, limits: Limits, mode: str | None = None, tests: str 
                 report, timed_out = _read_until_eof(verdict_r, limits.timeout_s)
             finally:
                 _kill_group(proc)  # also what a fork bomb left behind in the group
-                if group is not None:
-                    group.close()  # every process of the run: none can leave the cgroup (its files are root's)
+                if group is not None and not group.empty():  # every process of the run: none can leave it
+                    log.warning("code sandbox: processes of cgroup %s survived SIGKILL for 10 s", group.dirs[0])
                 elif os.geteuid() == 0:
                     for u in {uid, judge_uid}:
                         if left := _reap_run_uid(u):
@@ -329,7 +329,7 @@ def run_python(source: str, limits: Limits, mode: str | None = None, tests: str 
         for fd in fds:
             os.close(fd)
         if group is not None:
-            group.close()
+            cgroups.release(group, *cgroup_caps(limits))
         shutil.rmtree(top, ignore_errors=True)
 
 
