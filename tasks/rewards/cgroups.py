@@ -214,6 +214,9 @@ _pool: dict[tuple[Hierarchy, int, int], list[RunCgroup]] = {}
 _pool_lock = threading.Lock()
 
 
+MAX_LEFTOVER_PIDS = 64
+
+
 def acquire(hierarchy: Hierarchy, memory_bytes: int, max_pids: int) -> RunCgroup:
     """An empty cgroup with these caps: an idle one from the pool, else a new one."""
     with _pool_lock:
@@ -221,14 +224,18 @@ def acquire(hierarchy: Hierarchy, memory_bytes: int, max_pids: int) -> RunCgroup
         group = idle.pop() if idle else None
     if group is None:
         group = RunCgroup(hierarchy, memory_bytes, max_pids)
+    elif leftover := group.pids_charged():
+        # pids.current can keep a charge after its last task is gone (seen on cgroup v1): the run still gets its
+        # max_pids on top of it
+        (group.dirs[-1] / "pids.max").write_text(str(max_pids + leftover))
     group._oom_base = group._ooms()
     return group
 
 
 def release(group: RunCgroup, memory_bytes: int, max_pids: int) -> None:
-    """Back to the pool once empty and with no pid still charged (a dying task or an unreaped zombie still counts
-    in pids.current: reused, the cgroup would start the next run with less than its pids.max); else removed."""
-    if not group.empty() or group.pids_charged():
+    """Back to the pool once empty (removed if a process outlived the wait, or over MAX_LEFTOVER_PIDS pids are
+    still charged with no task left)."""
+    if not group.empty() or group.pids_charged() > MAX_LEFTOVER_PIDS:
         group.close()
         return
     with _pool_lock:
