@@ -138,7 +138,11 @@ def caps(mode: str) -> dict[str, str]:
     group = f"cgroup v{h.version} memory+pids per run" if h else "off (no writable cgroup hierarchy): rlimits only"
     bpf = seccomp.filter_bytes() is not None
     if mode != "bwrap":
-        return {"cgroup": group, "seccomp": "off (rlimits mode)", "userns": "not blocked (rlimits mode)"}
+        return {
+            "cgroup": group,
+            "seccomp": "on, in the program's process (ptrace, mount, unshare/setns, ...)" if bpf else "off (arch)",
+            "userns": "unshare/clone(NEWUSER) denied" if bpf else "not blocked",
+        }
     return {
         "cgroup": group,
         "seccomp": "on (ptrace, mount, unshare/setns, keyctl, bpf, perf_event_open, ...)" if bpf else "off (arch)",
@@ -279,6 +283,8 @@ def run_python(source: str, limits: Limits, mode: str | None = None, tests: str 
         # RLIMIT_FSIZE stops a writer past what is read back (max_output_bytes), which tells output_limit apart
         launch = [str(input_fd), str(verdict_w), program, str(uid), str(judge_uid), str(limits.cpu_s)]
         launch += [str(limits.memory_mb << 20), str(limits.max_processes), str(limits.max_output_bytes + 4096)]
+        if not bwrap:  # the program's process installs the filter itself (bwrap loads it for the whole sandbox)
+            launch.append(bpf.hex() if (bpf := seccomp.filter_bytes()) else "-")
         cmd = [_python()[0], "-I", "-S", "-c", LAUNCHER, *launch]
         if bwrap:
             bpf = seccomp.filter_bytes()

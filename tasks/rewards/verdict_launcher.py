@@ -19,7 +19,7 @@ handle the judge can only call or take attributes of (over the pipe again). A pr
 answers out of protocol or sends a malformed value breaks the channel: the verdict is then not passed whatever
 the tests do afterwards.
 
-argv: input_fd verdict_fd program_path uid judge_uid cpu_s as_bytes nproc fsize
+argv: input_fd verdict_fd program_path uid judge_uid cpu_s as_bytes nproc fsize [seccomp filter as hex, or -]
 """
 
 import _json
@@ -175,7 +175,20 @@ def serve(source, req, resp):
     sys.stderr.flush()
 
 
-def program_child(req, resp, path, uid, cpu, mem, nproc, fsize):
+def load_seccomp(bpf, libc):
+    """Install the seccomp filter ``bpf`` (struct sock_filter array) on this process and its future children:
+    rlimits mode, where bwrap does not (``--seccomp``). NO_NEW_PRIVS first, as the kernel requires unprivileged."""
+    import ctypes
+
+    class SockFprog(ctypes.Structure):
+        _fields_ = [("len", ctypes.c_ushort), ("filter", ctypes.c_char_p)]
+
+    prog = SockFprog(len(bpf) // 8, bpf)
+    if libc.prctl(38, 1, 0, 0, 0) != 0 or libc.prctl(22, 2, ctypes.byref(prog), 0, 0) != 0:  # NO_NEW_PRIVS, SECCOMP
+        raise OSError(ctypes.get_errno(), "seccomp filter not installed")
+
+
+def program_child(req, resp, path, uid, cpu, mem, nproc, fsize, bpf=None, libc=None):
     """The fork's child: confine itself, then :func:`serve`. Exit 5: it could not (a sandbox error)."""
     try:
         low, high = sorted((req, resp))
@@ -193,6 +206,8 @@ def program_child(req, resp, path, uid, cpu, mem, nproc, fsize):
             resource.setrlimit(res, (v, v))
         resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
         resource.setrlimit(resource.RLIMIT_CPU, (cpu, cpu + 1))  # SIGXCPU at cpu s, SIGKILL a second later
+        if bpf:
+            load_seccomp(bpf, libc)
         with open(path) as f:
             source = f.read()
     except BaseException as e:
@@ -425,12 +440,18 @@ def main():
     input_fd, verdict_fd = int(sys.argv[1]), int(sys.argv[2])
     path = sys.argv[3]
     uid, judge_uid, cpu, mem, nproc, fsize = map(int, sys.argv[4:10])
+    bpf = bytes.fromhex(sys.argv[10]) if len(sys.argv) > 10 and sys.argv[10] != "-" else None
+    libc = None
+    if bpf:  # ctypes loaded before any uid drop (the Python install may not be readable after it)
+        import ctypes
+
+        libc = ctypes.CDLL(None, use_errno=True)
     not_dumpable()
     req_r, req_w = os.pipe()
     resp_r, resp_w = os.pipe()
     pid = os.fork()
     if pid == 0:
-        program_child(req_r, resp_w, path, uid, cpu, mem, nproc, fsize)
+        program_child(req_r, resp_w, path, uid, cpu, mem, nproc, fsize, bpf, libc)
     os.close(req_r)
     os.close(resp_w)
     os.close(0)

@@ -249,11 +249,9 @@ def test_memory_through_many_processes_hits_the_run_cap(mode: str) -> None:
         assert "-9" in r.stdout, r.stdout
 
 
-def test_seccomp_denies_escape_syscalls_and_keeps_fork_and_threads() -> None:
-    if sandbox.isolation() != "bwrap":
-        pytest.skip("the seccomp filter is loaded by bwrap")
+def test_seccomp_denies_escape_syscalls_and_keeps_fork_and_threads(mode: str) -> None:
     program = (
-        "import ctypes, os, threading\nlibc = ctypes.CDLL(None, use_errno=True)\n"
+        "import _thread, ctypes, os\nlibc = ctypes.CDLL(None, use_errno=True)\n"
         "def errno_of(rc):\n    return ctypes.get_errno() if rc == -1 else 0\n"
         "print('ptrace', errno_of(libc.ptrace(0, 0, 0, 0)))\n"  # PTRACE_TRACEME: allowed without the filter
         "print('unshare', errno_of(libc.unshare(0x10000000)))\n"  # CLONE_NEWUSER
@@ -264,13 +262,14 @@ def test_seccomp_denies_escape_syscalls_and_keeps_fork_and_threads() -> None:
         "print('mount', errno_of(libc.mount(b'none', b'/tmp', b'tmpfs', 0, None)))\n"
         "pid = os.fork()\nif pid == 0:\n    os._exit(7)\n"
         "print('fork', os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]))\n"
-        "t = threading.Thread(target=lambda: print('thread ran'))\nt.start()\nt.join()\n"
+        "done = _thread.allocate_lock()\ndone.acquire()\n"
+        "_thread.start_new_thread(lambda: (print('thread ran'), done.release()), ())\ndone.acquire()\n"
     )
     import platform
 
     if platform.machine() != "x86_64":
         pytest.skip("the probe uses x86_64 syscall numbers")
-    r = sandbox.run_python(program, LIMITS, mode="bwrap")
+    r = sandbox.run_python(program, LIMITS, mode=mode)
     assert r.passed, r
     got = dict(line.split() for line in r.stdout.splitlines() if line.split()[0] != "thread")
     assert {k: got[k] for k in ("ptrace", "unshare", "setns", "keyctl", "bpf", "perf", "mount")} == dict.fromkeys(
