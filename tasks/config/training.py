@@ -70,7 +70,9 @@ class CodeRewardConfig(_Section):
 
     timeout_s: float = Field(5.0, gt=0, le=600, description="Wall-clock limit; the process group is killed.")
     cpu_s: int = Field(5, ge=1, le=600, description="RLIMIT_CPU seconds (SIGXCPU, then SIGKILL 1 s later).")
-    memory_mb: int = Field(512, ge=64, description="RLIMIT_AS (address space) in MiB.")
+    memory_mb: int = Field(
+        512, ge=64, description="RLIMIT_AS (address space) in MiB; the run's cgroup cap is this + 2 tmpfs + 64 MiB."
+    )
     max_processes: int = Field(16, ge=1, le=4096, description="RLIMIT_NPROC: processes and threads of one run.")
     max_output_bytes: int = Field(
         65536, ge=1024, description="stdout/stderr kept, and RLIMIT_FSIZE (this + 4 KiB) on any file written."
@@ -80,7 +82,8 @@ class CodeRewardConfig(_Section):
     allow_unsafe: bool = Field(
         False,
         description="Run programs with rlimits only where bwrap cannot create namespaces (no network or PID "
-        "isolation); off: the reward refuses to run there.",
+        "isolation); refused anyway when not root while credentials are readable (docs/rewards.md); off: the "
+        "reward refuses to run there.",
     )
 
 

@@ -1,6 +1,6 @@
 """The ``code_tests`` reward: the completion's program (:func:`extract_program`), prefixed with the question when
-that is Python source and followed by the row's tests (:func:`build_program`), runs in the sandbox
-(:mod:`grpoflow.tasks.rewards.sandbox`); it scores 1.0 when the tests pass."""
+that is Python source (:func:`build_program`), runs in the sandbox (:mod:`grpoflow.tasks.rewards.sandbox`) and
+the row's tests run against it from outside its process; it scores 1.0 when the tests pass."""
 
 from __future__ import annotations
 
@@ -38,14 +38,14 @@ def _is_code(text: str) -> bool:
     return any(isinstance(n, (ast.FunctionDef, ast.ClassDef, ast.Import, ast.ImportFrom)) for n in tree.body)
 
 
-def build_program(question: str | None, code: str, tests: str) -> str:
-    """What the sandbox runs: [the question, when it is Python source (HumanEval's signature + docstring, so a
-    completion that is only the body still runs)] + the completion's code + the row's tests. A completion that
-    writes the whole function redefines it after the question's stub."""
+def build_program(question: str | None, code: str) -> str:
+    """The program the sandbox runs: [the question, when it is Python source (HumanEval's signature + docstring,
+    so a completion that is only the body still runs)] + the completion's code. A completion that writes the
+    whole function redefines it after the question's stub. The row's tests run apart, in the sandbox's judge."""
     head = question if question and _is_code(question) else ""
     if head and not head.endswith("\n"):
         head += "\n"
-    return f"{head}{code}\n\n{tests}\n"
+    return f"{head}{code}\n"
 
 
 class CodeTests:
@@ -70,13 +70,21 @@ class CodeTests:
         return counts
 
     def check_isolation(self) -> str:
-        """The isolation in force; ValueError when it is rlimits only and code_reward.allow_unsafe is off."""
+        """The isolation in force; ValueError when it is rlimits only and code_reward.allow_unsafe is off, or on
+        but refused (:func:`sandbox.unsafe_refusal`: not root and credentials this uid could read)."""
         mode = sandbox.isolation()
         if mode != "bwrap" and not self.cfg.allow_unsafe:
             raise ValueError(
                 "reward 'code_tests': bwrap cannot isolate programs on this machine (see the log); set "
                 "grpo.code_reward.allow_unsafe=true to run them with rlimits only (no network or PID isolation)"
             )
+        if mode != "bwrap":
+            if reason := sandbox.unsafe_refusal():
+                raise ValueError(
+                    "reward 'code_tests': grpo.code_reward.allow_unsafe refused: not root, so programs would run "
+                    f"as this uid, and {reason} (docs/rewards.md, 'allow_unsafe')"
+                )
+            sandbox.harden_for_unsafe()
         return mode
 
     def __call__(self, prompts: list[Any], completions: list[Any], **kwargs: Any) -> list[float | None]:
@@ -84,11 +92,10 @@ class CodeTests:
         questions = kwargs.get("question") or [None] * len(completions)
         mode = self.check_isolation()
         programs = [
-            build_program(q, extract_program(completion_text(c)), t)
-            for q, c, t in zip(questions, completions, tests, strict=True)
+            build_program(q, extract_program(completion_text(c))) for q, c in zip(questions, completions, strict=True)
         ]
         with ThreadPoolExecutor(max_workers=self.cfg.workers, thread_name_prefix="code-sandbox") as pool:
-            results = list(pool.map(lambda p: sandbox.run_python(p, self.limits, mode), programs))
+            results = list(pool.map(lambda p, t: sandbox.run_python(p, self.limits, mode, tests=t), programs, tests))
         batch = Counter(r.status for r in results)
         self.reasons.update(batch)
         self._unreported.update(batch)

