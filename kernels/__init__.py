@@ -1,5 +1,6 @@
-"""grpoflow.kernels: fused per-token log-probabilities and entropy of the chosen tokens, from the hidden states and
-the lm_head, without ever holding the whole [tokens, vocabulary] logits.
+"""grpoflow.kernels: fused per-token log-probabilities and entropy of the chosen tokens (the entropy with its gradient
+for the entropy bonus, the log-probs as the SFT loss: ``label_nll``), from the hidden states and the lm_head, without
+ever holding the whole [tokens, vocabulary] logits.
 
 :func:`grpoflow.kernels.logprobs.token_logprobs` is the entry point (the GRPO trainer's log-prob passes); it runs
 one of three implementations of the same math, picked by ``grpo.logprob_impl``:

@@ -6,9 +6,9 @@ float32 accumulation, where the CPU path (kernels/chunked_logprobs.py) computes 
 
     forward, per [rows, vocabulary] tile:  z = (H_c W_c^T + b) / T in float32 (GEMM in the compute dtype),
         m' = max(m, max_v z),  s = s e^(m - m') + sum_v e^(z - m'),  ez likewise with e z,  z_y picked
-    backward, per chunk of rows, per vocabulary tile:  G = (g/T)(onehot(y) - exp(z - lse)) in the compute
-        dtype;  dH[rows] += G W_c (float32 accumulator [rows, D]),  dW[cols] += G^T H_c (float32 [V, D]),
-        db[cols] += sum_n G
+    backward, per chunk of rows, per vocabulary tile:  G = (1/T)[g onehot(y) - p (g + g_H (z - lse + H))] in
+        the compute dtype (kernels/logit_grad.py; g_H, the entropy's upstream gradient, is 0 without it);
+        dH[rows] += G W_c (float32 accumulator [rows, D]),  dW[cols] += G^T H_c (float32 [V, D]),  db[cols] += sum_n G
 
 TRL 1.16's chunked path (trl/kernels/chunked_logprob.py) has the same passes; it accumulates dH in a
 float32 [N, D], where this one keeps a float32 [rows, D] per chunk of rows.
@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import torch
 
+from grpoflow.kernels.logit_grad import logit_grad
 from grpoflow.kernels.precision import addmm_fp32, mm_fp32
 
 
@@ -79,8 +80,12 @@ def chunked_dtype_backward(
     need: tuple[bool, bool, bool],
     row_chunk: int,
     vocab_chunk: int,
+    ent: torch.Tensor | None = None,
+    ge_t: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
-    """dH (hidden's dtype), dW and db (float32) for upstream g_t = g / T; ``need`` = (dH, dW, db) wanted."""
+    """dH (hidden's dtype), dW and db (float32) for upstream g_t = g / T; ``need`` = (dH, dW, db) wanted.
+
+    With ``ent`` (H [N]) and ``ge_t`` (its upstream gradient over T [N]) the entropy's gradient is added."""
     n, d = hidden.shape
     v = weight.shape[0]
     dh = torch.empty_like(hidden) if need[0] else None
@@ -94,11 +99,9 @@ def chunked_dtype_backward(
             c1 = min(c0 + vocab_chunk, v)
             w = weight[c0:c1].to(dtype)
             z = _tile_logits(h, w, None if bias is None else bias[c0:c1], inv_t)
-            grad = torch.exp(z.sub_(lse[rows, None])).neg_()  # -p
-            local = y[rows] - c0
-            inside = (local >= 0) & (local < c1 - c0)
-            grad[inside, local[inside]] += 1.0  # onehot(y) - p
-            grad = grad.mul_(g_t[rows, None]).to(dtype)
+            ent_r = None if ent is None else ent[rows]
+            ge_r = None if ge_t is None else ge_t[rows]
+            grad = logit_grad(z, lse[rows], y[rows] - c0, g_t[rows], ent_r, ge_r).to(dtype)
             if dh_acc is not None:
                 addmm_fp32(dh_acc, grad, w)
             if dw is not None:
@@ -112,28 +115,35 @@ def chunked_dtype_backward(
 
 class ChunkedDtypeTokenLogProbs(torch.autograd.Function):
     """(logp [N], entropy [N] or None) of hidden [N, D], weight [V, D], bias [V] or None, targets [N], with
-    GEMMs in ``dtype``. Gradients flow to logp only and take their input's dtype."""
+    GEMMs in ``dtype``. Gradients take their input's dtype; the entropy carries one only with ``entropy_grad``
+    (the entropy bonus), else it is marked non-differentiable."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, bias, targets, temperature, compute_entropy, dtype, row_chunk, vocab_chunk):
+    def forward(
+        ctx, hidden, weight, bias, targets, temperature, compute_entropy, dtype, row_chunk, vocab_chunk,
+        entropy_grad=False,
+    ):  # fmt: skip
         inv_t = 1.0 / temperature
-        args = (inv_t, compute_entropy, dtype, row_chunk, vocab_chunk)
+        args = (inv_t, compute_entropy or entropy_grad, dtype, row_chunk, vocab_chunk)
         logp, lse, ent = chunked_dtype_forward(hidden, weight, bias, targets, *args)
-        ctx.save_for_backward(hidden, weight, bias, targets, lse)
+        ctx.save_for_backward(hidden, weight, bias, targets, lse, ent if entropy_grad else None)
         ctx.args = (inv_t, dtype)
         ctx.chunks = (row_chunk, vocab_chunk)
-        if ent is not None:
+        if ent is not None and not entropy_grad:
             ctx.mark_non_differentiable(ent)
         return logp, ent
 
     @staticmethod
     def backward(ctx, grad_logp: torch.Tensor, grad_entropy: torch.Tensor | None):
-        hidden, weight, bias, targets, lse = ctx.saved_tensors
+        hidden, weight, bias, targets, lse, ent = ctx.saved_tensors
         need = (ctx.needs_input_grad[0], ctx.needs_input_grad[1], bias is not None and ctx.needs_input_grad[2])
         if not any(need):
-            return (None,) * 9
+            return (None,) * 10
         g_t = grad_logp.float() * ctx.args[0]
-        dh, dw, db = chunked_dtype_backward(hidden, weight, bias, targets, lse, g_t, *ctx.args, need, *ctx.chunks)
+        ge_t = None if ent is None or grad_entropy is None else grad_entropy.float() * ctx.args[0]
+        dh, dw, db = chunked_dtype_backward(
+            hidden, weight, bias, targets, lse, g_t, *ctx.args, need, *ctx.chunks, ent=ent, ge_t=ge_t
+        )
         dw = None if dw is None else dw.to(weight.dtype)
         db = None if db is None else db.to(bias.dtype)
-        return dh, dw, db, None, None, None, None, None, None
+        return dh, dw, db, None, None, None, None, None, None, None

@@ -33,7 +33,9 @@ backward then recomputes each tile as p = exp(H' W'^T) with -lse in H''s shift c
 
     dW = sum_n (g_n / T) (onehot(y_n) - p_n)^T H_n,       db = sum_n (g_n / T) (onehot(y_n) - p_n).
 
-The entropy is returned without a gradient (a metric and a mask in GRPO, as in TRL). Arithmetic is
+The entropy is returned without a gradient (a metric and a mask in GRPO, as in TRL) unless ``entropy_grad``
+(the entropy bonus): then backward recomputes each tile and forms G = dL/d(H W^T + b) with the entropy's term
+(kernels/logit_grad.py) in float32, through kernels/chunked_dtype.py's backward, and J is not kept. Arithmetic is
 float32 whatever the input dtype (the augmented copies are float32). Tile buffers are allocated once
 and reused: writing fresh float32 tiles costs about 3x writing reused ones on CPU (page faults).
 """
@@ -43,6 +45,8 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 import torch
+
+from grpoflow.kernels.chunked_dtype import chunked_dtype_backward
 
 
 def _view(buf: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
@@ -179,8 +183,8 @@ def _grad_weight(
 class ChunkedTokenLogProbs(torch.autograd.Function):
     """(logp [N], entropy [N] or None) of hidden [N, D], weight [V, D], bias [V] or None, targets [N].
 
-    Gradients flow to logp only; entropy is marked non-differentiable. J is kept only when ``keep_j``.
-    """
+    Gradients flow to logp, and to the entropy with ``entropy_grad`` (else it is marked non-differentiable).
+    J is kept only when ``keep_j`` and not ``entropy_grad``."""
 
     @staticmethod
     def forward(
@@ -194,21 +198,33 @@ class ChunkedTokenLogProbs(torch.autograd.Function):
         keep_j: bool,
         row_chunk: int,
         vocab_chunk: int,
+        entropy_grad: bool = False,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         inv_t = 1.0 / temperature
-        args = (inv_t, compute_entropy, keep_j, row_chunk, vocab_chunk)
+        args = (inv_t, compute_entropy or entropy_grad, keep_j and not entropy_grad, row_chunk, vocab_chunk)
         logp, lse, ent, j = _forward(hidden, weight, bias, targets, *args)
-        ctx.save_for_backward(hidden, weight, bias, targets, lse, j)
+        ctx.save_for_backward(hidden, weight, bias, targets, lse, j, ent if entropy_grad else None)
         ctx.inv_t, ctx.row_chunk, ctx.vocab_chunk = inv_t, row_chunk, vocab_chunk
-        if ent is not None:
+        ctx.entropy_grad = entropy_grad
+        if ent is not None and not entropy_grad:
             ctx.mark_non_differentiable(ent)
         return logp, ent
 
     @staticmethod
     def backward(ctx, grad_logp: torch.Tensor, grad_entropy: torch.Tensor | None):
-        hidden, weight, bias, targets, lse, j = ctx.saved_tensors
+        hidden, weight, bias, targets, lse, j, ent = ctx.saved_tensors
         g_t = grad_logp.float() * ctx.inv_t
         dh = dw = db = None
+        if ctx.entropy_grad:
+            need = (ctx.needs_input_grad[0], ctx.needs_input_grad[1], bias is not None and ctx.needs_input_grad[2])
+            ge_t = None if grad_entropy is None else grad_entropy.float() * ctx.inv_t
+            chunks = (ctx.row_chunk, ctx.vocab_chunk)
+            dh, dw, db = chunked_dtype_backward(
+                hidden, weight, bias, targets, lse, g_t, ctx.inv_t, torch.float32, need, *chunks, ent=ent, ge_t=ge_t
+            )
+            dw = None if dw is None else dw.to(weight.dtype)
+            db = None if db is None else db.to(bias.dtype)
+            return dh, dw, db, None, None, None, None, None, None, None
         if ctx.needs_input_grad[0]:
             dh = (j * g_t[:, None]).to(hidden.dtype)
         if ctx.needs_input_grad[1] or ctx.needs_input_grad[2]:
@@ -216,4 +232,4 @@ class ChunkedTokenLogProbs(torch.autograd.Function):
             dw, db = _grad_weight(hidden, weight, bias, targets, lse, g_t, *args)
             dw = dw.to(weight.dtype) if ctx.needs_input_grad[1] else None
             db = db.to(bias.dtype) if ctx.needs_input_grad[2] else None
-        return dh, dw, db, None, None, None, None, None, None
+        return dh, dw, db, None, None, None, None, None, None, None

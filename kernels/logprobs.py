@@ -16,9 +16,13 @@ the same math, chosen by ``impl``:
 
 The compute dtype follows kernels/precision.py: under torch autocast on CUDA the autocast dtype (bf16
 operands, float32 accumulation), else hidden's dtype on CUDA; the CPU path computes in float32 as before.
-No path holds more than one chunk of the [N, V] logits. The entropy is returned without a gradient (GRPO
-uses it as a metric and a mask, as TRL does). logp and entropy are float32; gradients take their input's
-dtype. The GRPO config key grpo.logprob_impl (auto | triton | chunked) picks ``impl`` for the trainer.
+No path holds more than one chunk of the [N, V] logits. The entropy comes from the same pass over the vocabulary
+as the logsumexp (running max m, s = sum e^(z-m), sum e^(z-m) z). By default it is returned without a gradient
+(GRPO uses it as a metric and a mask, as TRL does); ``entropy_grad=True`` (the entropy bonus) gives it one,
+dH/dz_v = -p_v (log p_v + H), formed tile by tile in the backward pass with the log-prob's (kernels/logit_grad.py).
+:func:`label_nll` is the SFT loss (summed cross-entropy of labels, ignored positions skipped) on the same kernels.
+logp and entropy are float32; gradients take their input's dtype. The GRPO config key grpo.logprob_impl
+(auto | triton | chunked) picks ``impl`` for the trainer.
 """
 
 from __future__ import annotations
@@ -43,11 +47,12 @@ def token_logprobs(
     impl: str = "auto",
     chunk_size: int = 1024,
     vocab_chunk_size: int = 8192,
+    entropy_grad: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """log p(targets) [..] and optionally entropy [..] for hidden [.., D], weight [V, D], targets [..] in [0, V).
 
     ``chunk_size`` (rows) and ``vocab_chunk_size`` size the tiles of the chunked paths; the Triton kernel
-    has its own block sizes.
+    has its own block sizes. ``entropy_grad`` implies ``compute_entropy`` and makes the entropy differentiable.
     """
     if impl not in IMPLS:
         raise ValueError(f"impl={impl!r}: expected one of {IMPLS}")
@@ -59,22 +64,46 @@ def token_logprobs(
     dtype = kernel_dtype(hidden.device.type, hidden.dtype, active_autocast_dtype(hidden.device.type))
     if impl == "reference":
         logp, ent = token_logprobs_reference(h, weight, y, temperature, bias)
-        ent = ent.detach() if compute_entropy else None
+        ent = ent if entropy_grad else ent.detach() if compute_entropy else None
     elif impl == "chunked" and dtype is None:  # CPU: the float32 path, unchanged
         keep_j = torch.is_grad_enabled() and hidden.requires_grad
-        args = (temperature, compute_entropy, keep_j, chunk_size, vocab_chunk_size)
+        args = (temperature, compute_entropy, keep_j, chunk_size, vocab_chunk_size, entropy_grad)
         logp, ent = ChunkedTokenLogProbs.apply(h, weight, bias, y, *args)
     elif impl == "chunked":
-        args = (temperature, compute_entropy, dtype, chunk_size, vocab_chunk_size)
+        args = (temperature, compute_entropy, dtype, chunk_size, vocab_chunk_size, entropy_grad)
         logp, ent = ChunkedDtypeTokenLogProbs.apply(h, weight, bias, y, *args)
     else:
         # Imported on first use: triton reads TRITON_INTERPRET when the kernels are defined.
         from grpoflow.kernels.triton_logprobs import TritonTokenLogProbs
 
         b = None if bias is None else bias.contiguous()
-        args = (temperature, compute_entropy, dtype or hidden.dtype)
+        args = (temperature, compute_entropy, dtype or hidden.dtype, entropy_grad)
         logp, ent = TritonTokenLogProbs.apply(h.contiguous(), weight.contiguous(), b, y.contiguous(), *args)
     return logp.reshape(shape), None if ent is None else ent.reshape(shape)
+
+
+def label_nll(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    labels: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    *,
+    ignore_index: int = -100,
+    impl: str = "auto",
+) -> torch.Tensor:
+    """Summed next-token cross-entropy of ``labels`` [..] under logits hidden [.., D] W^T + b, through the fused
+    kernels: the [tokens, V] logits are never built.
+
+        loss = sum_{n : labels_n != ignore_index} -log p(labels_n | hidden_n) = -sum_n logp_n   (a float32 scalar)
+
+    Positions labelled ``ignore_index`` are dropped before the kernel (neither computed nor given a gradient);
+    with none left the loss is a 0 that still depends on ``hidden`` and ``weight`` (so backward runs)."""
+    keep = labels != ignore_index
+    h = hidden[keep]
+    if h.shape[0] == 0:
+        return (hidden.sum() * 0.0 + weight.sum() * 0.0).float()
+    logp, _ = token_logprobs(h, weight, labels[keep], 1.0, bias, impl=impl)
+    return -logp.sum()
 
 
 def token_logprobs_reference(

@@ -3,7 +3,9 @@
 Notation as in kernels/chunked_logprobs.py: H [N, D], W [V, D], b [V], y [N], T,
 
     z = (H W^T + b) / T,  lse = logsumexp(z),  logp = z_y - lse,  entropy = lse - sum_v p_v z_v
-    dlogp_n / dz_nv = onehot(y_n)_v - p_nv,   G = (g / T)(onehot(y) - p)   [N, V]
+    dlogp_n / dz_nv = onehot(y_n)_v - p_nv,   dH_n / dz_nv = -p_nv (log p_nv + H_n)   (H: the entropy)
+    G = (1/T)[g onehot(y) - p (g + g_H (z - lse + H))]   [N, V]   (g_H = 0 unless the entropy has a gradient;
+                                                                    kernels/logit_grad.py)
     dH = G W,   dW = G^T H,   db = sum_n G_n
 
 Design (docs/kernel-roofline.md has the FLOP and byte counts behind it):
@@ -112,11 +114,12 @@ def _forward_kernel(
 
 @triton.jit
 def _grad_logits_kernel(
-    H, W, B, Y, LSE, G_T, G_OUT, N, V, D, stride_h, stride_w, inv_t,
-    HAS_BIAS: tl.constexpr, DOT_DTYPE: tl.constexpr, IEEE: tl.constexpr,
+    H, W, B, Y, LSE, G_T, ENT, GE_T, G_OUT, N, V, D, stride_h, stride_w, inv_t,
+    HAS_BIAS: tl.constexpr, ENT_GRAD: tl.constexpr, DOT_DTYPE: tl.constexpr, IEEE: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_D: tl.constexpr,
 ):  # fmt: skip
-    """Program (row block, vocabulary tile): G = (g/T)(onehot(y) - exp(z - lse)), stored in G_OUT's dtype."""
+    """Program (row block, vocabulary tile): G = (1/T)[g onehot(y) - p (g + g_H (z - lse + H))] with
+    p = exp(z - lse), stored in G_OUT's dtype; the g_H term only when ENT_GRAD (ENT: H, GE_T: g_H / T)."""
     rows = tl.program_id(0).to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
     cols = tl.program_id(1).to(tl.int64) * BLOCK_V + tl.arange(0, BLOCK_V)
     row_ok = rows < N
@@ -129,7 +132,13 @@ def _grad_logits_kernel(
     g_t = tl.load(G_T + rows, mask=row_ok, other=0.0)  # g / T
     y = tl.load(Y + rows, mask=row_ok, other=-1)
     onehot = (cols[None, :] == y[:, None]).to(tl.float32)
-    grad = g_t[:, None] * (onehot - tl.exp(z - lse[:, None]))
+    log_p = z - lse[:, None]
+    coef = g_t[:, None]
+    if ENT_GRAD:
+        ent = tl.load(ENT + rows, mask=row_ok, other=0.0)
+        ge_t = tl.load(GE_T + rows, mask=row_ok, other=0.0)  # g_H / T
+        coef = coef + ge_t[:, None] * (log_p + ent[:, None])
+    grad = g_t[:, None] * onehot - tl.exp(log_p) * coef
     mask = row_ok[:, None] & col_ok[None, :]
     tl.store(G_OUT + rows[:, None] * V + cols[None, :], grad.to(G_OUT.dtype.element_ty), mask=mask)
 
@@ -222,8 +231,13 @@ def token_logprobs_backward(
     inv_t: float,
     dtype: torch.dtype,
     need: tuple[bool, bool, bool],
+    ent: torch.Tensor | None = None,
+    ge_t: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
-    """dH (hidden's dtype), dW and db (float32) for upstream g_t = g / T; ``need`` = (dH, dW, db) wanted."""
+    """dH (hidden's dtype), dW and db (float32) for upstream g_t = g / T; ``need`` = (dH, dW, db) wanted.
+
+    With ``ent`` (H [N]) and ``ge_t`` (its upstream gradient over T [N]) the entropy's gradient is added."""
+    ent_grad = ent is not None and ge_t is not None
     n, d = hidden.shape
     v = weight.shape[0]
     w_c = weight.to(dtype)  # the GEMM operand: no copy when the head is already in the compute dtype
@@ -238,9 +252,10 @@ def token_logprobs_backward(
         h = hidden[r0:r1]
         launch(
             _grad_logits_kernel, (triton.cdiv(r1 - r0, BLOCK_N), triton.cdiv(v, BLOCK_V)), hidden.device,
-            h, weight, weight if bias is None else bias, targets[r0:r1], lse[r0:r1], g_t[r0:r1], g,
+            h, weight, weight if bias is None else bias, targets[r0:r1], lse[r0:r1], g_t[r0:r1],
+            ent[r0:r1] if ent_grad else lse[r0:r1], ge_t[r0:r1] if ent_grad else g_t[r0:r1], g,
             r1 - r0, v, d, hidden.stride(0), weight.stride(0), inv_t,
-            HAS_BIAS=bias is not None, **_dot_args(dtype),
+            HAS_BIAS=bias is not None, ENT_GRAD=ent_grad, **_dot_args(dtype),
             BLOCK_N=BLOCK_N, BLOCK_V=BLOCK_V, BLOCK_D=BLOCK_D, num_warps=NUM_WARPS, num_stages=NUM_STAGES,
         )  # fmt: skip
         if dh is not None:
@@ -256,27 +271,35 @@ class TritonTokenLogProbs(torch.autograd.Function):
     """(logp [N], entropy [N] or None) of hidden [N, D], weight [V, D], bias [V] or None, targets [N].
 
     Inputs contiguous; ``dtype`` is the compute dtype (kernels/precision.py): tiles are cast to it on load,
-    so a float32 head is never copied in the forward. Gradients flow to logp only; entropy is marked
-    non-differentiable. Gradients take their input's dtype (dW of a float32 master weight stays float32)."""
+    so a float32 head is never copied in the forward. Gradients flow to logp, and to the entropy with
+    ``entropy_grad`` (the entropy bonus; else it is marked non-differentiable). Gradients take their input's
+    dtype (dW of a float32 master weight stays float32)."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, bias, targets, temperature: float, compute_entropy: bool, dtype: torch.dtype):
+    def forward(
+        ctx, hidden, weight, bias, targets, temperature: float, compute_entropy: bool, dtype: torch.dtype,
+        entropy_grad: bool = False,
+    ):  # fmt: skip
         inv_t = 1.0 / temperature
-        logp, lse, ent = token_logprobs_forward(hidden, weight, bias, targets, inv_t, compute_entropy, dtype)
-        ctx.save_for_backward(hidden, weight, bias, targets, lse)
+        args = (inv_t, compute_entropy or entropy_grad, dtype)
+        logp, lse, ent = token_logprobs_forward(hidden, weight, bias, targets, *args)
+        ctx.save_for_backward(hidden, weight, bias, targets, lse, ent.contiguous() if entropy_grad else None)
         ctx.inv_t, ctx.dtype = inv_t, dtype
-        if ent is not None:
+        if ent is not None and not entropy_grad:
             ctx.mark_non_differentiable(ent)
         return logp, ent
 
     @staticmethod
     def backward(ctx, grad_logp: torch.Tensor, grad_entropy: torch.Tensor | None):
-        hidden, weight, bias, targets, lse = ctx.saved_tensors
+        hidden, weight, bias, targets, lse, ent = ctx.saved_tensors
         need = (ctx.needs_input_grad[0], ctx.needs_input_grad[1], bias is not None and ctx.needs_input_grad[2])
         if not any(need):
-            return None, None, None, None, None, None, None
+            return (None,) * 8
         g_t = grad_logp.float().contiguous() * ctx.inv_t
-        dh, dw, db = token_logprobs_backward(hidden, weight, bias, targets, lse, g_t, ctx.inv_t, ctx.dtype, need)
+        ge_t = None if ent is None or grad_entropy is None else grad_entropy.float().contiguous() * ctx.inv_t
+        dh, dw, db = token_logprobs_backward(
+            hidden, weight, bias, targets, lse, g_t, ctx.inv_t, ctx.dtype, need, ent=ent, ge_t=ge_t
+        )
         dw = None if dw is None else dw.to(weight.dtype)
         db = None if db is None else db.to(bias.dtype)
-        return dh, dw, db, None, None, None, None
+        return dh, dw, db, None, None, None, None, None

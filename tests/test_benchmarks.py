@@ -37,6 +37,10 @@ RUNS = {
         ["--vocabs", "256", "--b", "2", "--p", "4", "--c", "4", "--repeats", "1"],
         ["naive@256", "fused@256"],
     ),  # fmt: skip
+    "bench_entropy_sft_peak.py": (
+        ["--b", "2", "--c", "8", "--d", "16", "--v", "256", "--repeats", "1"],
+        ["grpo@reference", "grpo@fused", "sft@reference", "sft@fused"],
+    ),
     "bench_logprob_chunks.py": (
         ["--model", MODEL, "--rows", "4", "--max-completion", "10", "--chunks", "0", "2", "--reps", "1"],
         ["0", "2"],

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
-from grpoflow.kernels.logprobs import token_logprobs, token_logprobs_reference
+from grpoflow.kernels.logprobs import token_logprobs
 from grpoflow.tasks.generation.types import left_pad
 from grpoflow.tasks.model.loading import backbone_and_head
 
@@ -131,13 +131,15 @@ class PolicyLogProbs(torch.nn.Module):
             hidden = backbone(input_ids=input_ids, attention_mask=attn, use_cache=False).last_hidden_state
             h = hidden[:, P - 1 : P + C - 1]  # [B, C, D]
         bias = getattr(head, "bias", None)
-        if entropy_grad:
-            logp, ent = token_logprobs_reference(
-                h.reshape(-1, h.shape[-1]), head.weight, completion_ids.reshape(-1), temperature, bias
-            )
-            return logp.view(completion_ids.shape), ent.view(completion_ids.shape)
         return token_logprobs(
-            h, head.weight, completion_ids, temperature, bias, compute_entropy=compute_entropy, impl=impl
+            h,
+            head.weight,
+            completion_ids,
+            temperature,
+            bias,
+            compute_entropy=compute_entropy,
+            impl=impl,
+            entropy_grad=entropy_grad,
         )
 
 
@@ -268,7 +270,6 @@ def policy_logprobs(
     """Per-token log-probs [B, C] (and entropy, without gradient) of the completion tokens under ``model``.
 
     ``impl`` picks the kernels.token_logprobs implementation (tests and benchmarks compare them).
-    ``entropy_grad`` (the entropy bonus): both from the full float32 logits, the entropy with its gradient
-    (memory: B * C * vocab floats; the fused kernels compute entropy without one). ``chunk_rows``: as in
-    :func:`root_logprobs`."""
+    ``entropy_grad`` (the entropy bonus): the entropy carries its gradient, dH/dz = -p (log p + H), formed inside
+    the same fused kernels (no [tokens, vocabulary] tensor). ``chunk_rows``: as in :func:`root_logprobs`."""
     return root_logprobs(PolicyLogProbs(model), batch, temperature, compute_entropy, impl, entropy_grad, chunk_rows)

@@ -22,6 +22,7 @@ from typing import Any
 import torch
 from prefect import task
 
+from grpoflow.kernels.logprobs import label_nll
 from grpoflow.tasks.config import PipelineConfig
 from grpoflow.tasks.dataio.splits import load_split
 from grpoflow.tasks.model.device import select_device
@@ -125,13 +126,13 @@ def labelled_token_loss(model, ids: torch.Tensor, labels: torch.Tensor, mask: to
 
     The output projection runs only where the next token carries a label (with completion-only loss, the
     completion): the prompt's vocabulary-wide logits are never formed. On SmolLM2 (49k vocabulary) a prompt of
-    ~60 tokens before a ~40-token completion made those logits most of the head's work and memory."""
+    ~60 tokens before a ~40-token completion made those logits most of the head's work and memory. Even those run
+    through the fused log-prob kernels (kernels.logprobs.label_nll: loss = -sum logp of the labels), so no
+    [tokens, vocabulary] logits exist: a float32 copy of them was 4 * tokens * V bytes, and as much again for its
+    softmax and gradient."""
     backbone, head = backbone_and_head(model)
     hidden = backbone(input_ids=ids, attention_mask=mask, use_cache=False).last_hidden_state[:, :-1]
-    targets = labels[:, 1:]
-    keep = targets != -100
-    logits = head(hidden[keep]).float()
-    return torch.nn.functional.cross_entropy(logits, targets[keep], reduction="sum")
+    return label_nll(hidden, head.weight, labels[:, 1:], getattr(head, "bias", None))
 
 
 @dataclasses.dataclass(frozen=True)

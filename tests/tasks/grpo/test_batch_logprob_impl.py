@@ -59,3 +59,63 @@ def test_every_logprob_pass_of_a_step_uses_the_configured_impl(tmp_path, monkeyp
     trainer = make_trainer(cfg, tok, model, tmp_path / "ckpt", n_rows=4)
     trainer.train()
     assert len(impls) >= 3 and set(impls) == {"chunked"}  # loss, old and reference passes
+
+
+def test_the_entropy_bonus_trains_through_the_fused_kernels(tmp_path, monkeypatch):
+    """Issue 41: with the entropy bonus on, the loss pass asks token_logprobs for the entropy's gradient and the
+    full-logits reference is never called by training code."""
+    from grpoflow.kernels import logprobs as kernel_module
+
+    calls = []
+    real = batch_module.token_logprobs
+
+    def recording(*args, **kwargs):
+        calls.append(kwargs.get("entropy_grad"))
+        return real(*args, **kwargs)
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("token_logprobs_reference called from training")
+
+    monkeypatch.setattr(batch_module, "token_logprobs", recording)
+    monkeypatch.setattr(kernel_module, "token_logprobs_reference", refuse)
+    tok, model = make(lora=True)
+    cfg = GRPOConfig(
+        max_steps=1, per_device_train_batch_size=4, num_generations=2, max_completion_length=4, entropy_coef=0.05
+    )
+    make_trainer(cfg, tok, model, tmp_path / "ckpt", n_rows=4).train()
+    assert True in calls
+
+
+@pytest.mark.parametrize("lora", [False, True])
+def test_entropy_grad_log_probs_match_the_full_logits(lora):
+    """policy_logprobs with entropy_grad: log-probs, entropies and the gradient of sum(a logp + c H) w.r.t. every
+    trainable parameter equal those from the model's full float32 logits."""
+    from grpoflow.tasks.grpo.batch import build_round, policy_logprobs
+
+    tok, model = make(lora=lora)
+    g = torch.Generator().manual_seed(0)
+    v = model.get_output_embeddings().weight.shape[0]
+    prompts = [[5, 9, 11], [7, 8], [5, 9, 11]]
+    completions = [torch.randint(3, v, (k,), generator=g).tolist() for k in (4, 2, 3)]
+    batch = build_round(prompts, completions, [[0.0] * len(c) for c in completions], ["stop"] * 3, 0, False)
+    params = [p for p in model.parameters() if p.requires_grad]
+    a, c = torch.randn(3, 4, generator=g), torch.randn(3, 4, generator=g)
+    m = batch.completion_mask.float()
+
+    logp, ent = policy_logprobs(model, batch, 0.8, compute_entropy=True, impl="chunked", entropy_grad=True)
+    grads = torch.autograd.grad((m * (a * logp + c * ent)).sum(), params)
+
+    ids = torch.cat([batch.prompt_ids, batch.completion_ids], 1)
+    attn = torch.cat([batch.prompt_mask, torch.ones_like(batch.completion_ids)], 1)
+    P, C = batch.prompt_ids.shape[1], batch.completion_ids.shape[1]
+    logits = model(input_ids=ids, attention_mask=attn).logits[:, P - 1 : P + C - 1].float() / 0.8
+    logsm = torch.log_softmax(logits, -1)
+    rlogp = logsm.gather(-1, batch.completion_ids[..., None])[..., 0]
+    rent = -(logsm.exp() * logsm).sum(-1)
+    rgrads = torch.autograd.grad((m * (a * rlogp + c * rent)).sum(), params)
+
+    torch.testing.assert_close(logp * m, rlogp * m, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(ent * m, rent * m, atol=1e-5, rtol=1e-5)
+    for got, want in zip(grads, rgrads, strict=True):
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-4)
+    assert any(gr.abs().sum() > 0 for gr in grads)
