@@ -195,21 +195,22 @@ def decoder_layers(root: torch.nn.Module) -> list[torch.nn.Module]:
 
 @contextlib.contextmanager
 def gradient_sync(root: torch.nn.Module, enabled: bool) -> Iterator[None]:
-    """Inside: backward() accumulates gradients locally unless ``enabled`` (the micro-step that completes an
-    optimizer step), as DDP's ``no_sync`` and FSDP2's ``set_requires_gradient_sync`` do; nothing for a plain
-    module."""
-    if enabled:
+    """Inside: how backward() treats the gradients of a micro-step; ``enabled`` on the micro-step that completes an
+    optimizer step.
+
+    DDP: unless ``enabled``, gradients accumulate locally (``no_sync``) and the last micro-step's backward all-reduces
+    their sum: a DDP rank holds the whole model and its whole gradient anyway, so skipping the all-reduces costs no
+    memory. FSDP2: every micro-step reduce-scatters, ``enabled`` or not, and FSDP2 adds each reduced shard into the
+    sharded ``.grad`` it keeps, so a rank holds 1/world of the gradient across the accumulation window.
+    ``set_requires_gradient_sync(False)`` would instead keep each layer's *unsharded* gradient, upcast to the
+    reduce dtype, from one micro-step to the next (a float32 gradient of the whole model per rank: 28 GB for 7B
+    parameters), which defeats the sharding; one reduce-scatter per layer per micro-step is the price of not doing
+    that. The sum is the same either way (the reduction is linear); only its rounding order differs. Nothing for a
+    plain module."""
+    if enabled or not hasattr(root, "no_sync"):
         yield
-    elif hasattr(root, "no_sync"):
-        with root.no_sync():
-            yield
-    elif hasattr(root, "set_requires_gradient_sync"):
-        root.set_requires_gradient_sync(False)
-        try:
-            yield
-        finally:
-            root.set_requires_gradient_sync(True)
-    else:
+        return
+    with root.no_sync():
         yield
 
 
