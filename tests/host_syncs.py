@@ -20,11 +20,17 @@ MASK_INDEXED_OPS = {"index", "index_put", "index_put_", "_index_put_impl_"}  # a
 
 
 def _caller(skip: int) -> str:
-    """``file:line`` of the innermost frame of grpoflow code (tasks/, kernels/) on the stack, else the innermost."""
+    """``file:line`` of the innermost frame of grpoflow code (tasks/, kernels/) on the stack (else the innermost),
+    followed by `` via PACKAGE`` when the call was made inside a library that grpoflow code called (transformers'
+    masks, say): the innermost frame outside torch is then in site-packages."""
     frames = traceback.extract_stack()[:-skip]
     ours = [f for f in frames if "/tasks/" in f.filename or "/kernels/" in f.filename]
     f = (ours or frames)[-1]
-    return f"{f.filename.rsplit('/', 2)[-1]}:{f.lineno}"
+    where = f"{f.filename.rsplit('/', 2)[-1]}:{f.lineno}"
+    outside_torch = [g for g in frames if "/torch/" not in g.filename and "host_syncs" not in g.filename]
+    if outside_torch and "site-packages/" in outside_torch[-1].filename:
+        where += " via " + outside_torch[-1].filename.split("site-packages/")[1].split("/")[0]
+    return where
 
 
 class SyncCounter(TorchDispatchMode):
@@ -38,6 +44,10 @@ class SyncCounter(TorchDispatchMode):
     @property
     def total(self) -> int:
         return sum(self.where.values())
+
+    def ours(self) -> dict[str, int]:
+        """The calls made by grpoflow code itself (not inside a library it called)."""
+        return {k: v for k, v in self.where.items() if " via " not in k}
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         name = func.overloadpacket.__name__
