@@ -39,7 +39,9 @@ def logit_grad(
     else:
         coef = torch.addcmul(g_t[:, None], ge_t[:, None], log_p + ent[:, None])  # (g + g_H (log p + H)) / T
         grad = log_p.exp_().mul_(coef).neg_()
-    inside = (local_y >= 0) & (local_y < z.shape[1])
-    rows = inside.nonzero().squeeze(1)
-    grad[rows, local_y[rows]] += g_t[rows]  # + g onehot(y) / T
+    c = z.shape[1]
+    inside = (local_y >= 0) & (local_y < c)
+    # + g onehot(y) / T at each row's target when it falls in this tile, by masked arithmetic: indexing the rows by
+    # ``inside`` would be a nonzero, a device-to-host sync per tile
+    grad.scatter_add_(1, local_y.clamp(0, c - 1)[:, None], torch.where(inside, g_t, 0.0).to(grad.dtype)[:, None])
     return grad

@@ -66,6 +66,10 @@ def build_round(
     return RoundTensors(p_ids, p_mask, c_ids, c_mask, s_lp, truncated)
 
 
+PromptGroups = tuple[torch.Tensor, torch.Tensor]  # (one row index per distinct prompt [U], each row's prompt [B])
+FIND = "find"  # PolicyLogProbs.forward's groups: find the rows sharing a prompt on the device
+
+
 class PolicyLogProbs(torch.nn.Module):
     """The log-prob path of a causal LM as one module: ``forward`` runs the backbone and the fused head kernel.
 
@@ -90,10 +94,14 @@ class PolicyLogProbs(torch.nn.Module):
         entropy_grad: bool = False,
         lengths: torch.Tensor | None = None,
         chunk_rows: int = 0,
+        groups: PromptGroups | None | str = FIND,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """``groups``: the rows sharing a prompt, as :func:`host_prompt_groups` gives them (None: no two rows do), or
+        FIND to find them here with :func:`prompt_groups` (torch.unique and a read of its size: a device-to-host sync
+        per forward). The length-sorted chunks (``chunk_rows``) find their own."""
         args = (temperature, compute_entropy, impl, entropy_grad)
         if not chunk_rows or lengths is None:
-            return self._logprobs(prompt_ids, prompt_mask, completion_ids, *args)
+            return self._logprobs(prompt_ids, prompt_mask, completion_ids, *args, groups)
         # length-sorted chunks, each cut to its own longest prompt and completion, padded back to [B, C]
         P, C = prompt_ids.shape[1], completion_ids.shape[1]
         order = torch.argsort(lengths, stable=True)
@@ -102,7 +110,7 @@ class PolicyLogProbs(torch.nn.Module):
             p = max(1, int(prompt_mask[rows].sum(1).max()))  # left-padded: the real tokens are the last p columns
             c = max(1, int(lengths[rows].max()))
             lp, ent = self._logprobs(
-                prompt_ids[rows, P - p :], prompt_mask[rows, P - p :], completion_ids[rows, :c], *args
+                prompt_ids[rows, P - p :], prompt_mask[rows, P - p :], completion_ids[rows, :c], *args, FIND
             )
             logps.append(torch.nn.functional.pad(lp, (0, C - c)))
             entropies.append(None if ent is None else torch.nn.functional.pad(ent, (0, C - c)))
@@ -119,10 +127,14 @@ class PolicyLogProbs(torch.nn.Module):
         compute_entropy: bool,
         impl: str,
         entropy_grad: bool,
+        groups: PromptGroups | None | str,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         backbone, head = backbone_and_head(self.model)
         P, C = prompt_ids.shape[1], completion_ids.shape[1]
-        groups = prompt_groups(prompt_ids, prompt_mask) if self.share_prompts and can_share(backbone) else None
+        if not (self.share_prompts and can_share(backbone)):
+            groups = None
+        elif isinstance(groups, str):
+            groups = prompt_groups(prompt_ids, prompt_mask)
         if groups is not None:
             h = shared_prompt_hidden(backbone, prompt_ids, prompt_mask, completion_ids, *groups)  # [B, C, D]
         else:
@@ -141,6 +153,30 @@ class PolicyLogProbs(torch.nn.Module):
             impl=impl,
             entropy_grad=entropy_grad,
         )
+
+
+def prompt_keys(prompt_ids: torch.Tensor, prompt_mask: torch.Tensor) -> list[int]:
+    """Each row's key: the first row with the same prompt (ids and mask), from one read of the prompts to the host
+    (a round's, once per round), so that :func:`host_prompt_groups` finds any subset's groups without the device."""
+    first: dict[tuple[int, ...], int] = {}
+    return [first.setdefault(tuple(row), i) for i, row in enumerate(torch.cat([prompt_ids, prompt_mask], 1).tolist())]
+
+
+def host_prompt_groups(keys: list[int], device: torch.device) -> PromptGroups | None:
+    """:func:`prompt_groups` of rows with prompt ``keys`` (:func:`prompt_keys`), computed on the host and sent to
+    ``device`` (no device-to-host sync): the distinct prompts in order of first appearance; None when no two rows
+    share one."""
+    distinct: dict[int, int] = {}
+    first, inverse = [], []
+    for i, key in enumerate(keys):
+        if key not in distinct:
+            distinct[key] = len(first)
+            first.append(i)
+        inverse.append(distinct[key])
+    if len(first) == len(keys):
+        return None
+    send = lambda x: torch.tensor(x, dtype=torch.long).to(device, non_blocking=True)  # noqa: E731
+    return send(first), send(inverse)
 
 
 def prompt_groups(prompt_ids: torch.Tensor, prompt_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
@@ -236,9 +272,10 @@ def root_logprobs(
     impl: str = "auto",
     entropy_grad: bool = False,
     chunk_rows: int = 0,
+    groups: PromptGroups | None | str = FIND,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Per-token log-probs [B, C] (and entropy) of ``batch``'s completions through ``root``: a
-    :class:`PolicyLogProbs` or the distributed wrapper around one.
+    :class:`PolicyLogProbs` or the distributed wrapper around one; ``groups`` as its forward takes them.
 
     ``chunk_rows`` > 0 (grpo.logprob_chunk_rows): the rows sorted by completion length, ``chunk_rows`` at a time,
     each chunk cut to its longest prompt and completion instead of the round's widths; the positions past a row's
@@ -255,6 +292,7 @@ def root_logprobs(
         entropy_grad,
         lengths,
         chunk_rows,
+        groups,
     )
 
 

@@ -13,8 +13,8 @@ The layout (TRL GRPOTrainer, where num_processes is the world size W; docs/grpo.
     grpo and dr_grpo normalize locally (the gradient average over the ranks makes them the global mean); bnpo
     normalizes by the local token count, as TRL does, so it is not invariant to W.
 
-At world size 1 every function here is the identity on what the single-process trainer computes (the
-micro-step metrics, :func:`micro_metrics`, are the single-process trainer's own expressions there).
+At world size 1 every function here is the identity on what the single-process trainer computes. The micro-step
+metrics, reduced over the ranks once per optimizer step, are in tasks/grpo/step_metrics.py.
 """
 
 from __future__ import annotations
@@ -25,8 +25,7 @@ from collections.abc import Iterator
 
 import torch
 
-from grpoflow.tasks.config import Batching, GRPOConfig
-from grpoflow.tasks.grpo.loss import masked_mean
+from grpoflow.tasks.config import Batching
 from grpoflow.tasks.launch.dist import Comm
 
 
@@ -46,85 +45,6 @@ def row_seed(seed: int, round_index: int, row: int) -> int:
     completion depends on where it sits in the run, never on which process or batch drew it."""
     digest = hashlib.sha256(f"{seed}/{round_index}/{row}".encode()).digest()
     return int.from_bytes(digest[:8], "little") & ((1 << 63) - 1)
-
-
-def micro_metrics(
-    comm: Comm,
-    window: dict[str, list[float]],
-    loss: torch.Tensor,
-    extras: dict[str, torch.Tensor],
-    m: torch.Tensor,
-    entropy: torch.Tensor,
-    base_logp: torch.Tensor,
-    sampler_logp: torch.Tensor,
-    sampled: bool,
-    cfg: GRPOConfig,
-) -> None:
-    """A micro-step's metrics, appended to ``window``: loss (times GA: the micro-batch's own), entropy, clip ratios
-    (token means, the lowest low and highest high per-sequence ratio), kl, and with ``sampled`` (the round's first
-    replay) the gap between the trainer's and the sampler's log-probs. On several processes over every rank's
-    micro-batch (:func:`micro_metrics_distributed`)."""
-    if comm.world > 1:
-        micro_metrics_distributed(comm, window, loss, extras, m, entropy, base_logp, sampler_logp, sampled, cfg)
-        return
-    window["loss"].append(loss.item() * cfg.gradient_accumulation_steps)
-    window["entropy"].append(masked_mean(entropy.detach(), m))
-    for name in ("low", "high", "region"):
-        window[f"clip_ratio/{name}_mean"].append(masked_mean(extras[f"is_{name}_clipped"], m))
-    per_seq = lambda x: (x.float() * m).sum(-1) / m.sum(-1)  # noqa: E731  (NaN for masked rows)
-    window["clip_ratio/low_min"].append(torch.nan_to_num(per_seq(extras["is_low_clipped"]), nan=1.0).min().item())
-    window["clip_ratio/high_max"].append(torch.nan_to_num(per_seq(extras["is_high_clipped"]), nan=0.0).max().item())
-    if "kl" in extras:
-        window["kl"].append(masked_mean(extras["kl"], m))
-    if sampled:
-        real = m.bool() & ~torch.isnan(sampler_logp)
-        if real.any():
-            diff = (base_logp - sampler_logp).abs()[real]
-            window["sampling/sampling_logp_difference/mean"].append(diff.mean().item())
-            window["sampling/sampling_logp_difference/max"].append(diff.max().item())
-
-
-def micro_metrics_distributed(
-    comm: Comm,
-    window: dict[str, list[float]],
-    loss: torch.Tensor,
-    extras: dict[str, torch.Tensor],
-    mask: torch.Tensor,
-    entropy: torch.Tensor,
-    base_logp: torch.Tensor,
-    sampler_logp: torch.Tensor,
-    sampled: bool,
-    cfg: GRPOConfig,
-) -> None:
-    """A micro-step's metrics over every rank's micro-batch, appended to ``window`` (the trainer's single-process
-    metrics, reduced as TRL reduces them): loss averaged over the ranks; entropy, clip ratios and kl as global
-    masked means; clip_ratio/low_min the minimum and high_max the maximum over all sequences; the sampler gap
-    (``sampled``: the first replay of the round) over every rank's real tokens. Three collectives, the same on
-    every rank."""
-    m = mask.to(torch.float32)
-    names = ["entropy", *(f"clip_ratio/{n}_mean" for n in ("low", "high", "region"))]
-    values = [entropy.detach(), *(extras[f"is_{n}_clipped"] for n in ("low", "high", "region"))]
-    if "kl" in extras:
-        names.append("kl")
-        values.append(extras["kl"])
-    real = m.bool() & ~torch.isnan(sampler_logp)
-    diff = (base_logp - sampler_logp).abs()[real] if sampled else base_logp.new_zeros(0)
-    sums = [(v.float() * m).sum() for v in values] + [diff.sum().float()]
-    counts = torch.stack([m.sum(), torch.tensor(float(diff.numel()), device=m.device)])
-    totals = comm.all_reduce(torch.stack([loss.detach().float() * cfg.gradient_accumulation_steps, *sums, *counts]))
-    window["loss"].append(float(totals[0]) / comm.world)
-    for k, name in enumerate(names):
-        window[name].append(float(totals[1 + k] / totals[-2].clamp(min=1.0)))
-    per_seq = lambda x: (x.float() * m).sum(-1) / m.sum(-1)  # noqa: E731  (NaN for masked rows)
-    low = torch.nan_to_num(per_seq(extras["is_low_clipped"]), nan=1.0).min()
-    window["clip_ratio/low_min"].append(float(comm.all_reduce(low, "min")))
-    high = torch.nan_to_num(per_seq(extras["is_high_clipped"]), nan=0.0).max()
-    diff_max = diff.max() if diff.numel() else torch.zeros((), device=m.device)
-    maxes = comm.all_reduce(torch.stack([high.float(), diff_max.float()]), "max")
-    window["clip_ratio/high_max"].append(float(maxes[0]))
-    if sampled and float(totals[-1]) > 0:
-        window["sampling/sampling_logp_difference/mean"].append(float(totals[-3] / totals[-1]))
-        window["sampling/sampling_logp_difference/max"].append(float(maxes[1]))
 
 
 def mixed_precision(autocast_dtype: torch.dtype | None):
@@ -195,21 +115,22 @@ def decoder_layers(root: torch.nn.Module) -> list[torch.nn.Module]:
 
 @contextlib.contextmanager
 def gradient_sync(root: torch.nn.Module, enabled: bool) -> Iterator[None]:
-    """Inside: backward() accumulates gradients locally unless ``enabled`` (the micro-step that completes an
-    optimizer step), as DDP's ``no_sync`` and FSDP2's ``set_requires_gradient_sync`` do; nothing for a plain
-    module."""
-    if enabled:
+    """Inside: how backward() treats the gradients of a micro-step; ``enabled`` on the micro-step that completes an
+    optimizer step.
+
+    DDP: unless ``enabled``, gradients accumulate locally (``no_sync``) and the last micro-step's backward all-reduces
+    their sum: a DDP rank holds the whole model and its whole gradient anyway, so skipping the all-reduces costs no
+    memory. FSDP2: every micro-step reduce-scatters, ``enabled`` or not, and FSDP2 adds each reduced shard into the
+    sharded ``.grad`` it keeps, so a rank holds 1/world of the gradient across the accumulation window.
+    ``set_requires_gradient_sync(False)`` would instead keep each layer's *unsharded* gradient, upcast to the
+    reduce dtype, from one micro-step to the next (a float32 gradient of the whole model per rank: 28 GB for 7B
+    parameters), which defeats the sharding; one reduce-scatter per layer per micro-step is the price of not doing
+    that. The sum is the same either way (the reduction is linear); only its rounding order differs. Nothing for a
+    plain module."""
+    if enabled or not hasattr(root, "no_sync"):
         yield
-    elif hasattr(root, "no_sync"):
-        with root.no_sync():
-            yield
-    elif hasattr(root, "set_requires_gradient_sync"):
-        root.set_requires_gradient_sync(False)
-        try:
-            yield
-        finally:
-            root.set_requires_gradient_sync(True)
-    else:
+        return
+    with root.no_sync():
         yield
 
 
@@ -259,13 +180,3 @@ def full_state_dict(root: torch.nn.Module, comm: Comm) -> dict[str, torch.Tensor
     if not comm.is_main:
         return None
     return {k.removeprefix("model."): v for k, v in state.items()}
-
-
-def entropy_counts(comm: Comm, extras: dict[str, torch.Tensor]) -> tuple[float, float]:
-    """The entropy bonus's (entropy sum, tokens) of a micro-step for its adaptive coefficient, summed over the
-    ranks, so that every rank moves the coefficient alike."""
-    s, n = extras["entropy_sum"], extras["entropy_tokens"]
-    if comm.world > 1:
-        total = comm.all_reduce(torch.stack([s.float(), n.float()]))
-        return float(total[0]), float(total[1])
-    return float(s), float(n)

@@ -93,22 +93,24 @@ class StepFlops:
         self.shape = model_shape(model)
         self.flops = 0.0
         self.gen_seconds = 0.0
+        self.pending: list[torch.Tensor] = []  # the loss micro-batches' row lengths since the last take
 
-    @staticmethod
-    def seq_lens(batch) -> list[int]:
-        """Real tokens (prompt + completion, padding left out) of each row of a RoundTensors."""
-        return (batch.prompt_mask.sum(1) + batch.completion_mask.sum(1)).tolist()
-
-    def add_round(self, r) -> None:
-        lens = self.seq_lens(r.batch)
+    def add_round(self, r, seq_lens: list[int]) -> None:
+        """Round ``r``'s generation seconds and its old/reference log-prob passes over rows of ``seq_lens`` real
+        tokens (prompt + completion)."""
         passes = (r.old_logp is not None) + (r.ref_logp is not None)
-        self.flops += passes * forward_flops(self.shape, lens)
+        self.flops += passes * forward_flops(self.shape, seq_lens)
         self.gen_seconds += r.stats.get("generation_time", 0.0)
 
-    def add_micro(self, mb) -> None:
-        self.flops += train_flops(self.shape, self.seq_lens(mb))
+    def add_micro(self, seq_lens: torch.Tensor) -> None:
+        """A loss micro-batch over rows of ``seq_lens`` real tokens (a CPU tensor: the round's, read once per round,
+        indexed by its rows), counted at :meth:`take` (one read per step; the FLOPs add up row by row)."""
+        self.pending.append(seq_lens)
 
     def take(self, step_seconds: float) -> dict[str, float]:
+        if self.pending:
+            self.flops += train_flops(self.shape, torch.cat(self.pending).tolist())
+            self.pending = []
         seconds = max(step_seconds - self.gen_seconds, 0.0)
         out = {
             "perf/train_flops": self.flops,

@@ -67,6 +67,10 @@ class Round:
     # sampler-correction metric parts of the micro-batches that took their correction from the loss pass
     # (trainer.micro_loss); not checkpointed: such rounds end inside one optimizer step
     correction: list = field(default_factory=list)
+    # read from the device once per round, not checkpointed (recomputed for a resumed round): each micro-step
+    # position's prompt groups (batch.host_prompt_groups) and each row's real tokens on the CPU (flops.py)
+    prompt_groups: list | None = None
+    seq_lens: torch.Tensor | None = None
 
     _TENSORS = ("advantages", "old_logp", "ref_logp", "is_ratio", "order")
 

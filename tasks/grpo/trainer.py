@@ -29,17 +29,17 @@ from grpoflow.tasks.config.fingerprint import config_digest
 from grpoflow.tasks.generation.types import SamplingParams
 from grpoflow.tasks.grpo import checkpoint, dist_checkpoint
 from grpoflow.tasks.grpo.advantages import combine_rewards, decoupled_advantages, group_advantages, nanstd
-from grpoflow.tasks.grpo.batch import PolicyLogProbs, RoundTensors, build_round, check_logprob_impl, root_logprobs
-from grpoflow.tasks.grpo.checkpoint import list_checkpoints
-from grpoflow.tasks.grpo.distributed import (
-    entropy_counts,
-    gathered,
-    gradient_sync,
-    local_rows,
-    micro_metrics,
-    rounds_done,
-    row_seed,
+from grpoflow.tasks.grpo.batch import (
+    PolicyLogProbs,
+    RoundTensors,
+    build_round,
+    check_logprob_impl,
+    host_prompt_groups,
+    prompt_keys,
+    root_logprobs,
 )
+from grpoflow.tasks.grpo.checkpoint import list_checkpoints
+from grpoflow.tasks.grpo.distributed import gathered, gradient_sync, local_rows, rounds_done, row_seed
 from grpoflow.tasks.grpo.dynamic import Drawn, fill_round, with_overlong_penalty
 from grpoflow.tasks.grpo.flops import StepFlops
 from grpoflow.tasks.grpo.loss import (
@@ -52,6 +52,7 @@ from grpoflow.tasks.grpo.loss import (
 from grpoflow.tasks.grpo.regularizers import EntropyControl, mix_reference
 from grpoflow.tasks.grpo.rounds import PromptSampler, Round
 from grpoflow.tasks.grpo.schedule import is_optimizer_step, micro_batch_rows
+from grpoflow.tasks.grpo.step_metrics import StepMetrics
 from grpoflow.tasks.grpo.trainer_runtime import TrainerRuntime
 from grpoflow.tasks.launch.dist import Comm
 from grpoflow.tasks.model.device import model_device
@@ -155,6 +156,7 @@ class GRPOTrainer:
         self.history: list[dict] = []
         self.unscored_rounds = UnscoredRounds()  # per reward: rounds it scored nothing
         self.flops = StepFlops(model)  # perf/train_tflops: the training half's model FLOPs per second (flops.py)
+        self.step_metrics = StepMetrics()  # the micro-steps' metrics, on the device until the optimizer step
 
     # ---------------------------------------------------------------- generation round
     def draw(self, n_prompts: int) -> Drawn:
@@ -268,10 +270,12 @@ class GRPOTrainer:
     def _logprobs_no_grad(self, batch: RoundTensors, model=None) -> torch.Tensor:
         out = []
         mb = self.batching.micro_batch_size
+        keys = prompt_keys(batch.prompt_ids, batch.prompt_mask)  # one read for the pass, not one per forward
         with torch.no_grad(), self._autocast():
             for s in range(0, batch.completion_ids.shape[0], mb):
                 sub = batch.select(torch.arange(s, min(s + mb, batch.completion_ids.shape[0])))
-                kw = {"impl": self.cfg.logprob_impl, "chunk_rows": self.cfg.logprob_chunk_rows}
+                groups = host_prompt_groups(keys[s : s + mb], self.device)
+                kw = {"impl": self.cfg.logprob_impl, "chunk_rows": self.cfg.logprob_chunk_rows, "groups": groups}
                 # the policy through the root module (the distributed engine's); the reference model as it is
                 root = self.root if model is None else PolicyLogProbs(model, self.cfg.share_prompt_forward)
                 out.append(root_logprobs(root, sub, self.cfg.temperature, **kw)[0])
@@ -329,10 +333,10 @@ class GRPOTrainer:
             while self.step < g.max_steps:
                 if self.round is None:
                     self.round = self.new_round()
-                    self.flops.add_round(self.round)
+                    self.flops.add_round(self.round, self._seq_lens(self.round).tolist())
                 r = self.round
                 it, idx = micro_batch_rows(b, r.position, r.order)
-                self._micro_step(r, idx, it, window)
+                self._micro_step(r, idx, it)
                 r.position += 1
                 if r.position == b.micro_steps_per_round:
                     self.round = None
@@ -341,6 +345,8 @@ class GRPOTrainer:
                 if not is_optimizer_step(self.micro_step, b):
                     continue
                 grad_norm = clip_and_step(self.root, self.optimizer, self.scheduler, g.max_grad_norm)
+                for entropy_sum, tokens in self.step_metrics.flush(self.comm, window):  # one collective, one read
+                    self.entropy.observe(entropy_sum, tokens)
                 self.step += 1
                 self._after_step(window)
                 now = time.perf_counter()
@@ -381,9 +387,25 @@ class GRPOTrainer:
             g.vllm_importance_sampling_clip_min,
         )
 
+    def _prompt_groups(self, r: Round) -> list:
+        """The prompt groups (batch.host_prompt_groups) of each micro-step position's rows, computed on the host
+        once per round (one read of its prompts and its row order), so that no forward of the round syncs to find
+        which rows share a prompt."""
+        if r.prompt_groups is None:
+            keys, order = prompt_keys(r.batch.prompt_ids, r.batch.prompt_mask), r.order.tolist()
+            rows = [micro_batch_rows(self.batching, p, order)[1] for p in range(self.batching.micro_steps_per_round)]
+            r.prompt_groups = [host_prompt_groups([keys[i] for i in part], self.device) for part in rows]
+        return r.prompt_groups
+
+    def _seq_lens(self, r: Round) -> torch.Tensor:
+        """Each row's real tokens (prompt + completion) on the CPU, read once per round (flops.py)."""
+        if r.seq_lens is None:
+            r.seq_lens = (r.batch.prompt_mask.sum(1) + r.batch.completion_mask.sum(1)).cpu()
+        return r.seq_lens
+
     def micro_loss(self, r: Round, idx: torch.Tensor):
-        """The loss of the round's rows ``idx`` under the current policy, and what its metrics need:
-        (loss, extras, the micro-batch, logp, entropy), all on the model's device."""
+        """The loss of the round's rows ``idx`` (those of its micro-step ``r.position``) under the current policy,
+        and what its metrics need: (loss, extras, the micro-batch, logp, entropy), all on the model's device."""
         mb = r.batch.select(idx)
         with self._autocast():
             logp, entropy = root_logprobs(
@@ -394,6 +416,7 @@ class GRPOTrainer:
                 impl=self.cfg.logprob_impl,
                 entropy_grad=self.entropy is not None,
                 chunk_rows=self.cfg.logprob_chunk_rows,
+                groups=self._prompt_groups(r)[r.position],
             )
         old = r.old_logp[idx] if r.old_logp is not None else None
         ref = r.ref_logp[idx] if r.ref_logp is not None else None
@@ -417,20 +440,22 @@ class GRPOTrainer:
         )
         return loss, extras, mb, logp, entropy
 
-    def _micro_step(self, r: Round, idx: torch.Tensor, iteration: int, window: dict) -> None:
+    def _micro_step(self, r: Round, idx: torch.Tensor, iteration: int) -> None:
+        """Forward and backward of the round's rows ``idx``; the metrics stay on the device (step_metrics) until the
+        optimizer step."""
         g = self.cfg
-        # gradients are averaged over the ranks only on the micro-step that completes an optimizer step
+        # DDP averages gradients over the ranks only on the micro-step that completes an optimizer step (FSDP2: on
+        # every micro-step, into the sharded gradient; distributed.gradient_sync)
         with gradient_sync(self.root, is_optimizer_step(self.micro_step + 1, self.batching)):
             loss, extras, mb, logp, entropy = self.micro_loss(r, idx)
             loss.backward()
-        self.flops.add_micro(mb)
+        self.flops.add_micro(self._seq_lens(r)[idx])
         old = r.old_logp[idx] if r.old_logp is not None else None
         self.micro_step += 1
         base = old if old is not None else logp.detach()
         sampled = iteration == 0 and not self.is_correction  # with the correction on, measured per round
-        micro_metrics(self.comm, window, loss, extras, mb.completion_mask, entropy, base, mb.sampler_logp, sampled, g)
-        if self.entropy is not None:
-            self.entropy.observe(*entropy_counts(self.comm, extras))
+        ga = g.gradient_accumulation_steps
+        self.step_metrics.add(loss, extras, mb.completion_mask, entropy, base, mb.sampler_logp, sampled, ga)
 
     def _after_step(self, window: dict) -> None:
         """After an optimizer step: the adaptive entropy coefficient moves, the reference model follows the policy

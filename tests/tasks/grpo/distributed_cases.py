@@ -24,6 +24,7 @@ import torch
 from grpoflow.tasks.config import GRPOConfig
 from grpoflow.tasks.grpo.batch import PolicyLogProbs
 from grpoflow.tasks.grpo.distributed import wrap_root
+from grpoflow.tasks.grpo.trainer_runtime import CheckpointHooks
 from grpoflow.tasks.launch.dist import Comm, process_group
 from grpoflow.tasks.model.optim import build_scheduler
 from tests.tasks.grpo.test_trainer import addition_rows, make, make_trainer
@@ -58,7 +59,18 @@ def record(trainer, model) -> tuple[list[dict[str, torch.Tensor]], list]:
     (gathered on every rank, in global order)."""
     snapshots: list[dict[str, torch.Tensor]] = []
     rounds: list = []
-    trainer.optimizer.register_step_post_hook(lambda *_: snapshots.append(trainable(model)))
+    saving: list[bool] = []  # torch.distributed.checkpoint steps a fresh optimizer (zero gradients) to build its state
+    trainer.optimizer.register_step_post_hook(lambda *_: None if saving else snapshots.append(trainable(model)))
+    save = trainer.save_checkpoint
+
+    def recording_save():
+        saving.append(True)
+        try:
+            return save()
+        finally:
+            saving.pop()
+
+    trainer.save_checkpoint = recording_save
     new_round = trainer.new_round
 
     def recording_new_round():
@@ -114,7 +126,9 @@ def run_case(
     cfg = GRPOConfig.model_validate(settings, context={"num_processes": comm.world})
     root = wrap_root(PolicyLogProbs(model), comm, strategy)
     out = checkpoints or Path("/nonexistent-checkpoints")  # save_steps 100: nothing is written
-    trainer = make_trainer(cfg, tok, model, out, n_rows=8, comm=comm, root=root, row_seeded=True)
+    # checkpoint-1 is what the RESUMED cases continue from: kept although newer ones (the last step's too) are saved
+    hooks = CheckpointHooks(pinned=lambda: {"checkpoint-1"})
+    trainer = make_trainer(cfg, tok, model, out, n_rows=8, comm=comm, root=root, row_seeded=True, hooks=hooks)
     trainer.optimizer = torch.optim.SGD([p for p in root.parameters() if p.requires_grad], lr=cfg.learning_rate)
     trainer.scheduler = build_scheduler(trainer.optimizer, cfg, cfg.max_steps)
     snapshots, rounds = record(trainer, model)

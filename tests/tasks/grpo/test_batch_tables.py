@@ -91,10 +91,10 @@ class RecordingTrainer(GRPOTrainer):
 
     trace: list  # (starts a round, prompts of the micro-batch, optimizer steps taken before it)
 
-    def _micro_step(self, r, idx, iteration, window):
+    def _micro_step(self, r, idx, iteration):
         prompts = tuple(int(r.samples[i]["question"].split("+")[0]) for i in idx.tolist())  # addition_rows: "a+a"
         self.trace.append((r.position == 0, prompts, self.step))
-        super()._micro_step(r, idx, iteration, window)
+        super()._micro_step(r, idx, iteration)
 
 
 @pytest.mark.parametrize("name", [n for n in EXAMPLES if n[0] in "13"])

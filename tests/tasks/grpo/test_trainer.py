@@ -249,11 +249,9 @@ def test_micro_step_path_keeps_every_tensor_on_the_model_device(tmp_path, monkey
     # kernel's refold of rows whose float32 exp-sum overflowed (a numerical fix-up, no placement in it)
     model.set_attn_implementation("eager")
     monkeypatch.setattr("grpoflow.kernels.chunked_logprobs._refold_overflowed", lambda *a: None)
-    # and the grouping of rows by prompt (torch.unique on values): one group, the shared-prompt pass runs on meta
-    monkeypatch.setattr(
-        "grpoflow.tasks.grpo.batch.prompt_groups",
-        lambda ids, mask: (ids.new_zeros(1), ids.new_zeros(ids.shape[0])),
-    )
+    # and the grouping of rows by prompt (read to the host once per round): one group, the shared-prompt pass and
+    # its groups (sent to the model's device) run on meta
+    monkeypatch.setattr("grpoflow.tasks.grpo.trainer.prompt_keys", lambda ids, mask: [0] * ids.shape[0])
     model.to("meta")
     trainer.device = torch.device("meta")
     batch, adv = trainer.place(batch, adv)

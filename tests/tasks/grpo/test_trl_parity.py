@@ -353,7 +353,8 @@ def test_trainer_micro_step_applies_the_sampler_correction_as_trl(tmp_path, loss
     assert (rho - 1).abs().max() > 0.3, rho  # the correction matters in this round
     it, idx = micro_batch_rows(trainer.batching, 0, r.order)
     window = defaultdict(list)
-    trainer._micro_step(r, idx, it, window)
+    trainer._micro_step(r, idx, it)
+    trainer.step_metrics.flush(trainer.comm, window)  # the metrics of the micro-step, read at the optimizer step
     if mu == 1:  # the ratio the micro-step used is the one of TRL's separate pass
         mi = r.batch.completion_mask[idx].bool()
         want = rho_round[idx].flatten() if rho_round.shape[1] == 1 else rho_round[idx][mi]
