@@ -40,6 +40,7 @@ from grpoflow.tasks.generation.warpers import logits_warpers
 
 log = logging.getLogger(__name__)
 
+RECOMPILE_LIMIT = 64  # graphs one code object may hold: every decoder's step shares the step's code (see below)
 WIDTH_BUCKET = 32  # prompt widths round up to a multiple of this: few cache shapes, little wasted attention
 STOP_CHECK_EVERY = 8  # steps between the host's checks that every row stopped (and noise drawn per block)
 
@@ -174,7 +175,7 @@ class CompiledDecoder:
         self.stop_every = stop_every
         self.stats = DecodeStats()
         self._steps: dict[tuple, object] = {}  # (greedy, temperature, warper key, eos) -> compiled step
-        self._caches: dict[tuple[int, int], object] = {}  # (rows, cache length) -> StaticCache
+        self._caches: dict[tuple[int, int, int], object] = {}  # (model id, rows, cache length) -> StaticCache
 
     def _step_fn(self, model, p, eos_id: int):
         """(the compiled step, the logits warpers it applies) for ``model`` and ``p``: built once per model and
@@ -203,17 +204,22 @@ class CompiledDecoder:
                 tokens, logps, lengths, stopped = record(tokens, logps, lengths, stopped, token, logp, t, eos_id)
                 return token, position + 1, mask, cache_pos + 1, seqs, tokens, logps, lengths, stopped
 
+            # every key's step is a closure over the same code, and dynamo keeps at most recompile_limit graphs per
+            # code object before silently running it eagerly: a run's sampling settings x shape buckets (and a
+            # test session's models) stay well under this limit
+            torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, RECOMPILE_LIMIT)
             found = self._steps[key] = (torch.compile(step, mode=self.compile_mode, dynamic=False), warp)
         return found
 
-    def _cache(self, config, rows: int, length: int):
+    def _cache(self, model, config, rows: int, length: int):
+        """The StaticCache for this model and shape bucket, allocated once and refilled by every call (a fresh
+        one per call would be a new input address each time: CUDA graphs re-record)."""
         from transformers import StaticCache
 
-        cache = self._caches.get((rows, length))
-        if cache is None:
-            cache = StaticCache(config=config, max_cache_len=length)
-            self._caches[(rows, length)] = cache
-        return cache
+        key = (id(model), rows, length)  # the compiled step holds the model, so its id is not reused meanwhile
+        if key not in self._caches:
+            self._caches[key] = StaticCache(config=config, max_cache_len=length)
+        return self._caches[key]
 
     @torch.no_grad()
     def sample(
@@ -246,7 +252,7 @@ class CompiledDecoder:
         out = model(input_ids=ids, attention_mask=mask, position_ids=position, past_key_values=pre, logits_to_keep=1)
         rows = torch.cat([prompt_rows, prompt_rows.new_zeros(Bb - B)])  # padding rows repeat row 0
         logits = out.logits[:, -1].float()[rows]
-        cache = self._cache(base.config, Bb, W + T)
+        cache = self._cache(model, base.config, Bb, W + T)
         for static, layer in zip(cache.layers, pre.layers, strict=True):
             k, v = layer.keys[rows], layer.values[rows]
             if not static.is_initialized:
