@@ -28,9 +28,11 @@ def compile_choice(requested: str, device_type: str) -> tuple[bool, str | None, 
     """(compile the decode step?, torch.compile mode, why) for generation.compile = auto | on | off.
 
     auto compiles on CUDA (CUDA graphs through mode "reduce-overhead" remove the per-token launch overhead that
-    dominates small-batch decoding there) and not on CPU: there a compile costs 5-50 s per sampling setting and
-    shape bucket and the compiled step decodes the default tiny model about 1.3x faster, so a default run's
-    ~30 s of decoding never pays it back (measured: docs/generation.md, benchmarks/RESULTS.md)."""
+    dominates small-batch decoding there) and not on CPU: there a compile costs 15-60 s cold (3 s from
+    inductor's on-disk cache) per sampling setting and shape bucket, a default run compiles several (GRPO's rounds,
+    the eval's greedy and pass@k passes, a smaller last chunk), and the compiled step decodes the default tiny
+    model's 128 rows 1.6x faster, so a default run's ~30 s of decoding saves ~11 s: less than the compiles
+    (measured: docs/generation.md, benchmarks/RESULTS.md)."""
     mode = "reduce-overhead" if device_type == "cuda" else None
     if requested == "on":
         return True, mode, "generation.compile=on"
