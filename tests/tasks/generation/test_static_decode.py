@@ -137,3 +137,15 @@ def test_compile_choice_auto_is_on_for_cuda_only():
     assert compile_choice("auto", "cpu")[0] is False
     assert compile_choice("on", "cpu")[:2] == (True, None)
     assert compile_choice("off", "cuda")[0] is False
+
+
+@pytest.mark.parametrize(("setting", "compiled"), [("on", True), ("off", False), ("auto", False)])
+def test_generation_compile_reaches_the_generator(setting, compiled):
+    """generation.compile picks the decoder make_generator builds (auto: off on this CPU)."""
+    from grpoflow.tasks.config import GenerationConfig
+    from grpoflow.tasks.generation.backend import make_generator
+
+    tok, model = plain_model()
+    cfg = GenerationConfig(backend="transformers", compile=setting)
+    gen = make_generator(cfg, model, tok, model_path="unused")
+    assert (gen.decoder is not None) is compiled
