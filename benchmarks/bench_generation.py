@@ -6,6 +6,10 @@ the benchmark protocol (benchmarks/protocol.py, docs/benchmarks.md).
                with the cache written in place (tasks/generation/kv_cache.py); rows that emitted EOS leave the
                batch; it also computes each sampled token's log-prob (the trainer needs them), which generate does
                not
+    compiled   the same sampling through the compiled static-shape step (``generation.compile``,
+               tasks/generation/static_decode.py): a StaticCache of the bucketed prompt width + the new tokens,
+               finished rows masked instead of dropped, the draws' noise made ahead; its first call compiles
+               (reported apart: compile s, graphs), the timed calls reuse the compiled step
     generate   transformers ``model.generate(do_sample=True)`` with its default dynamic cache
 
 Both sides decode the same rows (``--prompts`` arithmetic prompts in the default config's chat format, each
@@ -21,6 +25,12 @@ sides), the same ``--max-new-tokens``, the same seed per call and ``--threads`` 
                streams, so the token counts may differ: both are printed, with their difference; the ratio is of
                tokens/s
 
+Decoding against its roofs: "of bound" is tok/s over the memory-bandwidth bound (copy bandwidth / weight bytes x
+rows decoded per step: each step reads every weight once, docs/benchmarks.md) and "of FLOP roof" over the float32
+GEMM peak / (2 x matmul weights) (each token costs 2 FLOPs per weight), both measured at ``--threads`` in the
+parent before the rounds (bench_matmul_peak.py's functions) or read from ``--peak-json``. Whichever roof is lower
+is the one a side can approach: at 128 rows the tiny model and SmolLM2-135M are compute-bound on this CPU.
+
 Each side of each round is a fresh process (ours, generate, ours, generate, ...; ``--rounds`` >= 2), gated on a
 quiet machine; it reports its set-up (imports, loading) and first call (warm-up) apart from the ``--repeats``
 timed calls, the first call's memory peak, and its process's wall time and max RSS. Then the per-round ratios
@@ -28,6 +38,8 @@ ours / generate of tokens/s with their spread, and a row for benchmarks/RESULTS.
 
     python benchmarks/bench_generation.py                     # the default tiny model, 128 rows x 32 tokens
     python benchmarks/bench_generation.py --model 25m --threads 2
+    python benchmarks/bench_generation.py --model smollm2-135m-instruct --prompts 4 --samples 8 --batch 32
+    python benchmarks/bench_generation.py --sides compiled ours      # without generate
     python benchmarks/bench_generation.py --rounds 2 --repeats 1 --prompts 2 --samples 2 --max-new-tokens 4 \\
         --allow-contended --wait 0                                       # smoke run: checks the fields only
 """
@@ -47,8 +59,9 @@ from bench_trl_throughput import arithmetic_rows, model_folder  # noqa: E402
 MODEL_25M = dict(
     hidden_size=512, intermediate_size=1408, num_hidden_layers=8, num_attention_heads=8, num_key_value_heads=4
 )
-SIDES = ("ours", "generate")
+SIDES = ("compiled", "ours", "generate")
 NAMES = {
+    "compiled": "grpoflow static_decode.CompiledDecoder (torch.compile'd static-shape step, generation.compile=on)",
     "ours": "grpoflow transformers_loop.sample (one prefill per prompt, in-place KV cache, finished rows leave)",
     "generate": "transformers model.generate(do_sample=True), dynamic cache",
 }
@@ -89,8 +102,10 @@ def setup_side(args):
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    from grpoflow.tasks.generation.static_decode import CompiledDecoder
     from grpoflow.tasks.generation.transformers_loop import distinct_prompts, sample
     from grpoflow.tasks.generation.types import left_pad
+    from grpoflow.tasks.grpo.flops import model_shape
     from grpoflow.tasks.model.loading import prompt_ids
 
     logging.getLogger("transformers").setLevel(logging.ERROR)  # generate's warning about the never-matching EOS id
@@ -107,6 +122,7 @@ def setup_side(args):
         unique, index = distinct_prompts(expanded[i : i + args.batch])
         shared.append((*left_pad(unique, pad), torch.tensor(index)))
     calls = {"n": 0}
+    decoder = CompiledDecoder()
 
     def produced(new: torch.Tensor) -> int:
         """Tokens a row produced: up to and including its first EOS, else all of them."""
@@ -122,8 +138,9 @@ def setup_side(args):
         calls["n"] += 1
         tokens = 0
         for (ids, mask), (u_ids, u_mask, index) in zip(batches, shared, strict=True):
-            if args.side == "ours":
-                _, _, lengths, _ = sample(model, u_ids, u_mask, p, eos, prompt_rows=index)
+            if args.side in ("ours", "compiled"):
+                decode = sample if args.side == "ours" else decoder.sample
+                _, _, lengths, _ = decode(model, u_ids, u_mask, p, eos, prompt_rows=index)
                 tokens += int(lengths.sum())
             else:
                 out = model.generate(
@@ -135,30 +152,96 @@ def setup_side(args):
                 tokens += produced(out[:, ids.shape[1] :])
         return tokens
 
+    call.decoder = decoder
+    call.matmul_params = model_shape(model).matmul_params
     return call
 
 
 def run_side(args) -> None:
     def measure() -> dict:
-        res = protocol.measure_calls(lambda: setup_side(args), args.repeats, args.threads)
-        return res | {"sampler": NAMES[args.side], "sampling": repr(sampling(args))}
+        made = []
+        res = protocol.measure_calls(lambda: made.append(setup_side(args)) or made[0], args.repeats, args.threads)
+        stats = made[0].decoder.stats
+        return res | {
+            "sampler": NAMES[args.side],
+            "sampling": repr(sampling(args)),
+            "weight_bytes": made[0].matmul_params * 4,  # float32
+            "matmul_params": made[0].matmul_params,
+            "compile_s": round(stats.compile_s, 2),
+            "graphs": stats.compiles,
+        }
 
     protocol.side_main(measure)
 
 
-def report(args, runs: list[protocol.SideRun]) -> None:
+def roofs(args) -> dict:
+    """Copy bandwidth (bytes/s) and float32 GEMM peak (FLOP/s) at --threads: from --peak-json, else measured here
+    (bench_matmul_peak.py's functions: a 512 MiB copy, 1024^2 GEMMs for 1 s)."""
+    import json
+
+    import torch
+    from bench_matmul_peak import copy_bandwidth, gemm_rate
+
+    if args.peak_json:
+        peak = json.loads(Path(args.peak_json).read_text())
+        if peak.get("threads") != args.threads:
+            raise SystemExit(f"--peak-json {args.peak_json}: measured at {peak.get('threads')} threads, not --threads "
+                             f"{args.threads}")  # fmt: skip
+        return {"copy_Bps": peak["copy_gbs"] * 1e9, "flops": peak["fp32_tflops"] * 1e12}
+    before = torch.get_num_threads()
+    torch.set_num_threads(args.threads)
+    try:
+        return {"copy_Bps": copy_bandwidth(512), "flops": gemm_rate(1024, torch.float32, 1.0)}
+    finally:
+        torch.set_num_threads(before)
+
+
+def print_roofs(args, runs: list[protocol.SideRun], roof: dict) -> list[str]:
+    """Each side's median tok/s against the bandwidth bound and the FLOP roof, and its compile time; returns the
+    per-side summaries for the results row."""
+    ok = [r for r in runs if not r.error]
+    if not ok:
+        return []
+    r0 = ok[0].result
+    rows = min(args.batch, args.prompts * args.samples)
+    bound = roof["copy_Bps"] / r0["weight_bytes"] * rows
+    flop_roof = roof["flops"] / (2 * r0["matmul_params"])
+    print(f"\n== roofs at {args.threads} threads: copy {roof['copy_Bps'] / 1e9:.1f} GB/s, float32 GEMM "
+          f"{roof['flops'] / 1e9:.0f} GFLOP/s; {r0['matmul_params'] / 1e6:.2f}M matmul weights "
+          f"({r0['weight_bytes'] / 2**20:.1f} MiB), {rows} rows a step: bandwidth bound {bound:.0f} tok/s, "
+          f"FLOP roof {flop_roof:.0f} tok/s")  # fmt: skip
+    summary = []
+    for side in SIDES:
+        rates = [protocol.rate(r.result) for r in ok if r.side == side]
+        rates = [x for x in rates if x]
+        if not rates:
+            continue
+        med = sorted(rates)[len(rates) // 2]
+        mine = [r.result for r in ok if r.side == side]
+        comp = ""
+        if side == "compiled":
+            comp = (f", compile {min(d['compile_s'] for d in mine):.1f}-{max(d['compile_s'] for d in mine):.1f} s "
+                    f"({max(d['graphs'] for d in mine)} graph(s) a process, first call "
+                    f"{min(d['first_call_s'] for d in mine):.1f} s)")  # fmt: skip
+        line = f"{side} {med:.0f} tok/s = {med / bound:.1%} of bound, {med / flop_roof:.1%} of FLOP roof{comp}"
+        print("  " + line)
+        summary.append(line)
+    return summary
+
+
+def report(args, runs: list[protocol.SideRun], roof: dict) -> None:
     ok = [r for r in runs if not r.error]
     rows = args.prompts * args.samples
     print(f"\n== decoding: model {args.model}, {rows} rows ({args.prompts} prompts x {args.samples}) in batches of "
           f"{args.batch}, <= {args.max_new_tokens} new tokens, stop {args.stop}, {args.threads} torch threads on "
           f"both sides, {args.repeats} timed calls a process, {args.rounds} alternating rounds")  # fmt: skip
-    for side in SIDES:
+    for side in args.sides:
         print(f"  {side}: {NAMES[side]}")
     if ok:
         print(f"  sampling (both): {ok[0].result['sampling']}")
-    tokens = {side: [w for r in ok if r.side == side for w in r.result["work"] or []] for side in SIDES}
+    tokens = {side: [w for r in ok if r.side == side for w in r.result["work"] or []] for side in args.sides}
     counts = {side: (min(t), max(t)) if t else None for side, t in tokens.items()}
-    print(f"  tokens produced per call: ours {counts['ours']}, generate {counts['generate']} (min, max)")
+    print(f"  tokens produced per call (min, max): {counts}")
     if args.stop == "length":
         print(
             f"  difference: none in the tokens decoded (every row decodes {args.max_new_tokens} on both sides); ours "
@@ -166,15 +249,20 @@ def report(args, runs: list[protocol.SideRun]) -> None:
         )
     else:
         total = {side: sum(t) for side, t in tokens.items()}
-        print(f"  difference: ours also computes each sampled token's log-prob; both stop rows at EOS, but generate "
-              f"decodes finished rows (padded) until the last ends and, once a row has ended, the two draw from "
-              f"different random streams; tokens produced over all timed calls: ours {total['ours']}, generate "
-              f"{total['generate']} ({total['ours'] - total['generate']:+d}); the ratio is of tokens/s")  # fmt: skip
+        print(f"  difference: ours also computes each sampled token's log-prob; all stop rows at EOS, but generate "
+              f"decodes finished rows (padded) until the last ends, and once a row has ended the sides draw from "
+              f"different random streams; tokens produced over all timed calls: {total}; the ratio is of "
+              f"tokens/s")  # fmt: skip
     protocol.print_calls(runs, unit="tok")
     protocol.print_rounds(runs)
-    ratio = protocol.compare(runs, "ours", "generate", protocol.rate, "ours/generate (tok/s)")
-    result = (f"{args.model} decoding, stop {args.stop}: ours/generate tok/s {ratio['median']:.2f}x"
-              if ratio["per_round"] else f"{args.model} decoding: no ratio (a side failed)")  # fmt: skip
+    summary = print_roofs(args, runs, roof)
+    pairs = [(a, b) for a, b in (("compiled", "ours"), ("ours", "generate"), ("compiled", "generate"))
+             if a in args.sides and b in args.sides]  # fmt: skip
+    ratios = {(a, b): protocol.compare(runs, a, b, protocol.rate, f"{a}/{b} (tok/s)") for a, b in pairs}
+    head, ratio = next(iter(ratios.items()), ((None, None), {"per_round": []}))
+    parts = [f"{a}/{b} tok/s {r['median']:.2f}x" for (a, b), r in ratios.items() if r["per_round"]]
+    result = (f"{args.model} decoding, {args.prompts * args.samples} rows x {args.max_new_tokens} tokens, stop "
+              f"{args.stop}: {', '.join(parts) or 'no ratio (a side failed)'}; {'; '.join(summary)}")  # fmt: skip
     print("RESULTS.md row:\n" + protocol.results_row(runs, f"-/{args.threads}", result, ratio))
 
 
@@ -199,13 +287,16 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_decoding_args(ap, "tiny, 25m, smollm2-135m-instruct", threads=1, repeats=3)
     ap.add_argument("--batch", type=int, default=128, help="rows decoded together")
+    ap.add_argument("--sides", nargs="+", choices=SIDES, default=list(SIDES), help="sides to run, in this order")
+    ap.add_argument("--peak-json", help="a bench_matmul_peak.py --json result at --threads (else measured here)")
     args = ap.parse_args()
     if args.side:
         return run_side(args)
+    roof = roofs(args)
     runs = protocol.alternate_on_folder(
-        args, list(SIDES), __file__, lambda tmp: build_folder(args.model, args.cache_dir, tmp)
+        args, list(args.sides), __file__, lambda tmp: build_folder(args.model, args.cache_dir, tmp)
     )
-    report(args, runs)
+    report(args, runs, roof)
 
 
 if __name__ == "__main__":

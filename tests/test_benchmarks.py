@@ -26,7 +26,7 @@ MODEL = "{tiny}"  # the folder the fixture builds
 RUNS = {
     "bench_generation.py": (
         ["--model", MODEL, "--repeats", "1", "--prompts", "2", "--samples", "2", "--max-new-tokens", "4"],
-        ["ours", "generate"],
+        ["compiled", "ours", "generate"],
     ),
     "bench_logprobs.py": (
         ["--n", "64", "--d", "16", "--v", "256", "--repeats", "1", "--cases", "naive", "fused"],
@@ -119,9 +119,12 @@ def test_smoke_output_has_every_field(smoke_runs, script):
 
 
 def test_generation_smoke_compares_the_same_work(smoke_runs):
-    """Both decoders produced the same tokens per call (no EOS stop: 4 rows x 4 new tokens), and say so."""
+    """All decoders produced the same tokens per call (no EOS stop: 4 rows x 4 new tokens), and say so; each side's
+    tok/s against the bandwidth bound and the FLOP roof, the compiled side's compile time apart."""
     out = output_of(smoke_runs, "bench_generation.py")
-    assert "tokens produced per call: ours (16, 16), generate (16, 16)" in out, out
+    assert "tokens produced per call (min, max): {'compiled': (16, 16), 'ours': (16, 16), 'generate': (16, 16)}" in out
+    assert re.search(r"bandwidth bound \d+ tok/s, FLOP roof \d+ tok/s", out), out
+    assert re.search(r"compiled \d+ tok/s = [\d.]+% of bound, [\d.]+% of FLOP roof, compile [\d.]+-[\d.]+ s", out), out
     assert "1 torch threads on both sides" in out
     assert "sampling (both): SamplingParams(max_new_tokens=4" in out
 

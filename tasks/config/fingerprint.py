@@ -5,7 +5,8 @@ GRPO checkpoint's compatibility hash (tasks/grpo/trainer.py) all hash config val
 so they agree on what "the same config" means. A field belongs in :data:`IGNORED` only when it cannot change a
 sampled token or a weight: logging cadence, where the run lives, tracking, storage, resume policy, and the
 plumbing of distributed processes (addresses, ports, timeouts, launcher). Thread counts and batch sizes are NOT
-here: they change the order of floating-point sums, and so the sampled completions (measured).
+here: they change the order of floating-point sums, and so the sampled completions (measured). Nor is
+``generation.compile``: compiled kernels sum in another order too (log-probs agree to ~1e-6, not bit for bit).
 
 The list is typed per config class and checked against each class's ``model_fields`` at import: a renamed or
 removed field raises here instead of silently dropping out of (or into) every key.

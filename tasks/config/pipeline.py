@@ -238,6 +238,13 @@ class GenerationConfig(_Section):
         description="transformers backend: torch CPU threads while generating (default: run.torch_threads). "
         "Decoding is many small ops: on cores other processes keep busy, 1 thread can be faster.",
     )
+    compile: Literal["auto", "on", "off"] = Field(
+        "auto",
+        description="transformers backend: decode with a torch.compile'd static-shape step "
+        "(tasks/generation/static_decode.py; on CUDA with CUDA graphs). auto: on for CUDA, off on CPU, where "
+        "compiling (5-50 s per sampling setting and shape bucket) costs more than it saves in a default run "
+        "(docs/generation.md). Keyed: compiled kernels sum in another order, so log-probs differ in the last bits.",
+    )
     vllm_kv_cache_gib: float | None = Field(
         None,
         gt=0,

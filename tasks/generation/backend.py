@@ -24,6 +24,25 @@ def choose_backend(requested: str, vllm_problem: str | None) -> tuple[str, str]:
     return "transformers", f"auto: {vllm_problem}"
 
 
+def compile_choice(requested: str, device_type: str) -> tuple[bool, str | None, str]:
+    """(compile the decode step?, torch.compile mode, why) for generation.compile = auto | on | off.
+
+    auto compiles on CUDA (CUDA graphs through mode "reduce-overhead" remove the per-token launch overhead that
+    dominates small-batch decoding there) and not on CPU: there a compile costs 15-60 s cold (3 s from
+    inductor's on-disk cache) per sampling setting and shape bucket, a default run compiles several (GRPO's rounds,
+    the eval's greedy and pass@k passes, a smaller last chunk), and the compiled step decodes the default tiny
+    model's 128 rows 1.6x faster, so a default run's ~30 s of decoding saves ~11 s: less than the compiles
+    (measured: docs/generation.md, benchmarks/RESULTS.md)."""
+    mode = "reduce-overhead" if device_type == "cuda" else None
+    if requested == "on":
+        return True, mode, "generation.compile=on"
+    if requested == "off":
+        return False, None, "generation.compile=off"
+    if device_type == "cuda":
+        return True, mode, "auto: CUDA, compiled with CUDA graphs"
+    return False, None, f"auto: {device_type}, where compiling costs more than it saves in a default run"
+
+
 def make_generator(
     cfg,
     model,
@@ -47,8 +66,18 @@ def make_generator(
     backend, why = choose_backend(cfg.backend, problem)
     log.info("generation backend: %s (%s)", backend, why)
     if backend == "transformers":
+        from grpoflow.tasks.model.device import model_device
+
+        compiled, mode, why_compile = compile_choice(cfg.compile, model_device(model).type)
+        log.info("generation.compile: %s (%s)", "on" if compiled else "off", why_compile)
         return TransformersGenerator(
-            model, tokenizer, cfg.batch_size, merge_lora=cfg.merge_lora, threads=cfg.torch_threads
+            model,
+            tokenizer,
+            cfg.batch_size,
+            merge_lora=cfg.merge_lora,
+            threads=cfg.torch_threads,
+            compile_mode=mode if compiled else None,
+            compiled=compiled,
         )
     from grpoflow.tasks.generation.vllm_engine import VLLMGenerator
 

@@ -18,7 +18,9 @@ from contextlib import nullcontext
 import torch
 
 from grpoflow.tasks.generation.kv_cache import decode_cache
+from grpoflow.tasks.generation.static_decode import CompiledDecoder
 from grpoflow.tasks.generation.types import Generation, SamplingParams, left_pad, torch_threads
+from grpoflow.tasks.generation.warpers import logits_warpers
 from grpoflow.tasks.model.device import model_device
 from grpoflow.tasks.model.lora import lora_merged, unwrap
 
@@ -31,13 +33,25 @@ class TransformersGenerator:
     ``merge_lora``: a peft model generates with its LoRA layers merged on the side
     (grpoflow.tasks.model.lora.lora_merged: one matmul per layer instead of three; measured 1.36 s -> 0.93 s
     for 128 x 32 tokens on the default tiny model). ``threads``: torch threads while generating
-    (decoding is many small ops: on 2 cores 1 thread beats 2, while training prefers 2)."""
+    (decoding is many small ops: on 2 cores 1 thread beats 2, while training prefers 2). ``compiled``: decode
+    through :class:`grpoflow.tasks.generation.static_decode.CompiledDecoder` (``compile_mode``: torch.compile's
+    mode) instead of :func:`sample`: the same tokens for row seeds and greedy, see static_decode.py."""
 
     name = "transformers"
     separate_engine = False  # samples with the training weights themselves: no off-policy drift to correct
     weights_key = None  # nothing to sync: generation runs on the training model
 
-    def __init__(self, model, tokenizer, batch_size: int = 64, *, merge_lora: bool = True, threads: int | None = None):
+    def __init__(
+        self,
+        model,
+        tokenizer,
+        batch_size: int = 64,
+        *,
+        merge_lora: bool = True,
+        threads: int | None = None,
+        compiled: bool = False,
+        compile_mode: str | None = None,
+    ):
         self.model = model
         self.tokenizer = tokenizer
         self.batch_size = batch_size
@@ -45,6 +59,8 @@ class TransformersGenerator:
         self.threads = threads
         self.eos_id = tokenizer.eos_token_id
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else self.eos_id
+        # generation.compile: one compiled static-shape step, reused for the whole run (static_decode.py)
+        self.decoder = CompiledDecoder(compile_mode) if compiled else None
 
     def sync_weights(self, model) -> None:
         self.model = model  # generation runs on the training model itself: nothing to copy
@@ -76,7 +92,8 @@ class TransformersGenerator:
         ids, mask = left_pad(unique, self.pad_id)
         device = model_device(self.model)
         ids, mask = ids.to(device), mask.to(device)
-        tokens, logps, lengths, stopped = sample(
+        decode = sample if self.decoder is None else self.decoder.sample
+        tokens, logps, lengths, stopped = decode(
             self.model, ids, mask, p, self.eos_id, seeds, prompt_rows=torch.tensor(rows, device=device)
         )
         gen = Generation()
@@ -92,33 +109,6 @@ def distinct_prompts(prompts: list[list[int]]) -> tuple[list[list[int]], list[in
     index: dict[tuple[int, ...], int] = {}
     rows = [index.setdefault(tuple(p), len(index)) for p in prompts]
     return [list(k) for k in index], rows
-
-
-def logits_warpers(p: SamplingParams):
-    """transformers' own logits processors for ``p``, in generate's order (repetition penalty, temperature,
-    top-k, top-p, min-p); an empty list for plain sampling or greedy without a penalty."""
-    from transformers import (
-        LogitsProcessorList,
-        MinPLogitsWarper,
-        RepetitionPenaltyLogitsProcessor,
-        TemperatureLogitsWarper,
-        TopKLogitsWarper,
-        TopPLogitsWarper,
-    )
-
-    procs = LogitsProcessorList()
-    if p.repetition_penalty != 1.0:
-        procs.append(RepetitionPenaltyLogitsProcessor(p.repetition_penalty))
-    if not p.greedy:
-        if p.temperature != 1.0:
-            procs.append(TemperatureLogitsWarper(p.temperature))
-        if p.top_k:
-            procs.append(TopKLogitsWarper(p.top_k))
-        if p.top_p < 1.0:
-            procs.append(TopPLogitsWarper(p.top_p))
-        if p.min_p:
-            procs.append(MinPLogitsWarper(p.min_p))
-    return procs
 
 
 @torch.no_grad()

@@ -36,9 +36,10 @@ from prefect import task
 
 from grpoflow.tasks.config import PipelineConfig
 from grpoflow.tasks.dataio.splits import load_split
+from grpoflow.tasks.generation.backend import compile_choice
 from grpoflow.tasks.generation.transformers_loop import TransformersGenerator
 from grpoflow.tasks.generation.types import SamplingParams
-from grpoflow.tasks.model.device import select_device
+from grpoflow.tasks.model.device import model_device, select_device
 from grpoflow.tasks.model.loading import load_causal_lm, load_tokenizer, load_with_adapter, prompt_ids
 from grpoflow.tasks.pipeline.fingerprint import reward_modules
 from grpoflow.tasks.pipeline.shell import run_stage
@@ -168,10 +169,15 @@ def evaluate_model(
     max_prompt_length: int | None = None,
     threads: int | None = None,
     seed: int = 0,
+    compiled: bool = False,
+    compile_mode: str | None = None,
 ) -> tuple[dict, dict]:
     """Greedy-decode every row once, then sample n completions per row with ``params`` (none when n = 0);
-    ``threads``: torch threads while decoding. Returns metrics and a table of the greedy completions."""
-    gen = TransformersGenerator(model, tokenizer, batch_size, threads=threads)
+    ``threads``: torch threads while decoding; ``compiled``: through the compiled decode step (generation.compile,
+    ``compile_mode``: torch.compile's mode). Returns metrics and a table of the greedy completions."""
+    gen = TransformersGenerator(
+        model, tokenizer, batch_size, threads=threads, compiled=compiled, compile_mode=compile_mode
+    )
     funcs = eval_reward_funcs(reward_funcs)
     prompts = [prompt_ids(tokenizer, r["prompt"], max_prompt_length) for r in rows]
     t0 = time.perf_counter()
@@ -287,6 +293,7 @@ def evaluate_and_log(
     """:func:`evaluate_model` with the run's eval settings; logs the metrics under ``<label>/`` and the table of
     greedy completions as eval/completions_<label>.json. Returns the metrics."""
     e = cfg.eval
+    compiled, mode, _ = compile_choice(cfg.generation.compile, model_device(model).type)
     metrics, table = evaluate_model(
         model,
         tokenizer,
@@ -300,6 +307,8 @@ def evaluate_and_log(
         cfg.grpo.max_prompt_length,
         threads=cfg.generation.torch_threads,
         seed=cfg.run.seed,
+        compiled=compiled,
+        compile_mode=mode,
     )
     tracker.log_metrics({f"{label}/{k}": v for k, v in metrics.items()})
     tracker.log_table(table, f"eval/completions_{label}.json")
