@@ -2,9 +2,6 @@
 of distributed_precision_cases.py, ONE torchrun launch with gloo, ~30 s on 2 cores)."""
 
 import math
-import os
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -12,7 +9,7 @@ import torch
 from grpoflow.tasks.config import ModelConfig
 from grpoflow.tasks.grpo.distributed import mixed_precision
 from grpoflow.tasks.model.loading import train_dtypes
-from tests.paths import REPO
+from tests.tasks.grpo.two_ranks import run_two_ranks
 
 
 def test_the_policy_follows_the_training_dtypes():
@@ -28,17 +25,7 @@ def test_the_policy_follows_the_training_dtypes():
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     out = tmp_path_factory.mktemp("precision") / "two.pt"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "GRPOFLOW_PROGRESS": "0"}
-    res = subprocess.run(
-        [*cmd, "-m", "tests.tasks.grpo.distributed_precision_cases", str(out)],
-        cwd=REPO,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert res.returncode == 0, res.stdout[-4000:] + res.stderr[-8000:]
+    run_two_ranks("tests.tasks.grpo.distributed_precision_cases", str(out))
     return torch.load(out, weights_only=False)
 
 

@@ -4,9 +4,6 @@ cores) and once in this process, and every case must agree, to 1e-6 in the weigh
 steps, on the round's completions, rewards and advantages and on the logged metrics."""
 
 import logging
-import os
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -14,8 +11,8 @@ import torch
 from grpoflow.tasks.config import GRPOConfig
 from grpoflow.tasks.grpo.distributed import local_rows
 from grpoflow.tasks.launch.dist import Comm
-from tests.paths import REPO
 from tests.tasks.grpo.distributed_cases import CASES, RESUMED, ROWS_PER_ROUND, run_all, run_case
+from tests.tasks.grpo.two_ranks import run_two_ranks
 
 NAMES = [c[0] for c in CASES]
 
@@ -24,17 +21,7 @@ NAMES = [c[0] for c in CASES]
 def runs(tmp_path_factory):
     folder = tmp_path_factory.mktemp("ranks")
     out, checkpoints = folder / "two.pt", folder / "checkpoints"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "GRPOFLOW_PROGRESS": "0"}
-    res = subprocess.run(
-        [*cmd, "-m", "tests.tasks.grpo.distributed_cases", str(out), str(checkpoints)],
-        cwd=REPO,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert res.returncode == 0, res.stdout[-4000:] + res.stderr[-8000:]
+    run_two_ranks("tests.tasks.grpo.distributed_cases", str(out), str(checkpoints))
     return run_all(Comm()), torch.load(out, weights_only=False), checkpoints
 
 

@@ -2,32 +2,18 @@
 cores; the runs of fsdp2_accumulation_cases.py) hold 1/2 of the model's gradient bytes after every micro-step's
 backward, and train the weights one process trains."""
 
-import os
-import subprocess
-import sys
-
 import pytest
 import torch
 
 from grpoflow.tasks.launch.dist import Comm
-from tests.paths import REPO
 from tests.tasks.grpo.fsdp2_accumulation_cases import MICRO_STEPS, run
+from tests.tasks.grpo.two_ranks import run_two_ranks
 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     out = tmp_path_factory.mktemp("fsdp2_accumulation") / "two.pt"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "GRPOFLOW_PROGRESS": "0"}
-    res = subprocess.run(
-        [*cmd, "-m", "tests.tasks.grpo.fsdp2_accumulation_cases", str(out)],
-        cwd=REPO,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert res.returncode == 0, res.stdout[-4000:] + res.stderr[-8000:]
+    run_two_ranks("tests.tasks.grpo.fsdp2_accumulation_cases", str(out))
     return run(Comm()), torch.load(out, weights_only=False)
 
 
