@@ -11,25 +11,15 @@ from __future__ import annotations
 import json
 from pathlib import Path
 from typing import Any
-from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
+from urllib.parse import urlsplit, urlunsplit
 
-SECRET_QUERY = ("token", "key", "secret", "password", "passwd", "sig", "signature", "auth", "credential")
+from grpoflow.tasks.config.secrets import redact
 
 
 def redact_uri(uri: str) -> str:
-    """``uri`` without secrets: the user info (``user:password@``) becomes ``***@``, and query values whose name
-    looks like a secret (token, key, password, signature ...) become ``***``."""
-    parts = urlsplit(uri)
-    netloc = parts.netloc
-    if "@" not in netloc and not parts.query:
-        return uri  # nothing to hide; rebuilding would drop the empty host of sqlite:////abs/path
-    if "@" in netloc:
-        netloc = "***@" + netloc.rsplit("@", 1)[1]
-    query = parts.query
-    if query:
-        pairs = parse_qsl(query, keep_blank_values=True)
-        query = urlencode([(k, "***" if any(s in k.lower() for s in SECRET_QUERY) else v) for k, v in pairs])
-    return urlunsplit((parts.scheme, netloc, parts.path, query, parts.fragment))
+    """``uri`` without secrets (user info and secret query values as ``***``): the one redaction every URI the run
+    writes gets (tasks/config/secrets.py)."""
+    return redact(uri)
 
 
 def store_key(uri: str) -> str:
