@@ -8,7 +8,8 @@ cycle take on the folder they write, held until they end.
                    renewed every ttl/3 by a background thread (If-Match: the ETag it wrote last) and deleted on
                    release (If-Match). A lease not renewed for ``ttl_s`` by the S3 server's clock (its age is
                    the server's Date minus the object's LastModified, so machines' clocks do not matter) is
-                   taken over with a warning, again with If-Match: of two takers, one wins
+                   taken over with a warning, again with If-Match: of two takers, one wins; so is, at once, a lease
+                   whose holder ran on this host (same host name) and is gone (kill -9, a crash)
 
 A process that cannot take the lock gets :class:`WorkspaceBusy`, whose message names the holder; the CLI exits 2
 with it before any work. The lock is re-entrant within a process (the CLI takes it, then the flow it calls takes
@@ -139,15 +140,16 @@ class _S3Lease:
                 continue
             data, old, age = got
             holder = Holder.loads(data)
-            if age < self.ttl_s:
+            dead = holder is not None and holder.host == me.host and not _alive(holder.pid)
+            if age < self.ttl_s and not dead:  # a live lease; one of a dead process on this host is not
                 raise WorkspaceBusy(self.uri.rsplit("/", 1)[0], holder)
             etag = self.client.put_if(me.dumps(), self.uri, etag=old)
             if etag is None:  # another process took it over first
                 got = self.client.get_with_etag(self.uri)
                 raise WorkspaceBusy(self.uri.rsplit("/", 1)[0], Holder.loads(got[0]) if got else None)
             who = holder.describe() if holder else "an unreadable lease"
-            log.warning("workspace %s: took over the lease of %s, not renewed for %.0f s (lease ttl %.0f s)",
-                        self.uri.rsplit("/", 1)[0], who, age, self.ttl_s)  # fmt: skip
+            why = "that process is gone" if dead else f"not renewed for {age:.0f} s (lease ttl {self.ttl_s:.0f} s)"
+            log.warning("workspace %s: took over the lease of %s, %s", self.uri.rsplit("/", 1)[0], who, why)
             break
         else:
             raise WorkspaceBusy(self.uri.rsplit("/", 1)[0], None)

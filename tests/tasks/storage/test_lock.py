@@ -4,6 +4,7 @@ lock is taken over with a warning; on S3 the lease is renewed while its holder l
 import logging
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -71,19 +72,32 @@ def test_the_lock_is_reentrant_within_a_process_and_released_on_error(tmp_path):
 def test_s3_lease_refuses_while_renewed_and_is_taken_over_once_expired(env, caplog):
     location = f"s3://{env.bucket}/lock-{uuid.uuid4().hex[:8]}/run"
     store = open_store(location)
-    proc = _holder(location, ttl_s=1.5)
+    proc = _holder(location, ttl_s=3)  # renewed every second: a margin for a loaded machine
     try:
-        time.sleep(3.2)  # two lease lifetimes: only a renewed lease is still valid
+        time.sleep(6.5)  # two lease lifetimes: only a renewed lease is still valid
         with pytest.raises(WorkspaceBusy, match=f"pid {proc.pid} on host .*holder test"), workspace_lock(store, "t"):
             pass
     finally:
         _kill(proc)
     assert store.read(LEASE) is not None  # a killed holder leaves its lease
-    with pytest.raises(WorkspaceBusy):  # not expired yet
+    lease = store.read(LEASE).replace(f'"host": "{socket.gethostname()}"'.encode(), b'"host": "elsewhere"')
+    store.write(LEASE, lease)  # as if it ran on another machine: only its expiry tells that it is gone
+    with pytest.raises(WorkspaceBusy, match="on host elsewhere"):  # not expired yet
         with workspace_lock(store, "t", ttl_s=30):
             pass
-    time.sleep(1.6)
-    with caplog.at_level(logging.WARNING), workspace_lock(store, "taker", ttl_s=1.5):
-        assert f"took over the lease of pid {proc.pid}" in caplog.text
+    time.sleep(3.2)
+    with caplog.at_level(logging.WARNING), workspace_lock(store, "taker", ttl_s=3):
+        assert (
+            f"took over the lease of pid {proc.pid} on host elsewhere" in caplog.text and "not renewed" in caplog.text
+        )
         assert b'"taker"' in store.read(LEASE)
     assert store.read(LEASE) is None  # released: deleted
+
+
+def test_s3_lease_of_a_dead_process_on_this_host_is_taken_over_at_once(env, caplog):
+    location = f"s3://{env.bucket}/lock-{uuid.uuid4().hex[:8]}/run"
+    store = open_store(location)
+    proc = _holder(location)  # ttl 60 s
+    _kill(proc)
+    with caplog.at_level(logging.WARNING), workspace_lock(store, "resume"):
+        assert f"took over the lease of pid {proc.pid}" in caplog.text and "that process is gone" in caplog.text
