@@ -169,6 +169,7 @@ def grpo_case(kind: str, setup: Setup, device: torch.device, small: bool, round_
     current_before = torch.cuda.current_device() if device.type == "cuda" else None
     folder = Path(tempfile.mkdtemp(prefix=f"gpu_check_{kind}_"))
     a = make_trainer(kind, setup, device, small, STEPS, folder)
+    a.pinned = lambda: [f"checkpoint-{RESUME_FROM}"]  # kept for run B (the trainer keeps only the newest two)
     start = {n: p.detach().clone() for n, p in a.model.named_parameters() if p.requires_grad}
     reset_peak(device)
     t0 = time.perf_counter()

@@ -2,6 +2,7 @@
 history and learning curves and returns the summary, and a stage with a checkpoint in its folder resumes from it."""
 
 import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -99,11 +100,12 @@ def test_train_grpo_saves_final_history_and_curves_and_returns_the_summary(tmp_p
 
 @pytest.mark.parametrize("resume", ["auto", "never"])
 def test_a_stage_with_a_checkpoint_resumes_from_it_unless_told_not_to(tmp_path, resume):
-    cfg = make_cfg(tmp_path, save_steps=1)  # a checkpoint after step 1 (none after the last step)
+    cfg = make_cfg(tmp_path, save_steps=1)  # checkpoints after steps 1 and 2 (the last)
     ws = workspace(cfg, tmp_path)
     train_grpo(cfg, ws, RunLogger.disabled())
     history = [json.loads(line) for line in (ws.stage_dir("grpo") / "history.jsonl").read_text().splitlines()]
     assert (ws.stage_dir("grpo") / "checkpoints" / "checkpoint-1").is_dir()
+    shutil.rmtree(ws.stage_dir("grpo") / "checkpoints" / "checkpoint-2")  # as if killed before the last step
     again = cfg.model_copy(update={"grpo": cfg.grpo.model_copy(update={"resume": resume})})
     s = setup_grpo(again, ws, RunLogger.disabled(), None, Comm())
     trainer, uploads = build_trainer(again, ws, RunLogger.disabled(), s, Comm(), node_mirrors=False)
