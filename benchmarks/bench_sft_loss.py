@@ -102,7 +102,7 @@ def setup_side(args):
 
     rows = sft_rows(args.batch)
     tok, model = lora_model(args, rows)
-    ids, labels, mask = collate(tokenize_sft(rows, tok, 128, True), tok.pad_token_id)
+    ids, labels, mask = collate(tokenize_sft(rows, tok, 128, True)[0], tok.pad_token_id)
     loss = labelled_token_loss if args.side == "labelled" else full_logits_loss
     shape = {"tokens": int(ids.numel()), "labelled": int((labels[:, 1:] != -100).sum()), "vocab": len(tok)}
 
