@@ -203,7 +203,10 @@ def test_a_failed_two_node_run_resumes_from_every_nodes_shards_on_s3(tmp_path, m
     history = (ws.root / "grpo" / "history.jsonl").read_text().splitlines()
     assert len(history) == 4  # steps 1 and 2 from the checkpoint, 3 and 4 trained now
     saved = s3_checkpoints(ws)
-    assert set(saved) == {"checkpoint-2", "checkpoint-3"}  # checkpoint-1 pruned with node 1's files
+    assert set(saved) == {
+        "checkpoint-3",
+        "checkpoint-4",
+    }  # the last step saved too; older ones pruned with node 1's files
     assert all(files == every_rank for files in saved.values()), saved
     resumed = load_file(ws.root / "grpo" / "final" / "adapter_model.safetensors")
     expected = load_file(straight.root / "grpo" / "final" / "adapter_model.safetensors")
