@@ -88,6 +88,11 @@ def _not_lower(old: dict[str, Any] | None, new: dict[str, Any] | None) -> bool:
         return False
 
 
+def _continuable(last: dict[str, Any], continues: str | None, extents: dict[str, Any] | None) -> bool:
+    """Whether attempt record ``last`` may be trained on by an attempt with ``continues`` key and ``extents``."""
+    return bool(continues) and last.get("continues") == continues and _not_lower(last.get("extents"), extents)
+
+
 _CHECKPOINT = re.compile(r"checkpoint-(\d+)/(.+)")
 _IN_CHECKPOINT = re.compile(r"(?:(.*)/)?checkpoint-(\d+)/(.+)")  # <parent>/checkpoint-N/<file>, at any depth
 
@@ -290,8 +295,9 @@ class Workspace:
         folder = self.root / stage
         stored = self.store.list(stage + "/")
         local = folder / ATTEMPT
-        same = self.last_attempt(stage).get("key") == key
-        extends = self.continues(stage, continues, extents)
+        last = self.last_attempt(stage)  # one read of the record (on S3 a request) for both questions
+        same = last.get("key") == key
+        extends = _continuable(last, continues, extents)
         outcome = None if same else "continued" if extends else None
         if stored and not same and not extends:
             self.store.delete_folder(stage, markers=MARKERS)
@@ -319,8 +325,7 @@ class Workspace:
     def continues(self, stage: str, continues: str | None, extents: dict[str, Any] | None) -> bool:
         """Whether an attempt with ``continues`` key and ``extents`` trains on from the last attempt's files
         (:meth:`begin`)."""
-        last = self.last_attempt(stage)
-        return bool(continues) and last.get("continues") == continues and _not_lower(last.get("extents"), extents)
+        return _continuable(self.last_attempt(stage), continues, extents)
 
     def fetch(self, stages: tuple[str, ...], loose: tuple[str, ...] = ()) -> None:
         """Bring these stages into the local folder when the local copy is not the one the store holds (for a
