@@ -37,7 +37,8 @@ def deployment_name() -> str | None:
 
 def _problem(who: str | None, flow: str, what: str, key: str, example: str) -> ParameterError:
     where = f"deployment {who}" if who else f"flow {flow}"
-    fix = f"; set it with `grpoflow deploy -n {who} --params '{{\"{key}\": {example}}}'`" if who else ""
+    # no single quotes: Prefect logs the error as its repr, which would escape them
+    fix = f"; set it with `grpoflow deploy -n {who} --param {key}={example}`" if who else ""
     return ParameterError(f"{where}: {what} (working directory {os.getcwd()}){fix}")
 
 
@@ -52,28 +53,28 @@ def continuous_config(
     who, flow = deployment_name(), "grpo-continuous"
     if not source:
         raise _problem(who, flow, "parameter source is not set: it names the data folder (or s3://bucket/prefix)",
-                       "source", '"/data/incoming"')  # fmt: skip
+                       "source", "/data/incoming")  # fmt: skip
     if not is_s3_uri(source) and not Path(source).expanduser().is_dir():
         what = "is a file, not a folder" if Path(source).expanduser().exists() else "is not a folder"
-        raise _problem(who, flow, f"parameter source={source!r} {what}", "source", '"/data/incoming"')
+        raise _problem(who, flow, f"parameter source={json.dumps(source)} {what}", "source", "/data/incoming")
     if state_dir and not is_s3_uri(state_dir):
         path = Path(state_dir).expanduser()
         if path.exists() and not path.is_dir():
-            raise _problem(who, flow, f"parameter state_dir={state_dir!r} is a file, not a folder",
-                           "state_dir", '"runs/continuous"')  # fmt: skip
+            raise _problem(who, flow, f"parameter state_dir={json.dumps(state_dir)} is a file, not a folder",
+                           "state_dir", "runs/continuous")  # fmt: skip
     try:
         cfg = load_run_config(config, overrides)
         check_continuous_config(cfg)
     except ConfigError as e:
-        shown = f"parameters config={config!r}, overrides={json.dumps(list(overrides or []))}"
-        raise _problem(who, flow, f"{shown}: {e}", "overrides", '["key=value", ...]') from None
+        shown = f"parameters config={json.dumps(config)}, overrides={json.dumps(list(overrides or []))}"
+        raise _problem(who, flow, f"{shown}: {e}", "overrides", '["key=value",...]') from None
     held_out = cfg.data.eval_source
     if held_out and not is_s3_uri(held_out) and not Path(held_out).expanduser().exists():
         from grpoflow.tasks.dataio.sources import looks_like_file  # imports datasets: only when needed
 
         if looks_like_file(held_out):
-            what = f"data.eval_source={held_out!r} (parameters config/overrides) is not a file"
-            raise _problem(who, flow, what, "overrides", '["data.eval_source=/data/heldout.jsonl", ...]')
+            what = f"data.eval_source={json.dumps(held_out)} (parameters config/overrides) is not a file"
+            raise _problem(who, flow, what, "overrides", '["data.eval_source=/data/heldout.jsonl",...]')
     return cfg
 
 

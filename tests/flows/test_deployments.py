@@ -310,9 +310,9 @@ def test_a_cycle_whose_source_is_missing_fails_naming_the_deployment_and_paramet
     text = run([*PREFECT, "deployment", "run", CONTINUOUS], env)
     fr = wait_for(env, re.search(r"UUID: ([0-9a-f-]{36})", text)[1])
     assert fr["state_type"] == "FAILED"
-    message = f"deployment {CONTINUOUS}: parameter source='data/incoming' is not a folder (working directory {REPO})"
+    message = f'deployment {CONTINUOUS}: parameter source="data/incoming" is not a folder (working directory {REPO})'
     logs = wait_for_log(env, fr["id"], message)
-    assert f'set it with `grpoflow deploy -n {CONTINUOUS} --params \'{{"source": ' in logs
+    assert f"{message}; set it with `grpoflow deploy -n {CONTINUOUS} --param source=/data/incoming`" in logs
     time.sleep(3)  # the flow-run process's last lines reach the worker's log
     worker_log = log.read_text()[start:]
     assert message in worker_log and "Traceback" not in worker_log, worker_log[-5000:]

@@ -194,14 +194,14 @@ def test_continuous_parameters_are_checked_first_and_named(tmp_path, monkeypatch
     where = f"(working directory {tmp_path})"
     with pytest.raises(ParameterError) as e:
         continuous_config(str(MICRO), overrides, "data/incoming", None)
-    assert str(e.value) == f"flow grpo-continuous: parameter source='data/incoming' is not a folder {where}"
-    with pytest.raises(ParameterError, match="parameter source='a-file' is a file, not a folder"):
+    assert str(e.value) == f'flow grpo-continuous: parameter source="data/incoming" is not a folder {where}'
+    with pytest.raises(ParameterError, match='parameter source="a-file" is a file, not a folder'):
         continuous_config(str(MICRO), overrides, "a-file", None)
-    with pytest.raises(ParameterError, match="parameter state_dir='a-file' is a file, not a folder"):
+    with pytest.raises(ParameterError, match='parameter state_dir="a-file" is a file, not a folder'):
         continuous_config(str(MICRO), overrides, "incoming", "a-file")
-    with pytest.raises(ParameterError, match=r"data.eval_source='missing.jsonl' \(parameters config/overrides\)"):
+    with pytest.raises(ParameterError, match=r'data.eval_source="missing.jsonl" \(parameters config/overrides\)'):
         continuous_config(str(MICRO), ["data.eval_source=missing.jsonl"], "incoming", None)
-    with pytest.raises(ParameterError, match="parameters config='nowhere.yaml', .*config file not found: nowhere"):
+    with pytest.raises(ParameterError, match='parameters config="nowhere.yaml", .*config file not found: nowhere'):
         continuous_config("nowhere.yaml", overrides, "incoming", None)
     with pytest.raises(ParameterError, match="parameter source is not set"):
         continuous_config(str(MICRO), overrides, None, None)
@@ -219,7 +219,7 @@ def test_continuous_parameters_are_checked_first_and_named(tmp_path, monkeypatch
         logger.error("other", exc_info=ValueError("kept"))
     finally:
         logger.removeHandler(handler)
-    assert records[0].exc_info is None and "parameter source='data/incoming'" in records[0].getMessage()
+    assert records[0].exc_info is None and 'parameter source="data/incoming"' in records[0].getMessage()
     assert records[1].exc_info is not None  # other errors keep their traceback
 
 
