@@ -196,16 +196,18 @@ class ChunkedDtypeTokenLogProbs(torch.autograd.Function):
     """(logp [N], entropy [N] or None) of hidden [N, D], weight [V, D], bias [V] or None, targets [N], with
     GEMMs in ``dtype``. Gradients take their input's dtype; the entropy carries one only with ``entropy_grad``
     (the entropy bonus), else it is marked non-differentiable. A frozen head (weight and bias without gradient,
-    hidden with) takes :func:`frozen_head_forward`: J (and J_H with ``entropy_grad``) kept, backward a row scale."""
+    hidden with) takes :func:`frozen_head_forward`: J (and J_H with ``entropy_grad``) kept, backward a row scale.
+    ``keep_j`` (the caller's ``torch.is_grad_enabled()``: forward always runs with grad disabled, so it cannot tell
+    for itself) allows that path; False under no_grad, where forming J would double the forward's GEMMs for nothing."""
 
     @staticmethod
     def forward(
         ctx, hidden, weight, bias, targets, temperature, compute_entropy, dtype, row_chunk, vocab_chunk,
-        entropy_grad=False,
+        entropy_grad=False, keep_j=True,
     ):  # fmt: skip
         inv_t = 1.0 / temperature
         needs = ctx.needs_input_grad
-        ctx.frozen = needs[0] and not needs[1] and not (bias is not None and needs[2])
+        ctx.frozen = keep_j and needs[0] and not needs[1] and not (bias is not None and needs[2])
         if ctx.frozen:
             args = (inv_t, compute_entropy or entropy_grad, entropy_grad, dtype, row_chunk, vocab_chunk)
             logp, lse, ent, j, jh = frozen_head_forward(hidden, weight, bias, targets, *args)
@@ -228,15 +230,15 @@ class ChunkedDtypeTokenLogProbs(torch.autograd.Function):
             dh = j * g_t[:, None]
             if jh is not None and grad_entropy is not None:
                 dh = dh.addcmul_(jh, grad_entropy.float()[:, None], value=ctx.args[0])
-            return (dh.to(j.dtype),) + (None,) * 9
+            return (dh.to(j.dtype),) + (None,) * 10
         hidden, weight, bias, targets, lse, ent = ctx.saved_tensors
         need = (ctx.needs_input_grad[0], ctx.needs_input_grad[1], bias is not None and ctx.needs_input_grad[2])
         if not any(need):
-            return (None,) * 10
+            return (None,) * 11
         ge_t = None if ent is None or grad_entropy is None else grad_entropy.float() * ctx.args[0]
         dh, dw, db = chunked_dtype_backward(
             hidden, weight, bias, targets, lse, g_t, *ctx.args, need, *ctx.chunks, ent=ent, ge_t=ge_t
         )
         dw = None if dw is None else dw.to(weight.dtype)
         db = None if db is None else db.to(bias.dtype)
-        return dh, dw, db, None, None, None, None, None, None, None
+        return dh, dw, db, None, None, None, None, None, None, None, None

@@ -73,7 +73,8 @@ def token_logprobs(
         args = (temperature, compute_entropy, keep_j, chunk_size, vocab_chunk_size, entropy_grad)
         logp, ent = ChunkedTokenLogProbs.apply(h, weight, bias, y, *args)
     elif impl == "chunked":
-        args = (temperature, compute_entropy, dtype, chunk_size, vocab_chunk_size, entropy_grad)
+        keep_j = torch.is_grad_enabled() and hidden.requires_grad
+        args = (temperature, compute_entropy, dtype, chunk_size, vocab_chunk_size, entropy_grad, keep_j)
         logp, ent = ChunkedDtypeTokenLogProbs.apply(h, weight, bias, y, *args)
     else:
         # Imported on first use: triton reads TRITON_INTERPRET when the kernels are defined.

@@ -14,7 +14,7 @@ from tests.kernels.test_entropy_grad import entropy_up
 from tests.kernels.test_logprob_precision import TOL
 from tests.kernels.test_logprobs import make_inputs
 
-MATMULS = {"mm", "addmm", "bmm", "baddbmm", "matmul", "mv", "addmv", "dot", "linear"}
+MATMULS = {"mm", "addmm", "addmm_", "bmm", "baddbmm", "baddbmm_", "matmul", "mv", "addmv", "addmv_", "dot", "linear"}
 ROWS, COLS = 16, 64  # ragged tiles at N=70, V=300
 
 
@@ -33,11 +33,13 @@ class CountMatmuls(TorchDispatchMode):
 
 
 def forward(path, h, w, b, y, temperature, entropy_grad):
-    """(logp, entropy) of the chunked CPU path (through token_logprobs) or the 16-bit path in h's dtype."""
+    """(logp, entropy) of the chunked CPU path (through token_logprobs) or the 16-bit path in h's dtype (told the
+    grad mode, as token_logprobs tells it)."""
     if path == "cpu":
         kwargs = {"chunk_size": ROWS, "vocab_chunk_size": COLS}
         return token_logprobs(h, w, y, temperature, b, compute_entropy=True, entropy_grad=entropy_grad, **kwargs)
-    return ChunkedDtypeTokenLogProbs.apply(h, w, b, y, temperature, True, h.dtype, ROWS, COLS, entropy_grad)
+    keep_j = torch.is_grad_enabled()
+    return ChunkedDtypeTokenLogProbs.apply(h, w, b, y, temperature, True, h.dtype, ROWS, COLS, entropy_grad, keep_j)
 
 
 def loss_of(logp, ent, up, up_ent):
@@ -118,4 +120,6 @@ def test_frozen_cpu_path_entropy_gradient_survives_overflowing_rows():
     (rdh,) = torch.autograd.grad(loss_of(rlogp, rent, up, up_ent), [rh])
     torch.testing.assert_close(logp, rlogp, atol=1e-3, rtol=1e-4)
     torch.testing.assert_close(ent, rent, atol=1e-3, rtol=1e-4)
-    torch.testing.assert_close(dh, rdh, atol=1e-3, rtol=1e-4)
+    # dH runs to ~450 here (|W| ~ 15 at T = 0.1): float32 rounding of J_H's E_p[(z - m) W] - E_p[z - m] E_p[W]
+    # is ~3e-3 absolute against a float64 reference (the recomputing path errs ~7e-2 on the same rows)
+    torch.testing.assert_close(dh, rdh, atol=2e-5 * rdh.abs().max().item(), rtol=1e-4)
