@@ -26,9 +26,10 @@ Design (docs/kernel-roofline.md has the FLOP and byte counts behind it):
 Launch and tiling: every program index goes through :func:`_grouped` (GROUP_N row blocks walk one vocabulary
 index together, then the next: programs in flight share H row blocks and W tiles in L2, the GEMM "GROUP_M" order);
 BLOCK_N is fixed (128 on CUDA, 64 under the interpreter) and BLOCK_V x BLOCK_D, warps and stages are autotuned per
-(V, D, exact dots) from CONFIGS (128x128 and 128x256 tiles, 3-4 stages; one small config under the interpreter,
-which has no timing to tune by); every pointer offset of a row or column index times a stride is int64 (W's
-offsets pass 2^31 once V * D >= 2^31, e.g. V=151936 at D=16384).
+(V, D, exact dots) from CONFIGS (logit tiles BLOCK_N x BLOCK_V of 128x128 or 128x256, BLOCK_D 32 to 128, 3-4
+stages; the autotuner skips configs that overflow shared memory, e.g. with float32 operands; one small config under
+the interpreter, which has no timing to tune by); every pointer offset of a row or column index times a stride is
+int64 (W's offsets pass 2^31 once V * D >= 2^31, e.g. V=151936 at D=16384).
 
 Dot operands take the compute dtype (kernels/precision.py: the autocast dtype on CUDA) with float32
 accumulation; float32 operands use exact ("ieee") dots, as torch matmuls do by default. Under
@@ -185,8 +186,8 @@ def vocab_splits(n: int, v: int, sms: int, block_n: int = BLOCK_N, block_v: int 
 
     splits = min(cdiv(PROGRAMS_PER_SM * sms, row blocks), cdiv(v, block_v)), then each split takes
     V_SPLIT = block_v * cdiv(cdiv(v, splits), block_v) columns (a whole number of tiles) and the count is
-    recomputed as cdiv(v, V_SPLIT), so that no split is empty. E.g. on an H200 (132 SMs) at N=2048:
-    32 row blocks x 9 splits = 288 programs; at N=16384: 256 x 2."""
+    recomputed as cdiv(v, V_SPLIT), so that no split is empty. E.g. on an H200 (132 SMs), V=151936, BLOCK_N=128:
+    at N=2048 16 row blocks x 17 splits = 272 programs; at N=16384: 128 x 3."""
     row_blocks = triton.cdiv(n, block_n)
     splits = max(1, min(triton.cdiv(PROGRAMS_PER_SM * sms, row_blocks), triton.cdiv(v, block_v)))
     v_split = block_v * triton.cdiv(triton.cdiv(v, splits), block_v)
@@ -210,7 +211,7 @@ def merge_partials(
 
 def backward_chunk_rows(n: int, v: int, itemsize: int, budget: int | None = None, block_n: int = BLOCK_N) -> int:
     """Rows per backward chunk: the most whole BLOCK_N blocks whose [rows, v] G fits ``budget`` bytes
-    (default G_BUDGET_BYTES), at least one block, at most all of n. E.g. V=151936 in bf16: 3520 rows."""
+    (default G_BUDGET_BYTES), at least one block, at most all of n. E.g. V=151936 in bf16: 3456 rows (BLOCK_N=128)."""
     rows = max(block_n, (budget or G_BUDGET_BYTES) // (v * itemsize) // block_n * block_n)
     return min(rows, block_n * triton.cdiv(n, block_n))
 

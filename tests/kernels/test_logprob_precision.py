@@ -296,17 +296,7 @@ def test_chunked_dtype_path_makes_no_host_sync_per_tile(vocab_chunk, head_traina
 def test_grouped_order_runs_every_program_once_a_group_at_a_time(num_n, num_v):
     """kernels/triton_logprobs.py's launch order: a permutation of all (row block, vocabulary index) pairs in which
     each run of GROUP_N * num_v consecutive programs stays within GROUP_N row blocks (the last group smaller)."""
-    import triton
-    import triton.language as tl
-
-    from grpoflow.kernels.triton_logprobs import _grouped
-
-    @triton.jit
-    def where_each_program_goes(OUT, num_n, num_v, GROUP_N: tl.constexpr):
-        pid = tl.program_id(0)
-        pid_n, pid_v = _grouped(pid, num_n, num_v, GROUP_N)
-        tl.store(OUT + 2 * pid, pid_n)
-        tl.store(OUT + 2 * pid + 1, pid_v)
+    from tests.kernels.grouped_probe import where_each_program_goes  # imported here: under the interpreter
 
     group = 4
     out = torch.full((num_n * num_v, 2), -1, dtype=torch.int32)
