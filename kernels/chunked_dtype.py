@@ -10,6 +10,10 @@ float32 accumulation, where the CPU path (kernels/chunked_logprobs.py) computes 
         the compute dtype (kernels/logit_grad.py; g_H, the entropy's upstream gradient, is 0 without it);
         dH[rows] += G W_c (float32 accumulator [rows, D]),  dW[cols] += G^T H_c (float32 [V, D]),  db[cols] += sum_n G
 
+A frozen head (LoRA: W and b without gradient) takes :func:`frozen_head_forward` instead, which keeps
+J = dlogp/dH * T (and the entropy's J_H) from the forward so that backward is a row scale (4NVD FLOPs in all
+for logp, against 6NVD for the two passes above).
+
 TRL 1.16's chunked path (trl/kernels/chunked_logprob.py) has the same passes; it accumulates dH in a
 float32 [N, D], where this one keeps a float32 [rows, D] per chunk of rows.
 """
@@ -68,6 +72,81 @@ def chunked_dtype_forward(
     return z_y - lse, lse, None if ez is None else lse - ez / s
 
 
+def frozen_head_forward(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    y: torch.Tensor,
+    inv_t: float,
+    entropy: bool,
+    keep_jh: bool,
+    dtype: torch.dtype,
+    row_chunk: int,
+    vocab_chunk: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor | None]:
+    """logp, lse, entropy (or None) float32 [N], and J, J_H (or None) in hidden's dtype [N, D]: the forward of a
+    frozen head (W and b without gradient, H with), whose backward is then a row scale, no GEMM:
+
+        dH = (g / T) J + (g_H / T) J_H,    J = W_y - E_p[W],    J_H = -(E_p[(z - m) W] - E_p[z - m] E_p[W])
+
+    (J_H = -sum_v p_v (z_v - lse + H) W_v, kernels/logit_grad.py's entropy term times W; only with ``keep_jh``).
+    Per chunk of rows, per vocabulary tile: z = H_c W_c^T (GEMM 1), then with the running max m and
+    e = exp(z - m): s, a = sum e W_c (GEMM 2, [rows, D], float32 accumulator), and with ``keep_jh``
+    b = sum e (z - m) W_c (GEMM 3), rescaled when m grows (a' = r a, b' = r (b - (m' - m) a), r = e^(m - m')).
+    Cost: 4NVD FLOPs for logp (6NVD with J_H) and no backward GEMM, where recomputing the logits in the backward
+    costs 6NVD (2NVD forward, 2NVD logits again, 2NVD for G W). Tiles are [row_chunk, vocab_chunk]: nothing of
+    size [N, V] exists."""
+    n, d = hidden.shape
+    v = weight.shape[0]
+    dev = hidden.device
+    logp, lse = torch.empty(n, device=dev), torch.empty(n, device=dev)
+    ent = torch.empty(n, device=dev) if entropy or keep_jh else None
+    j = torch.empty_like(hidden)
+    jh = torch.empty_like(hidden) if keep_jh else None
+    for r0 in range(0, n, row_chunk):
+        rows = slice(r0, min(r0 + row_chunk, n))
+        h, yr = hidden[rows].to(dtype), y[rows]
+        k = h.shape[0]
+        m = torch.full((k,), float("-inf"), device=dev)
+        s, z_y, c = torch.zeros(k, device=dev), torch.zeros(k, device=dev), torch.zeros(k, device=dev)
+        a = torch.zeros(k, d, device=dev)
+        b = torch.zeros(k, d, device=dev) if keep_jh else None
+        for c0 in range(0, v, vocab_chunk):
+            c1 = min(c0 + vocab_chunk, v)
+            w = weight[c0:c1].to(dtype)
+            z = _tile_logits(h, w, None if bias is None else bias[c0:c1], inv_t)
+            m_new = torch.maximum(m, z.amax(1))
+            r = torch.exp(m - m_new)  # 0 on the first tile
+            shift = torch.where(torch.isfinite(m), m_new - m, 0.0)
+            zm = z.sub_(m_new[:, None])  # z - m' (z is not needed after this)
+            local = yr - c0
+            inside = (local >= 0) & (local < c1 - c0)
+            picked = zm.gather(1, local.clamp(0, c1 - c0 - 1)[:, None]).squeeze(1) + m_new
+            z_y = torch.where(inside, picked, z_y)
+            e = torch.exp(zm)
+            if ent is not None:
+                ezm = zm.mul_(e)  # e (z - m)
+                if b is not None:
+                    b.addcmul_(a, shift[:, None], value=-1.0).mul_(r[:, None])
+                    addmm_fp32(b, ezm.to(dtype), w)
+                c = r * (c - shift * s) + ezm.sum(1)  # sum e (z - m)
+            a.mul_(r[:, None])
+            addmm_fp32(a, e.to(dtype), w)
+            s = s * r + e.sum(1)
+            m = m_new
+        log_s = torch.log(s)
+        lse[rows] = m + log_s
+        logp[rows] = z_y - lse[rows]
+        mean_zm = c / s  # E_p[z - m]
+        if ent is not None:
+            ent[rows] = log_s - mean_zm  # lse - E_p[z]
+        mean_w = a.div_(s[:, None])  # E_p[W]
+        j[rows] = weight[yr].to(dtype).float() - mean_w  # W_y as the GEMMs saw it
+        if jh is not None:
+            jh[rows] = torch.addcmul(b.div_(s[:, None]), mean_zm[:, None], mean_w, value=-1.0).neg_()
+    return logp, lse, ent, j, jh
+
+
 def chunked_dtype_backward(
     hidden: torch.Tensor,
     weight: torch.Tensor,
@@ -116,17 +195,27 @@ def chunked_dtype_backward(
 class ChunkedDtypeTokenLogProbs(torch.autograd.Function):
     """(logp [N], entropy [N] or None) of hidden [N, D], weight [V, D], bias [V] or None, targets [N], with
     GEMMs in ``dtype``. Gradients take their input's dtype; the entropy carries one only with ``entropy_grad``
-    (the entropy bonus), else it is marked non-differentiable."""
+    (the entropy bonus), else it is marked non-differentiable. A frozen head (weight and bias without gradient,
+    hidden with) takes :func:`frozen_head_forward`: J (and J_H with ``entropy_grad``) kept, backward a row scale.
+    ``keep_j`` (the caller's ``torch.is_grad_enabled()``: forward always runs with grad disabled, so it cannot tell
+    for itself) allows that path; False under no_grad, where forming J would double the forward's GEMMs for nothing."""
 
     @staticmethod
     def forward(
         ctx, hidden, weight, bias, targets, temperature, compute_entropy, dtype, row_chunk, vocab_chunk,
-        entropy_grad=False,
+        entropy_grad=False, keep_j=True,
     ):  # fmt: skip
         inv_t = 1.0 / temperature
-        args = (inv_t, compute_entropy or entropy_grad, dtype, row_chunk, vocab_chunk)
-        logp, lse, ent = chunked_dtype_forward(hidden, weight, bias, targets, *args)
-        ctx.save_for_backward(hidden, weight, bias, targets, lse, ent if entropy_grad else None)
+        needs = ctx.needs_input_grad
+        ctx.frozen = keep_j and needs[0] and not needs[1] and not (bias is not None and needs[2])
+        if ctx.frozen:
+            args = (inv_t, compute_entropy or entropy_grad, entropy_grad, dtype, row_chunk, vocab_chunk)
+            logp, lse, ent, j, jh = frozen_head_forward(hidden, weight, bias, targets, *args)
+            ctx.save_for_backward(j, jh)
+        else:
+            args = (inv_t, compute_entropy or entropy_grad, dtype, row_chunk, vocab_chunk)
+            logp, lse, ent = chunked_dtype_forward(hidden, weight, bias, targets, *args)
+            ctx.save_for_backward(hidden, weight, bias, targets, lse, ent if entropy_grad else None)
         ctx.args = (inv_t, dtype)
         ctx.chunks = (row_chunk, vocab_chunk)
         if ent is not None and not entropy_grad:
@@ -135,15 +224,21 @@ class ChunkedDtypeTokenLogProbs(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_logp: torch.Tensor, grad_entropy: torch.Tensor | None):
+        g_t = grad_logp.float() * ctx.args[0]
+        if ctx.frozen:  # dH = (g J + g_H J_H) / T: a row scale, no GEMM over the vocabulary
+            j, jh = ctx.saved_tensors
+            dh = j * g_t[:, None]
+            if jh is not None and grad_entropy is not None:
+                dh = dh.addcmul_(jh, grad_entropy.float()[:, None], value=ctx.args[0])
+            return (dh.to(j.dtype),) + (None,) * 10
         hidden, weight, bias, targets, lse, ent = ctx.saved_tensors
         need = (ctx.needs_input_grad[0], ctx.needs_input_grad[1], bias is not None and ctx.needs_input_grad[2])
         if not any(need):
-            return (None,) * 10
-        g_t = grad_logp.float() * ctx.args[0]
+            return (None,) * 11
         ge_t = None if ent is None or grad_entropy is None else grad_entropy.float() * ctx.args[0]
         dh, dw, db = chunked_dtype_backward(
             hidden, weight, bias, targets, lse, g_t, *ctx.args, need, *ctx.chunks, ent=ent, ge_t=ge_t
         )
         dw = None if dw is None else dw.to(weight.dtype)
         db = None if db is None else db.to(bias.dtype)
-        return dh, dw, db, None, None, None, None, None, None, None
+        return dh, dw, db, None, None, None, None, None, None, None, None

@@ -35,7 +35,13 @@ backward then recomputes each tile as p = exp(H' W'^T) with -lse in H''s shift c
 
 The entropy is returned without a gradient (a metric and a mask in GRPO, as in TRL) unless ``entropy_grad``
 (the entropy bonus): then backward recomputes each tile and forms G = dL/d(H W^T + b) with the entropy's term
-(kernels/logit_grad.py) in float32, through kernels/chunked_dtype.py's backward, and J is not kept. Arithmetic is
+(kernels/logit_grad.py) in float32, through kernels/chunked_dtype.py's backward, and J is not kept, except for a
+frozen head (the LoRA case), where the forward also keeps
+
+    J_H = -sum_v p_v (z_v - lse + H) W_v = -(E_p[(z - m) W] - E_p[z - m] E_p[W])     [N, D]
+
+from a third GEMM per tile, e (z - m) W' (same augmented operands), and backward is dH = (g J + g_H J_H) / T,
+a row scale and no GEMM over the vocabulary (6NVD FLOPs in all, against 8NVD for recomputing). Arithmetic is
 float32 whatever the input dtype (the augmented copies are float32). Tile buffers are allocated once
 and reused: writing fresh float32 tiles costs about 3x writing reused ones on CPU (page faults).
 """
@@ -81,16 +87,31 @@ def _augmented_weight_tiles(
 
 
 def _fold_vocab(
-    h: torch.Tensor, weight: torch.Tensor, b_t: torch.Tensor | None, acc: torch.Tensor, row_chunk: int, vocab_chunk: int
+    h: torch.Tensor,
+    weight: torch.Tensor,
+    b_t: torch.Tensor | None,
+    acc: torch.Tensor,
+    row_chunk: int,
+    vocab_chunk: int,
+    acc_z: torch.Tensor | None = None,
 ) -> None:
-    """acc += sum over vocabulary tiles of exp(H' W'^T) W'[:, -width:], in place: per tile a GEMM, exp, a GEMM."""
-    z_buf = h.new_empty(min(row_chunk, h.shape[0]) * min(vocab_chunk, weight.shape[0]))
+    """acc += sum over vocabulary tiles of exp(H' W'^T) W'[:, -width:], in place: per tile a GEMM, exp, a GEMM.
+
+    With ``acc_z`` [N, D+2] also acc_z += (e (z - m)) W' (a third GEMM per tile: the entropy's J_H)."""
+    rc, vc = min(row_chunk, h.shape[0]), min(vocab_chunk, weight.shape[0])
+    z_buf = h.new_empty(rc * vc)
+    e_buf = h.new_empty(rc * vc) if acc_z is not None else None
     for _, w in _augmented_weight_tiles(weight, b_t, vocab_chunk):
         w_acc = w[:, w.shape[1] - acc.shape[1] :]
         for i in range(0, h.shape[0], row_chunk):
             rows = h[i : i + row_chunk]
-            e = torch.mm(rows, w.t(), out=_view(z_buf, rows.shape[0], w.shape[0])).exp_()  # exp(z - m) [n, c]
+            zm = torch.mm(rows, w.t(), out=_view(z_buf, rows.shape[0], w.shape[0]))  # z - m [n, c]
+            if acc_z is None:
+                acc[i : i + row_chunk].addmm_(zm.exp_(), w_acc)  # exp(z - m), in place
+                continue
+            e = torch.exp(zm, out=_view(e_buf, rows.shape[0], w.shape[0]))
             acc[i : i + row_chunk].addmm_(e, w_acc)
+            acc_z[i : i + row_chunk].addmm_(zm.mul_(e), w)
 
 
 def _row_max(h: torch.Tensor, weight: torch.Tensor, b_t: torch.Tensor | None, vocab_chunk: int) -> torch.Tensor:
@@ -102,7 +123,13 @@ def _row_max(h: torch.Tensor, weight: torch.Tensor, b_t: torch.Tensor | None, vo
 
 
 def _refold_overflowed(
-    h: torch.Tensor, weight: torch.Tensor, b_t: torch.Tensor | None, acc: torch.Tensor, row_chunk: int, vocab_chunk: int
+    h: torch.Tensor,
+    weight: torch.Tensor,
+    b_t: torch.Tensor | None,
+    acc: torch.Tensor,
+    row_chunk: int,
+    vocab_chunk: int,
+    acc_z: torch.Tensor | None = None,
 ) -> None:
     """Redo, shifted by their exact row max, the rows whose s (and so a) overflowed float32 or came close."""
     overflow = ~(acc[:, -1] < 2.0**100)  # also catches inf and NaN
@@ -112,8 +139,11 @@ def _refold_overflowed(
     h_o[:, -1] = 0.0
     h_o[:, -1] = -_row_max(h_o, weight, b_t, vocab_chunk)
     acc_o = acc.new_zeros(h_o.shape[0], acc.shape[1])
-    _fold_vocab(h_o, weight, b_t, acc_o, row_chunk, vocab_chunk)
+    acc_zo = None if acc_z is None else acc_z.new_zeros(h_o.shape[0], acc_z.shape[1])
+    _fold_vocab(h_o, weight, b_t, acc_o, row_chunk, vocab_chunk, acc_zo)
     h[overflow], acc[overflow] = h_o, acc_o
+    if acc_z is not None:
+        acc_z[overflow] = acc_zo
 
 
 def _forward(
@@ -126,23 +156,32 @@ def _forward(
     keep_j: bool,
     row_chunk: int,
     vocab_chunk: int,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
-    """logp, lse, entropy (or None) and J in hidden's dtype (or None), all rows [N]."""
+    keep_jh: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
+    """logp, lse, entropy (or None), J and J_H in hidden's dtype (or None), all rows [N].
+
+    ``keep_jh`` (a frozen head with the entropy's gradient; implies ``entropy`` and ``keep_j``) also keeps
+    J_H = -sum_v p_v (z_v - lse + H) W_v = -(E_p[(z - m) W] - E_p[z - m] E_p[W]), so that dH = (g J + g_H J_H) / T."""
     n, d = hidden.shape
     b_t = None if bias is None else bias.float() * inv_t
     h = _augmented_hidden(hidden, inv_t)
     z_y = (h[:, :d] * weight[y].float()).sum(1) + (0.0 if b_t is None else b_t[y])
     h[:, -1] = -z_y  # the shift m starts at the target logit
     acc = h.new_zeros(n, d + 2 if keep_j or entropy else 1)  # [a | sum e b/T | s], or s alone
-    _fold_vocab(h, weight, b_t, acc, row_chunk, vocab_chunk)
-    _refold_overflowed(h, weight, b_t, acc, row_chunk, vocab_chunk)
+    acc_z = h.new_zeros(n, d + 2) if keep_jh else None  # [sum e (z-m) W | sum e (z-m) b/T | sum e (z-m)]
+    _fold_vocab(h, weight, b_t, acc, row_chunk, vocab_chunk, acc_z)
+    _refold_overflowed(h, weight, b_t, acc, row_chunk, vocab_chunk, acc_z)
     s = acc[:, -1]
     log_s = torch.log(s) - (h[:, -1] + z_y)  # log s + (m - z_y): exactly log s while m = z_y
     lse = z_y + log_s
     mean_w = acc[:, :d].div_(s[:, None]) if keep_j or entropy else None  # sum_v p_v W_v
     ent = lse - (h[:, :d] * mean_w).sum(1) - acc[:, d] / s if entropy else None
     j = torch.sub(weight[y], mean_w).to(hidden.dtype) if keep_j else None
-    return -log_s, lse, ent, j
+    jh = None
+    if acc_z is not None:
+        acc_z.div_(s[:, None])  # E_p[(z - m) W | (z - m) b/T | z - m]
+        jh = torch.addcmul(acc_z[:, :d], acc_z[:, d + 1 :], mean_w, value=-1.0).neg_().to(hidden.dtype)
+    return -log_s, lse, ent, j, jh
 
 
 def _grad_weight(
@@ -184,7 +223,10 @@ class ChunkedTokenLogProbs(torch.autograd.Function):
     """(logp [N], entropy [N] or None) of hidden [N, D], weight [V, D], bias [V] or None, targets [N].
 
     Gradients flow to logp, and to the entropy with ``entropy_grad`` (else it is marked non-differentiable).
-    J is kept only when ``keep_j`` and not ``entropy_grad``."""
+    J is kept when ``keep_j``; with ``entropy_grad`` only for a frozen head (weight and bias without grad), together
+    with J_H: the frozen-head path, about 4NVD FLOPs for logp (two GEMMs per tile in the forward, none in the
+    backward: dH = (g/T) J) and 6NVD with the entropy's gradient (a third forward GEMM; dH = (g J + g_H J_H) / T),
+    where recomputing the logits in the backward costs 8NVD. A trainable head recomputes every tile in backward."""
 
     @staticmethod
     def forward(
@@ -201,23 +243,27 @@ class ChunkedTokenLogProbs(torch.autograd.Function):
         entropy_grad: bool = False,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         inv_t = 1.0 / temperature
-        args = (inv_t, compute_entropy or entropy_grad, keep_j and not entropy_grad, row_chunk, vocab_chunk)
-        logp, lse, ent, j = _forward(hidden, weight, bias, targets, *args)
-        ctx.save_for_backward(hidden, weight, bias, targets, lse, j, ent if entropy_grad else None)
+        frozen = not (ctx.needs_input_grad[1] or (bias is not None and ctx.needs_input_grad[2]))
+        keep_jh = keep_j and entropy_grad and frozen
+        keep_j = keep_j and (keep_jh or not entropy_grad)
+        args = (inv_t, compute_entropy or entropy_grad, keep_j, row_chunk, vocab_chunk, keep_jh)
+        logp, lse, ent, j, jh = _forward(hidden, weight, bias, targets, *args)
+        recompute = entropy_grad and not keep_jh
+        ctx.save_for_backward(hidden, weight, bias, targets, lse, j, jh, ent if recompute else None)
         ctx.inv_t, ctx.row_chunk, ctx.vocab_chunk = inv_t, row_chunk, vocab_chunk
-        ctx.entropy_grad = entropy_grad
+        ctx.recompute = recompute
         if ent is not None and not entropy_grad:
             ctx.mark_non_differentiable(ent)
         return logp, ent
 
     @staticmethod
     def backward(ctx, grad_logp: torch.Tensor, grad_entropy: torch.Tensor | None):
-        hidden, weight, bias, targets, lse, j, ent = ctx.saved_tensors
+        hidden, weight, bias, targets, lse, j, jh, ent = ctx.saved_tensors
         g_t = grad_logp.float() * ctx.inv_t
+        ge_t = None if grad_entropy is None else grad_entropy.float() * ctx.inv_t
         dh = dw = db = None
-        if ctx.entropy_grad:
+        if ctx.recompute:
             need = (ctx.needs_input_grad[0], ctx.needs_input_grad[1], bias is not None and ctx.needs_input_grad[2])
-            ge_t = None if grad_entropy is None else grad_entropy.float() * ctx.inv_t
             chunks = (ctx.row_chunk, ctx.vocab_chunk)
             dh, dw, db = chunked_dtype_backward(
                 hidden, weight, bias, targets, lse, g_t, ctx.inv_t, torch.float32, need, *chunks, ent=ent, ge_t=ge_t
@@ -226,7 +272,10 @@ class ChunkedTokenLogProbs(torch.autograd.Function):
             db = None if db is None else db.to(bias.dtype)
             return dh, dw, db, None, None, None, None, None, None, None
         if ctx.needs_input_grad[0]:
-            dh = (j * g_t[:, None]).to(hidden.dtype)
+            dh = j * g_t[:, None]  # a row scale: no GEMM over the vocabulary
+            if jh is not None and ge_t is not None:
+                dh = dh.addcmul_(jh, ge_t[:, None])
+            dh = dh.to(hidden.dtype)
         if ctx.needs_input_grad[1] or ctx.needs_input_grad[2]:
             args = (ctx.inv_t, ctx.row_chunk, ctx.vocab_chunk)
             dw, db = _grad_weight(hidden, weight, bias, targets, lse, g_t, *args)

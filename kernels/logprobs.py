@@ -11,6 +11,9 @@ the same math, chosen by ``impl``:
   as a fused G = dlogp/dz kernel and two cuBLAS GEMMs); CUDA tensors (or TRITON_INTERPRET=1 in tests);
 - ``"chunked"``: chunked torch. On CPU kernels/chunked_logprobs.py (float32 arithmetic, tuned for CPUs); on
   other devices kernels/chunked_dtype.py (GEMMs in the compute dtype, float32 accumulation);
+  Both chunked paths take a frozen-head route when the head (weight, bias) needs no gradient and hidden does
+  (LoRA): the forward keeps J = W_y - E_p[W] [N, D] (and the entropy's J_H with ``entropy_grad``) and the
+  backward is dH = (g J + g_H J_H) / T, a row scale: ~4NVD FLOPs in all for logp instead of 6NVD;
 - ``"reference"``: :func:`token_logprobs_reference`, materialized logits + log_softmax (tests, benchmarks);
 - ``"auto"`` (default): triton for CUDA tensors, chunked otherwise.
 
@@ -70,7 +73,8 @@ def token_logprobs(
         args = (temperature, compute_entropy, keep_j, chunk_size, vocab_chunk_size, entropy_grad)
         logp, ent = ChunkedTokenLogProbs.apply(h, weight, bias, y, *args)
     elif impl == "chunked":
-        args = (temperature, compute_entropy, dtype, chunk_size, vocab_chunk_size, entropy_grad)
+        keep_j = torch.is_grad_enabled() and hidden.requires_grad
+        args = (temperature, compute_entropy, dtype, chunk_size, vocab_chunk_size, entropy_grad, keep_j)
         logp, ent = ChunkedDtypeTokenLogProbs.apply(h, weight, bias, y, *args)
     else:
         # Imported on first use: triton reads TRITON_INTERPRET when the kernels are defined.

@@ -23,6 +23,14 @@ Design (docs/kernel-roofline.md has the FLOP and byte counts behind it):
   keeping J = dlogp/dH from the forward, but keeping J needs an [N, D] accumulator that no register file
   holds at D = 4096: that design paid a float32 [BLOCK_N, D] round trip per vocabulary tile instead.
 
+Launch and tiling: every program index goes through :func:`_grouped` (GROUP_N row blocks walk one vocabulary
+index together, then the next: programs in flight share H row blocks and W tiles in L2, the GEMM "GROUP_M" order);
+BLOCK_N is fixed (128 on CUDA, 64 under the interpreter) and BLOCK_V x BLOCK_D, warps and stages are autotuned per
+(V, D, exact dots) from CONFIGS (logit tiles BLOCK_N x BLOCK_V of 128x128 or 128x256, BLOCK_D 32 to 128, 3-4
+stages; the autotuner skips configs that overflow shared memory, e.g. with float32 operands; one small config under
+the interpreter, which has no timing to tune by); every pointer offset of a row or column index times a stride is
+int64 (W's offsets pass 2^31 once V * D >= 2^31, e.g. V=151936 at D=16384).
+
 Dot operands take the compute dtype (kernels/precision.py: the autocast dtype on CUDA) with float32
 accumulation; float32 operands use exact ("ieee") dots, as torch matmuls do by default. Under
 TRITON_INTERPRET=1 every dot operand is cast to float32: the interpreter multiplies bf16 as raw bits.
@@ -42,9 +50,20 @@ from grpoflow.kernels.precision import addmm_fp32, mm_into
 
 # Read once: the kernels below are decorated (interpreted or compiled) when this module is imported.
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
-BLOCK_N, BLOCK_V, BLOCK_D = 64, 128, 64
-NUM_WARPS, NUM_STAGES = 8, 2
+# Rows per program: fixed (the forward's vocabulary splits and partial buffers are sized from it before launch);
+# the vocabulary and reduction tiles, warps and pipeline stages are autotuned per (V, D) on CUDA.
+BLOCK_N = 64 if INTERPRET else 128
+V_ROUND = 128 if INTERPRET else 256  # a forward split is a whole number of the largest BLOCK_V tiles
+GROUP_N = 8  # row blocks per launch group (the grouped order below)
 PROGRAMS_PER_SM = 2
+_CUDA_CONFIGS = [
+    triton.Config({"BLOCK_V": bv, "BLOCK_D": bd}, num_warps=8, num_stages=st)
+    for bv, bd, st in ((128, 64, 3), (128, 64, 4), (256, 64, 3), (256, 32, 4), (128, 128, 3))
+]
+# The interpreter is ~1000x slower and has no timing to tune by: one small config (the tests' ragged shapes
+# N=70, V=300, D=80 cross its 64 x 128 x 64 blocks).
+_INTERPRET_CONFIGS = [triton.Config({"BLOCK_V": 128, "BLOCK_D": 64}, num_warps=4, num_stages=1)]
+CONFIGS = _INTERPRET_CONFIGS if INTERPRET else _CUDA_CONFIGS
 G_BUDGET_BYTES = 1 << 30  # the backward's [rows, V] tile of G: 1 GiB (the bf16 head itself is 1.2 GB at D=4096)
 _TL_DTYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
 
@@ -57,11 +76,13 @@ def _logits_tile(
 ):  # fmt: skip
     """z = (H[rows] W[cols]^T + b[cols]) / T as a float32 [BLOCK_N, BLOCK_V] tile; operands in DOT_DTYPE."""
     z = tl.zeros([BLOCK_N, BLOCK_V], dtype=tl.float32)
+    h_rows = H + rows.to(tl.int64)[:, None] * stride_h  # int64: row * stride passes 2^31 at V * D >= 2^31
+    w_rows = W + cols.to(tl.int64)[:, None] * stride_w
     for d0 in range(0, D, BLOCK_D):
         ks = d0 + tl.arange(0, BLOCK_D)
         k_ok = ks < D
-        h = tl.load(H + rows[:, None] * stride_h + ks[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
-        w = tl.load(W + cols[:, None] * stride_w + ks[None, :], mask=col_ok[:, None] & k_ok[None, :], other=0.0)
+        h = tl.load(h_rows + ks[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+        w = tl.load(w_rows + ks[None, :], mask=col_ok[:, None] & k_ok[None, :], other=0.0)
         if IEEE:
             z += tl.dot(h.to(DOT_DTYPE), tl.trans(w.to(DOT_DTYPE)), input_precision="ieee")
         else:
@@ -72,24 +93,38 @@ def _logits_tile(
 
 
 @triton.jit
+def _grouped(pid, num_n, num_v, GROUP_N: tl.constexpr):
+    """(row block, vocabulary index) of program ``pid`` in the grouped order: consecutive programs walk a group of
+    GROUP_N row blocks down one vocabulary index, then the next index. Programs in flight together then share a
+    few H row blocks and a few W tiles, which stay in L2 (row-major order would stream every W tile per row block)."""
+    per_group = GROUP_N * num_v
+    first = (pid // per_group) * GROUP_N
+    size = tl.minimum(num_n - first, GROUP_N)
+    local = pid % per_group
+    return first + local % size, local // size
+
+
+@triton.autotune(configs=CONFIGS, key=["V", "D", "IEEE"])
+@triton.jit
 def _forward_kernel(
     H, W, B, Y, M_OUT, S_OUT, ZY_OUT, EZ_OUT, N, V, D, V_SPLIT, stride_h, stride_w, inv_t,
     HAS_BIAS: tl.constexpr, ENTROPY: tl.constexpr, DOT_DTYPE: tl.constexpr, IEEE: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_D: tl.constexpr, GROUP_N: tl.constexpr,
 ):  # fmt: skip
-    """Program (row block, split): partials m, s, z_y, sum e*z of its rows over its vocabulary split."""
-    rows = tl.program_id(0).to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
-    split = tl.program_id(1)
+    """Program (row block, split), grouped (:func:`_grouped`): partials m, s, z_y, sum e*z of its rows over its
+    vocabulary split."""
+    pid_n, split = _grouped(tl.program_id(0), tl.cdiv(N, BLOCK_N), tl.cdiv(V, V_SPLIT), GROUP_N)
+    rows = pid_n.to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
     row_ok = rows < N
     y = tl.load(Y + rows, mask=row_ok, other=0)
     m = tl.full([BLOCK_N], float("-inf"), dtype=tl.float32)
     s = tl.zeros([BLOCK_N], dtype=tl.float32)
     z_y = tl.zeros([BLOCK_N], dtype=tl.float32)
     ez = tl.zeros([BLOCK_N], dtype=tl.float32)  # sum_v e_v z_v at scale m
-    v_start = split * V_SPLIT
+    v_start = split.to(tl.int64) * V_SPLIT
     v_end = tl.minimum(v_start + V_SPLIT, V)
     for v0 in range(v_start, v_end, BLOCK_V):
-        cols = v0 + tl.arange(0, BLOCK_V)
+        cols = v0 + tl.arange(0, BLOCK_V).to(tl.int64)
         col_ok = cols < v_end
         z = _logits_tile(
             H, W, B, rows, row_ok, cols, col_ok, D, stride_h, stride_w, inv_t,
@@ -104,7 +139,7 @@ def _forward_kernel(
         if ENTROPY:
             ez = ez * r + tl.sum(e * z, axis=1)
         m = m_new
-    out = split * N + rows
+    out = split.to(tl.int64) * N + rows
     tl.store(M_OUT + out, m, mask=row_ok)
     tl.store(S_OUT + out, s, mask=row_ok)
     tl.store(ZY_OUT + out, z_y, mask=row_ok)
@@ -112,16 +147,19 @@ def _forward_kernel(
         tl.store(EZ_OUT + out, ez, mask=row_ok)
 
 
+@triton.autotune(configs=CONFIGS, key=["V", "D", "IEEE"])
 @triton.jit
 def _grad_logits_kernel(
     H, W, B, Y, LSE, G_T, ENT, GE_T, G_OUT, N, V, D, stride_h, stride_w, inv_t,
     HAS_BIAS: tl.constexpr, ENT_GRAD: tl.constexpr, DOT_DTYPE: tl.constexpr, IEEE: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_D: tl.constexpr, GROUP_N: tl.constexpr,
 ):  # fmt: skip
     """Program (row block, vocabulary tile): G = (1/T)[g onehot(y) - p (g + g_H (z - lse + H))] with
-    p = exp(z - lse), stored in G_OUT's dtype; the g_H term only when ENT_GRAD (ENT: H, GE_T: g_H / T)."""
-    rows = tl.program_id(0).to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
-    cols = tl.program_id(1).to(tl.int64) * BLOCK_V + tl.arange(0, BLOCK_V)
+    p = exp(z - lse), stored in G_OUT's dtype; the g_H term only when ENT_GRAD (ENT: H, GE_T: g_H / T).
+    Programs run in the grouped order (:func:`_grouped`)."""
+    pid_n, pid_v = _grouped(tl.program_id(0), tl.cdiv(N, BLOCK_N), tl.cdiv(V, BLOCK_V), GROUP_N)
+    rows = pid_n.to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
+    cols = pid_v.to(tl.int64) * BLOCK_V + tl.arange(0, BLOCK_V)
     row_ok = rows < N
     col_ok = cols < V
     z = _logits_tile(
@@ -143,13 +181,13 @@ def _grad_logits_kernel(
     tl.store(G_OUT + rows[:, None] * V + cols[None, :], grad.to(G_OUT.dtype.element_ty), mask=mask)
 
 
-def vocab_splits(n: int, v: int, sms: int, block_n: int = BLOCK_N, block_v: int = BLOCK_V) -> tuple[int, int]:
+def vocab_splits(n: int, v: int, sms: int, block_n: int = BLOCK_N, block_v: int = V_ROUND) -> tuple[int, int]:
     """(splits, columns per split) of the forward grid: cdiv(n, block_n) row blocks x splits programs.
 
     splits = min(cdiv(PROGRAMS_PER_SM * sms, row blocks), cdiv(v, block_v)), then each split takes
     V_SPLIT = block_v * cdiv(cdiv(v, splits), block_v) columns (a whole number of tiles) and the count is
-    recomputed as cdiv(v, V_SPLIT), so that no split is empty. E.g. on an H200 (132 SMs) at N=2048:
-    32 row blocks x 9 splits = 288 programs; at N=16384: 256 x 2."""
+    recomputed as cdiv(v, V_SPLIT), so that no split is empty. E.g. on an H200 (132 SMs), V=151936, BLOCK_N=128:
+    at N=2048 16 row blocks x 17 splits = 272 programs; at N=16384: 128 x 3."""
     row_blocks = triton.cdiv(n, block_n)
     splits = max(1, min(triton.cdiv(PROGRAMS_PER_SM * sms, row_blocks), triton.cdiv(v, block_v)))
     v_split = block_v * triton.cdiv(triton.cdiv(v, splits), block_v)
@@ -173,9 +211,14 @@ def merge_partials(
 
 def backward_chunk_rows(n: int, v: int, itemsize: int, budget: int | None = None, block_n: int = BLOCK_N) -> int:
     """Rows per backward chunk: the most whole BLOCK_N blocks whose [rows, v] G fits ``budget`` bytes
-    (default G_BUDGET_BYTES), at least one block, at most all of n. E.g. V=151936 in bf16: 3520 rows."""
+    (default G_BUDGET_BYTES), at least one block, at most all of n. E.g. V=151936 in bf16: 3456 rows (BLOCK_N=128)."""
     rows = max(block_n, (budget or G_BUDGET_BYTES) // (v * itemsize) // block_n * block_n)
     return min(rows, block_n * triton.cdiv(n, block_n))
+
+
+def _grad_grid(n: int, v: int):
+    """The backward kernel's 1-D grid for the autotuned BLOCK_V: every (row block, vocabulary tile) program."""
+    return lambda meta: (triton.cdiv(n, BLOCK_N) * triton.cdiv(v, meta["BLOCK_V"]),)
 
 
 def _sm_count(device: torch.device) -> int:
@@ -212,11 +255,10 @@ def token_logprobs_forward(
     splits, v_split = vocab_splits(n, v, _sm_count(hidden.device))
     parts = torch.empty(4 if entropy else 3, splits, n, device=hidden.device, dtype=torch.float32)
     launch(
-        _forward_kernel, (triton.cdiv(n, BLOCK_N), splits), hidden.device,
+        _forward_kernel, (triton.cdiv(n, BLOCK_N) * splits,), hidden.device,
         hidden, weight, weight if bias is None else bias, targets, parts[0], parts[1], parts[2], parts[-1],
         n, v, d, v_split, hidden.stride(0), weight.stride(0), inv_t,
-        HAS_BIAS=bias is not None, ENTROPY=entropy, **_dot_args(dtype),
-        BLOCK_N=BLOCK_N, BLOCK_V=BLOCK_V, BLOCK_D=BLOCK_D, num_warps=NUM_WARPS, num_stages=NUM_STAGES,
+        HAS_BIAS=bias is not None, ENTROPY=entropy, **_dot_args(dtype), BLOCK_N=BLOCK_N, GROUP_N=GROUP_N,
     )  # fmt: skip
     return merge_partials(parts[0], parts[1], parts[2], parts[3] if entropy else None)
 
@@ -250,13 +292,13 @@ def token_logprobs_backward(
         r1 = min(r0 + rows, n)
         g = g_buf[: (r1 - r0) * v].view(r1 - r0, v)
         h = hidden[r0:r1]
+        grid = _grad_grid(r1 - r0, v)
         launch(
-            _grad_logits_kernel, (triton.cdiv(r1 - r0, BLOCK_N), triton.cdiv(v, BLOCK_V)), hidden.device,
+            _grad_logits_kernel, grid, hidden.device,
             h, weight, weight if bias is None else bias, targets[r0:r1], lse[r0:r1], g_t[r0:r1],
             ent[r0:r1] if ent_grad else lse[r0:r1], ge_t[r0:r1] if ent_grad else g_t[r0:r1], g,
             r1 - r0, v, d, hidden.stride(0), weight.stride(0), inv_t,
-            HAS_BIAS=bias is not None, ENT_GRAD=ent_grad, **_dot_args(dtype),
-            BLOCK_N=BLOCK_N, BLOCK_V=BLOCK_V, BLOCK_D=BLOCK_D, num_warps=NUM_WARPS, num_stages=NUM_STAGES,
+            HAS_BIAS=bias is not None, ENT_GRAD=ent_grad, **_dot_args(dtype), BLOCK_N=BLOCK_N, GROUP_N=GROUP_N,
         )  # fmt: skip
         if dh is not None:
             mm_into(dh[r0:r1], g, w_c)

@@ -138,13 +138,25 @@ SPLIT_CASES = [
 
 @pytest.mark.parametrize("n, v, sms, want", SPLIT_CASES)
 def test_vocab_splits_fill_the_sms_without_empty_splits(n, v, sms, want):
-    from grpoflow.kernels.triton_logprobs import BLOCK_N, PROGRAMS_PER_SM, vocab_splits
+    from grpoflow.kernels.triton_logprobs import PROGRAMS_PER_SM, vocab_splits
 
-    splits, v_split = vocab_splits(n, v, sms)
+    splits, v_split = vocab_splits(n, v, sms, block_n=64, block_v=128)
     assert (splits, v_split) == want
     assert v_split % 128 == 0 and (splits - 1) * v_split < v <= splits * v_split  # every split non-empty
-    blocks = -(-n // BLOCK_N)
+    blocks = -(-n // 64)
     assert blocks * splits >= PROGRAMS_PER_SM * sms or splits * 128 >= v
+
+
+def test_vocab_splits_default_to_the_cuda_blocks():
+    """On CUDA rows come in blocks of 128 and a split is a whole number of 256-column tiles (the largest BLOCK_V
+    the autotuner may pick), so no program's last tile is cut short by the split's end rather than V's."""
+    from grpoflow.kernels import triton_logprobs
+
+    if triton_logprobs.INTERPRET:
+        pytest.skip("the interpreter's blocks are 64 x 128")
+    assert (triton_logprobs.BLOCK_N, triton_logprobs.V_ROUND) == (128, 256)
+    assert triton_logprobs.vocab_splits(2048, 151936, 132) == (17, 8960)  # 16 row blocks x 17 splits
+    assert triton_logprobs.vocab_splits(16384, 151936, 132) == (3, 50688)  # 128 x 3
 
 
 def test_merge_partials_is_the_logsumexp_of_the_whole_row():
@@ -173,11 +185,12 @@ def test_merge_partials_is_the_logsumexp_of_the_whole_row():
 def test_backward_chunk_rows_fit_the_budget():
     from grpoflow.kernels.triton_logprobs import backward_chunk_rows
 
-    assert backward_chunk_rows(16384, 151936, 2) == 3520  # 1 GiB of bf16 G: 3520 * 151936 * 2 = 1.07e9
-    assert backward_chunk_rows(2048, 151936, 2) == 2048  # one chunk
-    assert backward_chunk_rows(70, 300, 4, budget=64 * 300 * 4) == 64
-    assert backward_chunk_rows(70, 300, 4, budget=1) == 64  # never below one row block
-    assert backward_chunk_rows(70, 300, 4) == 128  # all rows, rounded up to whole blocks
+    assert backward_chunk_rows(16384, 151936, 2, block_n=64) == 3520  # 1 GiB of bf16 G: 3520 * 151936 * 2 = 1.07e9
+    assert backward_chunk_rows(16384, 151936, 2, block_n=128) == 3456
+    assert backward_chunk_rows(2048, 151936, 2, block_n=64) == 2048  # one chunk
+    assert backward_chunk_rows(70, 300, 4, budget=64 * 300 * 4, block_n=64) == 64
+    assert backward_chunk_rows(70, 300, 4, budget=1, block_n=64) == 64  # never below one row block
+    assert backward_chunk_rows(70, 300, 4, block_n=64) == 128  # all rows, rounded up to whole blocks
 
 
 @pytest.mark.triton_interpret
@@ -264,13 +277,32 @@ def test_triton_float32_inputs_with_a_bf16_compute_dtype():
 
 
 @pytest.mark.parametrize("vocab_chunk", [64, 16])
-def test_chunked_dtype_path_makes_no_host_sync_per_tile(vocab_chunk):
+@pytest.mark.parametrize("head_trainable", [True, False])
+def test_chunked_dtype_path_makes_no_host_sync_per_tile(vocab_chunk, head_trainable):
     """The CUDA "chunked" path's forward and backward over 5 or 19 vocabulary tiles (times 3 row chunks) call nothing
     that makes a device wait for the host (no nonzero, boolean-mask indexing, item, bool): the onehot term is added
-    by masked arithmetic. Counted on CPU tensors, where the same calls are what would sync on CUDA."""
+    by masked arithmetic. Counted on CPU tensors, where the same calls are what would sync on CUDA. A frozen head
+    takes the J-keeping forward (kernels/chunked_dtype.py, frozen_head_forward): no sync there either."""
     from tests.host_syncs import counting_syncs
 
-    h, w, b, y, up = make_inputs(40, 16, 300, bias=True, head_trainable=True)
+    h, w, b, y, up = make_inputs(40, 16, 300, bias=True, head_trainable=head_trainable)
     with counting_syncs() as syncs:
         run_dtype_path(h, w, b, y, 0.9, up, torch.float32, row_chunk=16, vocab_chunk=vocab_chunk)
     assert syncs.total == 0, syncs.where
+
+
+@pytest.mark.triton_interpret
+@pytest.mark.parametrize("num_n, num_v", [(5, 3), (16, 2), (8, 1), (3, 7)])
+def test_grouped_order_runs_every_program_once_a_group_at_a_time(num_n, num_v):
+    """kernels/triton_logprobs.py's launch order: a permutation of all (row block, vocabulary index) pairs in which
+    each run of GROUP_N * num_v consecutive programs stays within GROUP_N row blocks (the last group smaller)."""
+    from tests.kernels.grouped_probe import where_each_program_goes  # imported here: under the interpreter
+
+    group = 4
+    out = torch.full((num_n * num_v, 2), -1, dtype=torch.int32)
+    where_each_program_goes[(num_n * num_v,)](out, num_n, num_v, GROUP_N=group)
+    pairs = [tuple(p) for p in out.tolist()]
+    assert sorted(pairs) == [(n, v) for n in range(num_n) for v in range(num_v)]
+    for first in range(0, num_n, group):
+        blocks = {n for n, _ in pairs[first * num_v : (first + group) * num_v]}
+        assert blocks == set(range(first, min(first + group, num_n)))
