@@ -101,7 +101,9 @@ def fsdp2_one_device_case(setup, device: torch.device) -> dict:
                 torch.cuda.synchronize(device)
             sharded.append(all(isinstance(p.grad, DTensor) for _, p in trainable))
             after.append(allocated(device) - base)
-        grad_bytes = sum(_local(p.grad).numel() * _local(p.grad).element_size() for _, p in trainable if p.grad is not None)
+        grad_bytes = sum(
+            _local(p.grad).numel() * _local(p.grad).element_size() for _, p in trainable if p.grad is not None
+        )
         worst = 0.0
         for n, p in trainable:
             if p.grad is None:

@@ -421,7 +421,10 @@ def comparisons(timing: dict) -> list[dict]:
     for (n, d, v, head), got in by_key.items():
         row = {"N": n, "D": d, "V": v, "head": head}
         pairs = [("triton", "chunked"), ("triton", "bare"), ("chunked", "bare")]
-        pairs += [(peer, "triton") for peer in ("trl_chunked", "liger_flce")] + [("trl_chunked", "bare"), ("liger_flce", "bare")]
+        pairs += [(peer, "triton") for peer in ("trl_chunked", "liger_flce")] + [
+            ("trl_chunked", "bare"),
+            ("liger_flce", "bare"),
+        ]
         for mode in ("fwd", "fwd_bwd"):
             for a, b in pairs:
                 ta, tb = (got[k].get(f"{mode}_ms") if k in got else None for k in (a, b))

@@ -4,7 +4,8 @@ A table is a list of entries, each a measured shape and the faster implementatio
 (old and reference log-probs) and for the training forward + backward:
 
     {"source": "...", "device": "...", "entries": [
-        {"N": 2048, "D": 896, "V": 151936, "dtype": "bfloat16", "head": "frozen", "fwd": "triton", "fwd_bwd": "chunked"},
+        {"N": 2048, "D": 896, "V": 151936, "dtype": "bfloat16", "head": "frozen",
+         "fwd": "triton", "fwd_bwd": "chunked"},
         ...]}
 
 A call takes the entry nearest to its (N, D, V) in log2 distance (|log2 N - log2 N'| + ..., so 2x off on one axis
@@ -110,10 +111,8 @@ def _distance(e: dict[str, Any], n: int, d: int, v: int) -> float:
     return sum(abs(math.log2(a) - math.log2(b)) for a, b in ((e["N"], n), (e["D"], d), (e["V"], v)))
 
 
-def choose(
-    n: int, d: int, v: int, dtype: str, head: str, mode: str, table: dict[str, Any] | None = None
-) -> str:
-    """"triton" or "chunked" for ``n`` rows, hidden size ``d``, vocabulary ``v`` in ``dtype`` (e.g. "bfloat16"),
+def choose(n: int, d: int, v: int, dtype: str, head: str, mode: str, table: dict[str, Any] | None = None) -> str:
+    """Return "triton" or "chunked" for ``n`` rows, hidden size ``d``, vocabulary ``v`` in ``dtype`` (e.g. "bfloat16"),
     a "frozen" or "trainable" head, ``mode`` "fwd" (no gradient) or "fwd_bwd": the nearest entry's choice
     (module docstring) in ``table`` (default :func:`active_table`)."""
     if mode not in MODES:

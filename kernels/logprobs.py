@@ -33,8 +33,8 @@ from __future__ import annotations
 
 import torch
 
-from grpoflow.kernels.chunked_dtype import ChunkedDtypeTokenLogProbs
 from grpoflow.kernels.auto_table import choose
+from grpoflow.kernels.chunked_dtype import ChunkedDtypeTokenLogProbs
 from grpoflow.kernels.chunked_logprobs import ChunkedTokenLogProbs
 from grpoflow.kernels.precision import active_autocast_dtype, kernel_dtype
 

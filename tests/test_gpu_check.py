@@ -120,7 +120,9 @@ def test_gpu_check_cpu_mode_from_the_bare_tree(tmp_path):
     assert report["sections"]["grpo_second_gpu"]["status"] == "skipped"
     peers = report["sections"]["peers"]
     assert peers["status"] == "skipped" and all("not installed" in c["reason"] for c in peers["cases"].values())
-    assert set(peers["cases"]) == {f"{p}/frozen/{s}" for p in ("trl_triton", "liger") for s in ("64x32x300", "128x64x300")}
+    assert set(peers["cases"]) == {
+        f"{p}/frozen/{s}" for p in ("trl_triton", "liger") for s in ("64x32x300", "128x64x300")
+    }
     assert report["sections"]["reference_timing"]["status"] == "passed"
 
     # every case of the run is listed with its status as it ends
