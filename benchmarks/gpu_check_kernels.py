@@ -170,7 +170,7 @@ FUSED_BACKWARD = {
     "liger": "Liger's chunked GRPO loss runs torch.autograd.grad per chunk inside its forward",
     "liger_flce": "Liger's fused linear cross entropy computes grad_input and grad_weight inside its forward",
 }
-TRITON_ONLY = {"trl_chunked": "TRL's chunked_logprob", "liger_flce": "Liger's fused linear cross entropy"}
+TRITON_ONLY = {"liger_flce": "Liger's fused linear cross entropy"}  # TRL's chunked path has a torch fallback
 
 
 def bare(h, w, wrt_w: bool, backward: bool) -> None:
@@ -185,13 +185,16 @@ def bare(h, w, wrt_w: bool, backward: bool) -> None:
 
 def trl_chunked(h, w, y):
     """TRL's chunked log-prob (trl/kernels/chunked_logprob.py): its autograd Function called with the arguments
-    its forward declares, by name (hidden, weight, bias, targets, temperature; every other parameter left at its
-    default), so that the TRL release installed decides the rest of the signature. Returns the log-probs."""
+    its forward declares, by name (hidden, weight, bias, targets, temperature, chunk_size = TRL_VOCAB_CHUNK, the
+    vocabulary width TRL's trainer passes, and outputs = ("entropy",): the entropy ours computes too, none of TRL's
+    other optional outputs; any other parameter left at its default), so that the TRL release installed decides
+    the order of the signature. Returns the log-probs. On CPU TRL folds its tiles with torch ops (Triton on CUDA)."""
     import inspect
 
     from trl.kernels.chunked_logprob import ChunkedLogProbFunction
 
     known = {"hidden": h, "weight": w, "bias": None, "targets": y, "temperature": 1.0}
+    known.update(chunk_size=TRL_VOCAB_CHUNK, outputs=("entropy",))
     args = []
     for name, p in list(inspect.signature(ChunkedLogProbFunction.forward).parameters.items())[1:]:  # after ctx
         if name in known:

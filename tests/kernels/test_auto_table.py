@@ -6,6 +6,7 @@ No GPU here: the CUDA side of the dispatch (kernels.logprobs.auto_impl) is drive
 is_cuda, shape and requires_grad as a CUDA tensor would; which kernel then runs is the GPU check's business."""
 
 import json
+import os
 from types import SimpleNamespace
 
 import pytest
@@ -77,8 +78,6 @@ def test_the_table_file_is_reread_when_it_changes(tmp_path, monkeypatch):
     table = measured()
     table["entries"][0]["fwd_bwd"] = "triton"
     write(tmp_path, table)
-    import os
-
     os.utime(path, (1, 1))  # a new modification time even within the file system's resolution
     assert auto_impl(*cuda_like(2048, 896, V), torch.bfloat16) == "triton"
 
