@@ -36,7 +36,8 @@ that need more time than is left, are recorded as "skipped" with the reason. Sec
    (CUDA), the sum equal to the unsharded model's (gpu_check_fsdp.py says what one device cannot show).
 3. kernel_timing: N in {2048, 16384} x D in {896, 4096}, V=151936, bf16, frozen and trainable head, side by side:
    triton, chunked, TRL's chunked_logprob ("trl_chunked"), Liger's fused linear cross entropy ("liger_flce"; both
-   skipped with "... is not installed" when missing) and "bare", the matmul floor (Z = H W^T; for fwd+bwd also
+   skipped with "... is not installed" when missing; liger_flce also on CPU: Triton only; TRL's chunked_logprob
+   runs there through its torch fallback) and "bare", the matmul floor (Z = H W^T; for fwd+bwd also
    Z W, and Z^T H for a trainable head). "fwd" is the no-grad forward (old and reference log-probs), "fwd_bwd" the
    training forward + backward; timed with CUDA events through triton.testing.do_bench (median; perf_counter on
    CPU); Liger computes its gradients inside its forward, so it has no "fwd" (None, with fwd_note). Peak memory
