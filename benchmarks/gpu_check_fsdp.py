@@ -12,7 +12,9 @@ micro-steps inside gradient_sync(root, enabled=last), as the trainer does. What 
 - on CUDA, the memory allocated after micro-step 1 and after the last differ by less than a tenth of the sharded
   gradient's bytes: nothing grows across the accumulation window;
 - the accumulated gradient equals the unsharded model's (the same micro-batches under autocast, summed by
-  autograd) within GRAD_REL_TOL of its largest entry: the sum over micro-steps is complete.
+  autograd) within GRAD_REL_TOL of its largest entry: the sum over micro-steps is complete. The report also has
+  the error the unsharded sum without its last micro-step would show ("lost_micro_step_rel_err"); the case fails
+  when that is within the tolerance too (the comparison could not tell a lost micro-step).
 
 What it cannot show: the 1/world share of gradient memory (world size 1 shards nothing: the shard is the whole
 gradient). tests/ has the 2-process gloo test of that; on GPUs it needs two of them.
@@ -79,9 +81,13 @@ def fsdp2_one_device_case(setup, device: torch.device) -> dict:
     model = _model(setup, device)
     reference = copy.deepcopy(model)
     batches = _micro_batches(model.config.vocab_size, device)
-    for ids in batches:  # the unsharded model: autograd sums the micro-steps into .grad
+    partial = {}
+    for i, ids in enumerate(batches):  # the unsharded model: autograd sums the micro-steps into .grad
+        if i == MICRO_STEPS - 1:  # the sum without the last micro-step: what a lost one would give
+            partial = {n: p.grad.float().clone() for n, p in reference.named_parameters() if p.grad is not None}
         _loss(reference, ids, device).backward()
     ref = {n: p.grad.float() for n, p in reference.named_parameters() if p.grad is not None}
+    lost = max(((ref[n] - partial[n]).abs().max() / ref[n].abs().max().clamp_min(1e-30)).item() for n in partial)
     del reference
 
     dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
@@ -121,6 +127,8 @@ def fsdp2_one_device_case(setup, device: torch.device) -> dict:
         "sharded_grad_bytes": grad_bytes,
         "allocated_growth_after_each_micro_step": after if device.type == "cuda" else None,
         "grad_rel_err_vs_unsharded": worst,
+        "tolerance": GRAD_REL_TOL,
+        "lost_micro_step_rel_err": lost,
         "not_shown": "1/world of the gradient memory: world size 1 shards nothing (a 2-GPU check)",
     }
     bad = []
@@ -130,6 +138,8 @@ def fsdp2_one_device_case(setup, device: torch.device) -> dict:
         bad.append(f"memory grew across micro-steps: {after} bytes (sharded gradient {grad_bytes})")
     if not worst <= GRAD_REL_TOL:
         bad.append(f"accumulated gradient off the unsharded one by {worst:.3g} of its largest entry")
+    if not lost > GRAD_REL_TOL:
+        bad.append(f"a lost micro-step would be off by only {lost:.3g}: the tolerance {GRAD_REL_TOL} cannot tell")
     if bad:
         out.update(status="failed", reason="; ".join(bad))
     return out

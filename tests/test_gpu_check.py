@@ -85,6 +85,8 @@ def test_gpu_check_cpu_mode_from_the_bare_tree(tmp_path):
     fsdp = grpo["cases"]["fsdp2_one_device"]
     assert fsdp["backend"] == "gloo" and fsdp["grads_sharded_after_each_micro_step"] == [True, True, True], fsdp
     assert fsdp["grad_rel_err_vs_unsharded"] < 0.1 and fsdp["sharded_grad_bytes"] > 0, fsdp
+    # the bound tells a lost micro-step apart: the sum without one is off by more than the tolerance
+    assert fsdp["lost_micro_step_rel_err"] > fsdp["tolerance"] > fsdp["grad_rel_err_vs_unsharded"], fsdp
 
     timing = report["sections"]["kernel_timing"]
     assert timing["status"] == "passed" and len(timing["cases"]) == 4 * 2 * 5
