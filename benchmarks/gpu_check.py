@@ -20,25 +20,40 @@ that need more time than is left, are recorded as "skipped" with the reason. Sec
    N x D x V = 1024 x 896 x 151936, then ragged 1001 x 900 x 32003 at temperature 0.7. A case fails when an error
    passes its bound (gpu_check_kernels.TOLERANCE). "bitwise_repeatable": two runs on the same inputs give the
    same bits (recorded, not a failure).
-2. grpo: grpoflow's GRPOTrainer on the device (transformers generation, the built-in arithmetic task's rows):
-   full fine-tuning of the tiny model (float32 weights, bf16 autocast), LoRA on a bf16 base, each 3 optimizer
-   steps: every parameter, gradient, optimizer state and round tensor on the device ("all_on_device"), the
-   optimizer stepped, then a checkpoint round trip: a fresh trainer resumed from checkpoint-1 (inside a round)
-   must reproduce the uninterrupted run: the next step's loss bitwise, the one after within 1e-4, and the
-   completions it samples for its new round token for token (torch and CUDA RNG restored):
-   "checkpoint_round_trip_identical". Then a model of Qwen2.5-0.5B's shape (random weights, 151936 vocabulary,
-   LoRA r16 on all linear layers) for step time, tokens/s and peak memory.
-3. kernel_timing: N in {2048, 16384} x D in {896, 4096}, V=151936, bf16, frozen and trainable head: triton,
-   chunked and "bare", the matmul floor (Z = H W^T; for fwd+bwd also Z W, and Z^T H for a trainable head).
-   "fwd" is the no-grad forward (old and reference log-probs), "fwd_bwd" the training forward + backward; median
-   of --repeats after a warm-up; peak memory above the inputs. The summary gives triton/chunked, each/bare and
-   which impl is faster per shape (what decides kernel impl "auto" on CUDA).
+2. grpo: grpoflow's GRPOTrainer on the device (transformers generation, the built-in arithmetic task's rows),
+   each case 3 optimizer steps: full fine-tuning of the tiny model (float32 weights, bf16 autocast) and LoRA on a
+   bf16 base under bf16 autocast (float32 adapters; the autocast dtype from tasks/model/precision
+   lora_autocast_dtype, as loading.compute_dtype gives a real LoRA run): every parameter, gradient, optimizer
+   state and round tensor on the device ("all_on_device"), the optimizer stepped, then a checkpoint round trip: a
+   fresh trainer resumed from checkpoint-1 (inside a round) must reproduce the uninterrupted run: the next step's
+   loss bitwise, the one after within 1e-4, and the completions it samples for its new round token for token
+   (torch and CUDA RNG restored): "checkpoint_round_trip_identical". Then a model of Qwen2.5-0.5B's shape (random
+   weights, 151936 vocabulary, LoRA r16 on all linear layers, bf16 autocast) for step time, tokens/s and peak
+   memory; "entropy_bonus": the same with grpo.entropy_coef 0.01 (the entropy's gradient through the fused
+   kernels), its peak beside the run without; "shared_prompt_gradient"; "fsdp2_one_device": FSDP2 as
+   tasks/grpo/distributed.py shards (world-size-1 process group: nccl on a GPU, gloo on CPU), 3 accumulated
+   micro-steps under bf16 autocast: sharded gradients after every micro-step, no memory growth across them
+   (CUDA), the sum equal to the unsharded model's (gpu_check_fsdp.py says what one device cannot show).
+3. kernel_timing: N in {2048, 16384} x D in {896, 4096}, V=151936, bf16, frozen and trainable head, side by side:
+   triton, chunked, TRL's chunked_logprob ("trl_chunked"), Liger's fused linear cross entropy ("liger_flce"; both
+   skipped with "... is not installed" when missing; liger_flce also on CPU: Triton only; TRL's chunked_logprob
+   runs there through its torch fallback) and "bare", the matmul floor (Z = H W^T; for fwd+bwd also
+   Z W, and Z^T H for a trainable head). "fwd" is the no-grad forward (old and reference log-probs), "fwd_bwd" the
+   training forward + backward; timed with CUDA events through triton.testing.do_bench (median; perf_counter on
+   CPU); Liger computes its gradients inside its forward, so it has no "fwd" (None, with fwd_note). Peak memory
+   above the inputs, from one separate call. The summary gives the time ratios per shape and which of triton and
+   chunked is faster; from those the run writes the table impl "auto" reads (kernels/auto_table.py) to
+   auto_table.json beside --out, and prints the path and the line that installs it (GRPOFLOW_AUTO_TABLE=path).
 4. grpo_second_gpu: section 2's training cases on cuda:1 when there is one, without torch.cuda.set_device (the
    current device stays cuda:0); records the current device before and after. Last but one: a launch on the
    wrong device can leave the CUDA context unusable.
-5. reference_timing: the naive float32 reference at the timing shapes, where memory allows.
-6. peers: TRL's chunked log-prob and Triton log-softmax, Liger's fused linear GRPO loss, timed like section 3 at
-   its first two shapes; skipped with the reason when the package is missing.
+5. reference_timing: the naive float32 reference at the timing shapes, where memory allows (free memory read
+   after torch.cuda.empty_cache: the allocator's cached blocks count as used otherwise).
+6. peers: TRL's Triton log-softmax over materialized logits and Liger's fused linear GRPO loss
+   (LigerFusedLinearGRPOLoss(beta=0.0, use_ref_model=False, compiled=False): use_ref_model=True asserts without
+   reference inputs), timed like section 3 at its first two shapes; skipped with the reason when missing.
+
+Every case prints one line as it ends (ok / FAIL / skipped, and why), so a run lists all of them.
 
 The report's keys: meta (device, versions, budget, whether pydantic was the stand-in), sections (name -> status,
 reason, cases: name -> status and numbers), comparisons (section 3's ratios per shape), finished, seconds, and
@@ -136,6 +151,7 @@ class Runner:
             why = "spent" if left <= 0 else f"{left:.0f} s left, the case needs about {case.est_s:.0f} s"
             into[case.name] = {"status": "skipped", "reason": f"time budget ({self.budget_s:g} s): {why}"}
             self.report.write()
+            self.announce(section, case.name, into[case.name])
             return
         into[case.name] = {"status": "running"}
         self.report.write()
@@ -156,6 +172,13 @@ class Runner:
         rec["case_seconds"] = time.perf_counter() - t0
         into[case.name] = rec
         self.report.write()
+        self.announce(section, case.name, rec)
+
+    def announce(self, section: str, name: str, rec: dict) -> None:
+        """One line per case as it ends: ok, FAIL or skipped, and why (every case of a run is listed)."""
+        word = {"passed": "ok", "failed": "FAIL", "skipped": "skipped"}.get(rec["status"], rec["status"])
+        why = f": {rec['reason'][:200]}" if rec.get("reason") and rec["status"] != "passed" else ""
+        print(f"    {word:7s} {section}/{name}{why}", flush=True)
 
 
 def _section_status(cases: dict) -> dict:
@@ -220,7 +243,43 @@ def print_table(report: dict) -> None:
         print(f"\n  {'case':34s} {'fwd ms':>9s} {'fwd+bwd ms':>11s} {'fwd GB':>8s} {'fwd+bwd GB':>11s}")
         for n, c in passed.items():
             gb = [("-" if x is None else f"{x:.3f}") for x in (c["fwd_peak_gb"], c["fwd_bwd_peak_gb"])]
-            print(f"  {n:34s} {c['fwd_ms']:9.2f} {c['fwd_bwd_ms']:11.2f} {gb[0]:>8s} {gb[1]:>11s}")
+            fwd = "-" if c["fwd_ms"] is None else f"{c['fwd_ms']:.2f}"
+            print(f"  {n:34s} {fwd:>9s} {c['fwd_bwd_ms']:11.2f} {gb[0]:>8s} {gb[1]:>11s}")
+
+
+# ---------------------------------------------------------------------------------------------- auto table
+def write_auto_table(report: dict, path: Path) -> dict | None:
+    """The table ``impl="auto"`` reads (kernels/auto_table.py) from this run's timing: per shape and head, the
+    faster of triton and chunked in the no-grad forward and in the training pass; written to ``path`` when at
+    least one shape had both timed. Returns what the report records (path, entries, how to install it)."""
+    _grpoflow_from_the_tree()
+    from grpoflow.kernels.auto_table import ENV, table_from_timings
+
+    timing = report["sections"].get("kernel_timing", {}).get("cases", {})
+    rows = [r for r in report.get("comparisons", []) if "faster_fwd_bwd" in r]
+    if not rows:
+        return None
+    dtype = next(c["dtype"] for c in timing.values() if c.get("status") == "passed")
+    meta = report["meta"]
+    source = f"benchmarks/gpu_check.py on {meta['device_name']} ({meta['device']}), {meta['started']}"
+    if meta.get("small"):
+        source += ", --small toy shapes: a test of the machinery, not a table for a GPU"
+    table = table_from_timings(rows, dtype, meta["device_name"], source)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(table, indent=1))
+    os.replace(tmp, path)
+    return {"status": "written", "path": str(path), "entries": len(table["entries"]), "install": f"{ENV}={path}"}
+
+
+def auto_table_line(rec: dict | None) -> str:
+    if rec is None:
+        return "auto table: not written (no shape had both triton and chunked timed)"
+    if rec.get("status") != "written":
+        return f"auto table: FAILED {rec.get('reason')}"
+    return (
+        f"auto table ({rec['entries']} shapes) -> {rec['path']}; to make impl=auto use it: "
+        f"export {rec['install']} (or copy its entries into kernels/auto_table.py DEFAULT_TABLE)"
+    )
 
 
 # ---------------------------------------------------------------------------------------------- main
@@ -292,10 +351,15 @@ def main(argv: list[str] | None = None) -> dict:
         report.data["finished"] = True
         report.data["seconds"] = time.perf_counter() - runner.t0
         report.data["comparisons"] = comparisons(report.data["sections"].get("kernel_timing", {}).get("cases", {}))
+        try:  # the measured auto table beside the report (nothing when no shape had both impls timed)
+            report.data["auto_table"] = write_auto_table(report.data, out.with_name("auto_table.json"))
+        except Exception as e:
+            report.data["auto_table"] = {"status": "failed", "reason": f"{type(e).__name__}: {e}"}
         report.write()
         try:  # the report is on disk already: a fault in printing it must not hide it
             print_table(report.data)
             print("\n".join(summary(report.data)))
+            print(auto_table_line(report.data.get("auto_table")))
         except Exception:
             traceback.print_exc()
         print(f"wrote {out}")

@@ -14,6 +14,7 @@ CUDA RNG included.
 
 from __future__ import annotations
 
+import math
 import random
 import statistics
 import tempfile
@@ -93,10 +94,13 @@ def misplaced(trainer, device: torch.device) -> list[str]:
 
 def build_model(kind: str, setup: Setup, device: torch.device, small: bool):
     """(model, autocast dtype) of a case: the tiny model trained in full with float32 weights and bf16 autocast,
-    or a bf16 base with float32 LoRA adapters; 'qwen_shape' is Qwen2.5-0.5B's shape from config (random weights,
-    its 151936 vocabulary; toy dimensions with --small)."""
+    or a bf16 base with float32 LoRA adapters trained under bf16 autocast, as a real LoRA run on a bf16 base trains
+    (tasks/model/loading.compute_dtype -> precision.lora_autocast_dtype; the trainer enters train_precision: autocast
+    with peft's input casting off); 'qwen_shape' is Qwen2.5-0.5B's shape from config (random weights, its 151936
+    vocabulary; toy dimensions with --small)."""
     from grpoflow.tasks.config import LoraConfig, TinyModelConfig
     from grpoflow.tasks.model.loading import add_lora
+    from grpoflow.tasks.model.precision import lora_autocast_dtype
     from grpoflow.tasks.model.tiny import build_tiny_model
 
     torch.manual_seed(0)
@@ -116,10 +120,12 @@ def build_model(kind: str, setup: Setup, device: torch.device, small: bool):
     if kind == "qwen_shape_lora" and not small:
         model.resize_token_embeddings(151936)  # ids past the tokenizer's decode to nothing: a speed check
     model = model.to(device=device, dtype=torch.bfloat16)
-    return add_lora(model, LoraConfig(r=16, alpha=32, target_modules="all-linear")), None
+    autocast = lora_autocast_dtype("bfloat16", use_lora=True, load_in_4bit=False)  # what compute_dtype gives
+    return add_lora(model, LoraConfig(r=16, alpha=32, target_modules="all-linear")), autocast
 
 
-def grpo_settings(small: bool, max_steps: int, qwen: bool = False):
+def grpo_settings(small: bool, max_steps: int, qwen: bool = False, entropy_coef: float = 0.0):
+    """The cases' GRPO settings; ``entropy_coef`` > 0 turns the entropy bonus on (grpo.entropy_coef)."""
     from grpoflow.tasks.config import GRPOConfig
 
     return GRPOConfig(
@@ -132,17 +138,20 @@ def grpo_settings(small: bool, max_steps: int, qwen: bool = False):
         reward_funcs=["correctness", "gpu_check_grpo:digit_share"],
         save_steps=1,
         log_completions=False,
+        entropy_coef=entropy_coef,
     )
 
 
-def make_trainer(kind: str, setup: Setup, device: torch.device, small: bool, max_steps: int, folder: Path):
+def make_trainer(
+    kind: str, setup: Setup, device: torch.device, small: bool, max_steps: int, folder: Path, entropy_coef: float = 0.0
+):
     from grpoflow.tasks.generation.transformers_loop import TransformersGenerator
     from grpoflow.tasks.grpo.trainer import GRPOTrainer
     from grpoflow.tasks.grpo.trainer_runtime import TrainerRuntime
     from grpoflow.tasks.rewards import resolve_reward_funcs
 
     model, autocast = build_model(kind, setup, device, small)
-    cfg = grpo_settings(small, max_steps, qwen=kind == "qwen_shape_lora")
+    cfg = grpo_settings(small, max_steps, qwen=kind == "qwen_shape_lora", entropy_coef=entropy_coef)
     random.seed(0)
     torch.manual_seed(0)
     rt = TrainerRuntime(
@@ -163,12 +172,14 @@ def _losses(trainer) -> dict[int, float]:
     return {h["step"]: h["loss"] for h in trainer.history}
 
 
-def grpo_case(kind: str, setup: Setup, device: torch.device, small: bool, round_trip: bool = True) -> dict:
+def grpo_case(
+    kind: str, setup: Setup, device: torch.device, small: bool, round_trip: bool = True, entropy_coef: float = 0.0
+) -> dict:
     """Train ``kind`` on ``device`` (run A), check placement and that the optimizer stepped, then resume a fresh
     trainer from checkpoint-1 (run B) and compare it with A (module docstring)."""
     current_before = torch.cuda.current_device() if device.type == "cuda" else None
     folder = Path(tempfile.mkdtemp(prefix=f"gpu_check_{kind}_"))
-    a = make_trainer(kind, setup, device, small, STEPS, folder)
+    a = make_trainer(kind, setup, device, small, STEPS, folder, entropy_coef)
     a.pinned = lambda: [f"checkpoint-{RESUME_FROM}"]  # kept for run B (the trainer keeps only the newest two)
     start = {n: p.detach().clone() for n, p in a.model.named_parameters() if p.requires_grad}
     reset_peak(device)
@@ -187,6 +198,7 @@ def grpo_case(kind: str, setup: Setup, device: torch.device, small: bool, round_
         "trainable": sum(t.numel() for t in start.values()),
         "weights_dtype": str(next(iter(start.values())).dtype).removeprefix("torch."),
         "autocast": str(a.autocast_dtype).removeprefix("torch.") if a.autocast_dtype else None,
+        "entropy_coef": entropy_coef,
         "steps": len(h),
         "optimizer_steps": max(steps_taken, default=0),
         "weights_changed": changed,
@@ -202,6 +214,8 @@ def grpo_case(kind: str, setup: Setup, device: torch.device, small: bool, round_
     bad = [] if not wrong else [f"tensors on {wrong}, not {device}"]
     if not changed or out["optimizer_steps"] != STEPS:
         bad.append(f"optimizer: {out['optimizer_steps']} steps, weights changed {changed}")
+    if not all(math.isfinite(x) for x in out["losses"]):
+        bad.append(f"non-finite losses {out['losses']}")
     if round_trip:
         out.update(round_trip_check(kind, setup, device, small, a, folder))
         if not out["checkpoint_round_trip_identical"]:
@@ -248,16 +262,44 @@ def round_trip_check(kind: str, setup: Setup, device: torch.device, small: bool,
 GRPO_KINDS = (("full_bf16_autocast", 20.0, True), ("lora", 20.0, True), ("qwen_shape_lora", 60.0, False))
 
 
-def grpo_cases(device: torch.device, small: bool) -> list[Case]:
-    setup: list[Setup] = []
+def entropy_bonus_case(setup: Setup, device: torch.device, small: bool, without: dict | None) -> dict:
+    """The Qwen-shaped LoRA run (bf16 base, bf16 autocast, its 151936 vocabulary) with the entropy bonus on
+    (grpo.entropy_coef 0.01: the entropy's gradient through the fused kernels, entropy_grad=True), beside the same
+    run without it (``without``, the qwen_shape_lora case): the peak memory with and without the bonus tells
+    whether it builds [tokens, vocabulary] tensors (at 151936 a float32 [N, V] is 0.6 MB per token)."""
+    out = grpo_case("qwen_shape_lora", setup, device, small, round_trip=False, entropy_coef=0.01)
+    base = (without or {}).get("peak_gb")
+    out["peak_gb_without_bonus"] = base
+    if out.get("peak_gb") is not None and base:
+        out["peak_ratio_bonus_over_without"] = out["peak_gb"] / base
+    return out
 
-    def run(kind: str, round_trip: bool) -> dict:
+
+def grpo_cases(device: torch.device, small: bool) -> list[Case]:
+    """The training cases (GRPO_KINDS), the entropy bonus, the shared prompt gradient and FSDP2 on one device."""
+    setup: list[Setup] = []
+    results: dict[str, dict] = {}
+
+    def ready() -> Setup:
         if not setup:
             setup.append(Setup())
-        return grpo_case(kind, setup[0], device, small, round_trip)
+        return setup[0]
+
+    def run(kind: str, round_trip: bool) -> dict:
+        results[kind] = grpo_case(kind, ready(), device, small, round_trip)
+        return results[kind]
+
+    def fsdp2() -> dict:
+        import gpu_check_fsdp
+
+        return gpu_check_fsdp.fsdp2_one_device_case(ready(), device)
 
     cases = [Case(k, lambda k=k, rt=rt: run(k, rt), est_s=est) for k, est, rt in GRPO_KINDS]
-    return [*cases, Case("shared_prompt_gradient", lambda: shared_prompt_gradient_case(device), est_s=2.0)]
+    bonus = Case(
+        "entropy_bonus", lambda: entropy_bonus_case(ready(), device, small, results.get("qwen_shape_lora")), 60.0
+    )
+    shared = Case("shared_prompt_gradient", lambda: shared_prompt_gradient_case(device), est_s=2.0)
+    return [*cases, bonus, shared, Case("fsdp2_one_device", fsdp2, est_s=15.0)]
 
 
 def repeatable_gradient(op, x: torch.Tensor, index: torch.Tensor, g: torch.Tensor, repeats: int = 5) -> bool:
@@ -301,7 +343,8 @@ def second_device_cases(device: torch.device, small: bool) -> list[Case]:
     if torch.cuda.device_count() < 2:
         reason = f"{torch.cuda.device_count()} GPU visible"
         return [Case(k, lambda r=reason: _skip(r)) for k, _, rt in GRPO_KINDS if rt]
-    return [c for c in grpo_cases(torch.device("cuda", 1), small) if c.name != "qwen_shape_lora"]
+    kinds = {k for k, _, rt in GRPO_KINDS if rt} | {"shared_prompt_gradient"}
+    return [c for c in grpo_cases(torch.device("cuda", 1), small) if c.name in kinds]
 
 
 def _skip(reason: str) -> dict:

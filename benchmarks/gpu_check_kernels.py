@@ -163,6 +163,16 @@ def correctness_cases(device: torch.device, small: bool) -> list[Case]:
 
 
 # ---------------------------------------------------------------------------------------------- timing
+# Peers whose forward computes the gradients itself (a backward per chunk inside the forward, stored for the
+# autograd backward to scale): no forward-only time exists for them, so none is reported (the issue's "fwd" of the
+# Liger case was a forward + backward).
+FUSED_BACKWARD = {
+    "liger": "Liger's chunked GRPO loss runs torch.autograd.grad per chunk inside its forward",
+    "liger_flce": "Liger's fused linear cross entropy computes grad_input and grad_weight inside its forward",
+}
+TRITON_ONLY = {"liger_flce": "Liger's fused linear cross entropy"}  # TRL's chunked path has a torch fallback
+
+
 def bare(h, w, wrt_w: bool, backward: bool) -> None:
     """The matmul floor: Z = H W^T (forward); then Z W (the dH GEMM) and, for a trainable head, Z^T H (dW)."""
     with torch.no_grad():
@@ -173,11 +183,33 @@ def bare(h, w, wrt_w: bool, backward: bool) -> None:
                 z.t() @ h
 
 
+def trl_chunked(h, w, y):
+    """TRL's chunked log-prob (trl/kernels/chunked_logprob.py): its autograd Function called with the arguments
+    its forward declares, by name (hidden, weight, bias, targets, temperature, chunk_size = TRL_VOCAB_CHUNK, the
+    vocabulary width TRL's trainer passes, and outputs = ("entropy",): the entropy ours computes too, none of TRL's
+    other optional outputs; any other parameter left at its default), so that the TRL release installed decides
+    the order of the signature. Returns the log-probs. On CPU TRL folds its tiles with torch ops (Triton on CUDA)."""
+    import inspect
+
+    from trl.kernels.chunked_logprob import ChunkedLogProbFunction
+
+    known = {"hidden": h, "weight": w, "bias": None, "targets": y, "temperature": 1.0}
+    known.update(chunk_size=TRL_VOCAB_CHUNK, outputs=("entropy",))
+    args = []
+    for name, p in list(inspect.signature(ChunkedLogProbFunction.forward).parameters.items())[1:]:  # after ctx
+        if name in known:
+            args.append(known[name])
+        elif p.default is not inspect.Parameter.empty:
+            args.append(p.default)
+        else:
+            raise Skip(f"TRL's ChunkedLogProbFunction.forward requires {name!r}, a parameter this check does not know")
+    out = ChunkedLogProbFunction.apply(*args)
+    return out[0] if isinstance(out, tuple) else out
+
+
 def peer_logprobs(impl: str, h, w, y):
     if impl == "trl_chunked":
-        from trl.kernels.chunked_logprob import ChunkedLogProbFunction
-
-        return ChunkedLogProbFunction.apply(h, w, None, y, 1.0, TRL_VOCAB_CHUNK, None, 1.0, ("entropy",))[0]
+        return trl_chunked(h, w, y)
     if impl == "trl_triton":
         from trl.kernels.logprob_entropy import selective_log_softmax_and_entropy
 
@@ -185,15 +217,26 @@ def peer_logprobs(impl: str, h, w, y):
     raise ValueError(impl)
 
 
-def liger_loss(h, w, y):
-    """Liger's fused linear GRPO loss (beta 0) on all N rows as 8 groups: its log-probs are not exposed alone."""
+def liger_grpo_loss(h, w, y):
+    """Liger's fused linear GRPO loss on all N rows as 8 sequences (its log-probs are not exposed alone): beta 0
+    with use_ref_model=False (True asserts that ref_per_token_logps or ref_input is given: LigerFusedLinearPPOBase),
+    compiled=False (torch.compile of its [B, T] loss math would add compile time, not kernel time)."""
     from liger_kernel.chunked_loss import LigerFusedLinearGRPOLoss
 
     n = h.shape[0]
     rows = 8 if n % 8 == 0 else 1
     hb, yb = h.view(rows, n // rows, -1), y.view(rows, n // rows)
     adv = torch.linspace(-1, 1, rows, device=h.device)
-    return LigerFusedLinearGRPOLoss(beta=0.0, compiled=False)(hb, w, yb, torch.ones_like(yb), adv)[0]
+    mask = torch.ones(yb.shape, device=h.device)  # float: Liger clamps and divides its sums
+    loss = LigerFusedLinearGRPOLoss(beta=0.0, use_ref_model=False, compiled=False)(hb, w, yb, mask, adv)
+    return loss[0] if isinstance(loss, tuple) else loss
+
+
+def liger_flce(h, w, y):
+    """Liger's fused linear cross entropy (the summed NLL of y: the log-prob pass with g = 1 on every row)."""
+    from liger_kernel.transformers import LigerFusedLinearCrossEntropyLoss
+
+    return LigerFusedLinearCrossEntropyLoss(reduction="sum")(w, h, y)
 
 
 def one_pass(impl: str, h, w, y, up, backward: bool) -> None:
@@ -202,12 +245,11 @@ def one_pass(impl: str, h, w, y, up, backward: bool) -> None:
     wrt = (h, w) if w.requires_grad else (h,)
     if impl == "bare":
         return bare(h, w, w.requires_grad, backward)
-    if impl == "liger":
-        if backward:
-            torch.autograd.grad(liger_loss(h, w, y), wrt)
-        else:
-            with torch.no_grad():
-                liger_loss(h, w, y)
+    if impl in FUSED_BACKWARD:
+        if not backward:
+            raise ValueError(f"{impl}: {FUSED_BACKWARD[impl]}; it has no forward-only pass")
+        loss = liger_grpo_loss(h, w, y) if impl == "liger" else liger_flce(h, w, y)
+        torch.autograd.grad(loss, wrt)
         return None
     with torch.set_grad_enabled(backward):
         if impl in ("trl_chunked", "trl_triton"):
@@ -221,21 +263,62 @@ def one_pass(impl: str, h, w, y, up, backward: bool) -> None:
     return None
 
 
-def measure(fn: Callable[[], None], device: torch.device, repeats: int) -> dict:
-    """Median seconds of ``repeats`` calls after one warm-up (compilation, autotuning, allocator), and the peak
-    memory above what was allocated before (CUDA)."""
+def timed_ms(fn: Callable[[], None], device: torch.device, repeats: int) -> tuple[float, str]:
+    """Median milliseconds of ``fn`` and the timer used. CUDA: CUDA events through triton.testing.do_bench (warm-up,
+    L2 flushed between calls, as many calls as fit in 100 ms and at least one), on ``device``; without Triton,
+    torch.cuda.Event pairs around ``repeats`` calls. CPU: perf_counter around ``repeats`` calls after a warm-up."""
+    if device.type == "cuda":
+        with torch.cuda.device(device):
+            try:
+                from triton.testing import do_bench
+            except ImportError:
+                return _event_ms(fn, repeats), "cuda events (torch.cuda.Event; triton not importable)"
+            return float(do_bench(fn, warmup=25, rep=100, return_mode="median")), "cuda events (triton do_bench)"
     fn()
-    sync(device)
-    base = allocated(device)
-    reset_peak(device)
     times = []
     for _ in range(repeats):
         t0 = time.perf_counter()
         fn()
-        sync(device)
         times.append(time.perf_counter() - t0)
+    return 1e3 * statistics.median(times), "perf_counter"
+
+
+def _event_ms(fn: Callable[[], None], repeats: int) -> float:
+    fn()
+    times = []
+    for _ in range(repeats):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)
+
+
+def measure(fn: Callable[[], None], device: torch.device, repeats: int) -> dict:
+    """The peak memory of one call above what was allocated before it (CUDA; this call also warms up: compilation,
+    autotuning, the allocator), then the median time (:func:`timed_ms`)."""
+    fn()
+    sync(device)
+    base = allocated(device)
+    reset_peak(device)
+    fn()
+    sync(device)
     top = peak(device)
-    return {"ms": 1e3 * statistics.median(times), "peak_gb": None if top is None else (top - base) / 2**30}
+    ms, timer = timed_ms(fn, device, repeats)
+    return {"ms": ms, "timer": timer, "peak_gb": None if top is None else (top - base) / 2**30}
+
+
+def free_after_empty_cache(device: torch.device) -> int:
+    """Free device bytes once the caching allocator has returned its unused blocks (mem_get_info alone counts
+    the blocks it caches as used)."""
+    import gc
+
+    gc.collect()
+    with torch.cuda.device(device):
+        torch.cuda.empty_cache()
+    return free_bytes(device)
 
 
 def timing_case(impl, n, d, v, trainable, device, repeats) -> dict:
@@ -245,37 +328,45 @@ def timing_case(impl, n, d, v, trainable, device, repeats) -> dict:
         if os.environ.get("TRITON_INTERPRET") != "1":
             raise Skip("triton on CPU needs TRITON_INTERPRET=1")
     if impl == "reference" and device.type == "cuda":  # float32 logits, log_softmax, its exp and the gradient
-        need, free = 4 * n * v * 4 + 2 * v * d * 4, free_bytes(device)
+        need, free = 4 * n * v * 4 + 2 * v * d * 4, free_after_empty_cache(device)
         if need > 0.8 * free:
             raise Skip(f"the float32 reference needs about {need / 2**30:.0f} GiB, {free / 2**30:.0f} GiB free")
     if impl in ("trl_chunked", "trl_triton"):
-        _need("trl")
-    if impl == "liger":
-        _need("liger_kernel")
+        _need("trl.kernels.chunked_logprob" if impl == "trl_chunked" else "trl.kernels.logprob_entropy", "trl")
+    if impl in ("liger", "liger_flce"):
+        _need("liger_kernel.chunked_loss" if impl == "liger" else "liger_kernel.transformers", "liger_kernel")
+    if impl in TRITON_ONLY and device.type != "cuda":
+        raise Skip(f"{TRITON_ONLY[impl]} is Triton kernels launched for CUDA tensors: a GPU case")
     h, w, y, up = inputs(n, d, v, torch.bfloat16 if device.type == "cuda" else torch.float32, device, trainable)
-    fwd = measure(lambda: one_pass(impl, h, w, y, up, False), device, repeats)
+    out = {"N": n, "D": d, "V": v, "dtype": str(h.dtype).removeprefix("torch."), "repeats": repeats}
+    out["head"] = "trainable" if trainable else "frozen"
+    if impl in FUSED_BACKWARD:
+        fwd = {"ms": None, "peak_gb": None}
+        out["fwd_note"] = f"no forward-only time: {FUSED_BACKWARD[impl]}"
+    else:
+        fwd = measure(lambda: one_pass(impl, h, w, y, up, False), device, repeats)
     fwd_bwd = measure(lambda: one_pass(impl, h, w, y, up, True), device, repeats)
-    return {
-        "N": n,
-        "D": d,
-        "V": v,
-        "dtype": str(h.dtype).removeprefix("torch."),
-        "head": "trainable" if trainable else "frozen",
-        "repeats": repeats,
-        "fwd_ms": fwd["ms"],
-        "fwd_bwd_ms": fwd_bwd["ms"],
-        "fwd_peak_gb": fwd["peak_gb"],
-        "fwd_bwd_peak_gb": fwd_bwd["peak_gb"],
-    }
+    out.update(fwd_ms=fwd["ms"], fwd_bwd_ms=fwd_bwd["ms"], fwd_peak_gb=fwd["peak_gb"])
+    out.update(fwd_bwd_peak_gb=fwd_bwd["peak_gb"], timer=fwd_bwd["timer"])
+    return out
 
 
-def _need(module: str) -> None:
+def _need(module: str, package: str) -> None:
+    """Skip unless ``module`` imports: "PACKAGE is not installed" when the package itself is missing, else the
+    import error (an installed release without that module, or a dependency of it missing)."""
     import importlib
+    import importlib.util
 
     try:
         importlib.import_module(module)
     except ImportError as e:
-        raise Skip(f"{module} is not installed ({e})") from None
+        try:
+            missing = importlib.util.find_spec(package) is None
+        except (ImportError, ValueError):  # a blocked module (sys.modules[name] = None) reads as missing too
+            missing = True
+        if missing:
+            raise Skip(f"{package} is not installed") from None
+        raise Skip(f"{package} is installed but {module} does not import ({type(e).__name__}: {e})") from None
 
 
 def timing_shapes(small: bool) -> list[tuple[int, int, int]]:
@@ -285,7 +376,12 @@ def timing_shapes(small: bool) -> list[tuple[int, int, int]]:
     return [(2048, 896, V_FULL), (16384, 4096, V_FULL), (16384, 896, V_FULL), (2048, 4096, V_FULL)]
 
 
-def timing_cases(device: torch.device, small: bool, repeats: int, impls=("triton", "chunked", "bare")) -> list[Case]:
+TIMED = ("triton", "chunked", "trl_chunked", "liger_flce", "bare")
+
+
+def timing_cases(device: torch.device, small: bool, repeats: int, impls=TIMED) -> list[Case]:
+    """Per shape and head, side by side: ours (triton, chunked), TRL 1.16's chunked path and Liger's fused linear
+    cross entropy (skipped with the reason when not installed), and the bare GEMMs (the floor)."""
     cases = []
     for n, d, v in timing_shapes(small):
         for trainable in (False, True):
@@ -304,9 +400,11 @@ def reference_timing_cases(device: torch.device, small: bool, repeats: int) -> l
 
 
 def peer_cases(device: torch.device, small: bool, repeats: int) -> list[Case]:
+    """The peers that are not a log-prob pass alone: TRL's Triton log-softmax over materialized logits and Liger's
+    fused linear GRPO loss (fwd+bwd only: FUSED_BACKWARD), at the first two timing shapes."""
     shapes = timing_shapes(small)[:2]
     cases = []
-    for impl in ("trl_chunked", "trl_triton", "liger"):
+    for impl in ("trl_triton", "liger"):
         for n, d, v in shapes:
             args = (impl, n, d, v, False, device, repeats)
             cases.append(Case(f"{impl}/frozen/{n}x{d}x{v}", lambda a=args: timing_case(*a), est_s=8.0))
@@ -314,8 +412,9 @@ def peer_cases(device: torch.device, small: bool, repeats: int) -> list[Case]:
 
 
 def comparisons(timing: dict) -> list[dict]:
-    """Per shape and head: triton / chunked, each / bare (time ratios, fwd and fwd+bwd) and which impl is faster
-    in the training pass (fwd+bwd), from the timing section's passed cases."""
+    """Per shape and head: triton / chunked, each / bare and each peer / triton (time ratios, fwd and fwd+bwd),
+    which of ours is faster in each pass (faster_fwd, faster_fwd_bwd: what the auto table records) and the fastest
+    of all measured in the training pass (fastest_fwd_bwd), from the timing section's passed cases."""
     by_key: dict[tuple, dict] = {}
     for name, rec in timing.items():
         if rec.get("status") == "passed":
@@ -324,10 +423,19 @@ def comparisons(timing: dict) -> list[dict]:
     rows = []
     for (n, d, v, head), got in by_key.items():
         row = {"N": n, "D": d, "V": v, "head": head}
+        pairs = [("triton", "chunked"), ("triton", "bare"), ("chunked", "bare")]
+        pairs += [(peer, "triton") for peer in ("trl_chunked", "liger_flce")] + [
+            ("trl_chunked", "bare"),
+            ("liger_flce", "bare"),
+        ]
         for mode in ("fwd", "fwd_bwd"):
-            for a, b in (("triton", "chunked"), ("triton", "bare"), ("chunked", "bare")):
-                if a in got and b in got and got[b][f"{mode}_ms"] > 0:
-                    row[f"{a}/{b}_{mode}"] = got[a][f"{mode}_ms"] / got[b][f"{mode}_ms"]
+            for a, b in pairs:
+                ta, tb = (got[k].get(f"{mode}_ms") if k in got else None for k in (a, b))
+                if ta is not None and tb:
+                    row[f"{a}/{b}_{mode}"] = ta / tb
+        timed = {k: c["fwd_bwd_ms"] for k, c in got.items() if k != "bare" and c.get("fwd_bwd_ms") is not None}
+        if timed:
+            row["fastest_fwd_bwd"] = min(timed, key=timed.get)
         if "triton" in got and "chunked" in got:
             row["faster_fwd_bwd"] = min(("triton", "chunked"), key=lambda k: got[k]["fwd_bwd_ms"])
             row["faster_fwd"] = min(("triton", "chunked"), key=lambda k: got[k]["fwd_ms"])

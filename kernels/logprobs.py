@@ -15,7 +15,11 @@ the same math, chosen by ``impl``:
   (LoRA): the forward keeps J = W_y - E_p[W] [N, D] (and the entropy's J_H with ``entropy_grad``) and the
   backward is dH = (g J + g_H J_H) / T, a row scale: ~4NVD FLOPs in all for logp instead of 6NVD;
 - ``"reference"``: :func:`token_logprobs_reference`, materialized logits + log_softmax (tests, benchmarks);
-- ``"auto"`` (default): triton for CUDA tensors, chunked otherwise.
+- ``"auto"`` (default): chunked for CPU tensors; for CUDA tensors the faster of triton and chunked at the call's
+  shape, from a table of measured shapes (kernels/auto_table.py: the table the GPU check writes when
+  ``GRPOFLOW_AUTO_TABLE`` names it, else the default shipped, which picks triton everywhere until a device measured
+  one). The table keys on (N, D, V, compute dtype, frozen or trainable head) and on the pass: a no-grad forward
+  (old and reference log-probs) or a training forward + backward.
 
 The compute dtype follows kernels/precision.py: under torch autocast on CUDA the autocast dtype (bf16
 operands, float32 accumulation), else hidden's dtype on CUDA; the CPU path computes in float32 as before.
@@ -32,6 +36,7 @@ from __future__ import annotations
 
 import torch
 
+from grpoflow.kernels.auto_table import choose
 from grpoflow.kernels.chunked_dtype import ChunkedDtypeTokenLogProbs
 from grpoflow.kernels.chunked_logprobs import ChunkedTokenLogProbs
 from grpoflow.kernels.precision import active_autocast_dtype, kernel_dtype
@@ -59,12 +64,12 @@ def token_logprobs(
     """
     if impl not in IMPLS:
         raise ValueError(f"impl={impl!r}: expected one of {IMPLS}")
-    if impl == "auto":
-        impl = "triton" if hidden.is_cuda else "chunked"
     shape = targets.shape
     h = hidden.reshape(-1, hidden.shape[-1])
     y = targets.reshape(-1)
     dtype = kernel_dtype(hidden.device.type, hidden.dtype, active_autocast_dtype(hidden.device.type))
+    if impl == "auto":
+        impl = auto_impl(h, weight, dtype or hidden.dtype)
     if impl == "reference":
         logp, ent = token_logprobs_reference(h, weight, y, temperature, bias)
         ent = ent if entropy_grad else ent.detach() if compute_entropy else None
@@ -84,6 +89,18 @@ def token_logprobs(
         args = (temperature, compute_entropy, dtype or hidden.dtype, entropy_grad)
         logp, ent = TritonTokenLogProbs.apply(h.contiguous(), weight.contiguous(), b, y.contiguous(), *args)
     return logp.reshape(shape), None if ent is None else ent.reshape(shape)
+
+
+def auto_impl(hidden: torch.Tensor, weight: torch.Tensor, dtype: torch.dtype) -> str:
+    """What ``impl="auto"`` runs for hidden [N, D] and weight [V, D] computing in ``dtype``: chunked off CUDA;
+    on CUDA the table's choice (kernels/auto_table.py) for this shape, dtype, head (trainable when the weight
+    needs a gradient) and pass (forward + backward when autograd will differentiate the result)."""
+    if not hidden.is_cuda:
+        return "chunked"
+    n, d = hidden.shape
+    head = "trainable" if weight.requires_grad else "frozen"
+    grad = torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad)
+    return choose(n, d, weight.shape[0], str(dtype).removeprefix("torch."), head, "fwd_bwd" if grad else "fwd")
 
 
 def label_nll(

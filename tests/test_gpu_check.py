@@ -71,27 +71,102 @@ def test_gpu_check_cpu_mode_from_the_bare_tree(tmp_path):
         assert g["all_on_device"] and g["weights_changed"] and g["optimizer_steps"] == g["steps"] == 3, g
         assert g["checkpoint_round_trip_identical"] and g["round_saved"], g
         assert g["first_loss_identical"] and g["new_round_tokens_identical"] and g["later_losses_max_diff"] == 0.0, g
-    assert grpo["cases"]["full_bf16_autocast"]["autocast"] == "bfloat16"
+    # LoRA on a bf16 base trains under bf16 autocast, as a real run does (loading.compute_dtype)
+    for kind in ("full_bf16_autocast", "lora", "qwen_shape_lora", "entropy_bonus"):
+        assert grpo["cases"][kind]["autocast"] == "bfloat16", kind
+    assert grpo["cases"]["lora"]["weights_dtype"] == "float32"  # the adapters; the base is bf16
     assert grpo["cases"]["lora"]["trainable"] < grpo["cases"]["lora"]["parameters"]
     assert grpo["cases"]["qwen_shape_lora"]["all_on_device"]
+    bonus = grpo["cases"]["entropy_bonus"]
+    assert bonus["entropy_coef"] == 0.01 and bonus["weights_changed"] and bonus["optimizer_steps"] == 3, bonus
+    assert bonus["losses"] != grpo["cases"]["qwen_shape_lora"]["losses"]  # the bonus is in the loss
     shared = grpo["cases"]["shared_prompt_gradient"]
     assert shared["expand_rows_repeatable"] and shared["index_select_repeatable"], shared  # the CPU op it picks
+    fsdp = grpo["cases"]["fsdp2_one_device"]
+    assert fsdp["backend"] == "gloo" and fsdp["grads_sharded_after_each_micro_step"] == [True, True, True], fsdp
+    assert fsdp["grad_rel_err_vs_unsharded"] < 0.1 and fsdp["sharded_grad_bytes"] > 0, fsdp
+    # the bound tells a lost micro-step apart: the sum without one is off by more than the tolerance
+    assert fsdp["lost_micro_step_rel_err"] > fsdp["tolerance"] > fsdp["grad_rel_err_vs_unsharded"], fsdp
 
     timing = report["sections"]["kernel_timing"]
-    assert timing["status"] == "passed" and len(timing["cases"]) == 4 * 2 * 3
-    assert all(c["fwd_ms"] > 0 and c["fwd_bwd_ms"] > 0 for c in timing["cases"].values())
+    assert timing["status"] == "passed" and len(timing["cases"]) == 4 * 2 * 5
+    for name, c in timing["cases"].items():
+        impl = name.split("/")[0]
+        if impl in ("trl_chunked", "liger_flce"):  # blocked here, as on a GPU machine without them
+            assert c["status"] == "skipped" and c["reason"] in ("trl is not installed", "liger_kernel is not installed")
+        else:
+            assert c["status"] == "passed" and c["fwd_ms"] > 0 and c["fwd_bwd_ms"] > 0, (name, c)
+            assert c["timer"] == "perf_counter", c
     rows = report["comparisons"]
     assert len(rows) == 8 and all(r["faster_fwd_bwd"] in ("triton", "chunked") for r in rows)
     assert all(r["triton/chunked_fwd_bwd"] > 0 and r["chunked/bare_fwd"] > 0 for r in rows)
+    assert all(r["fastest_fwd_bwd"] in ("triton", "chunked") for r in rows)
+
+    # the auto table the run wrote: impl=auto reads the measured choice back, and it is not the default's everywhere
+    # (the interpreted Triton kernel loses to the chunked path at every toy shape)
+    from grpoflow.kernels.auto_table import DEFAULT_TABLE, choose, load_table
+
+    written = report["auto_table"]
+    assert written["status"] == "written" and written["install"] == f"GRPOFLOW_AUTO_TABLE={written['path']}"
+    table = load_table(written["path"])
+    assert len(table["entries"]) == 8 and "--small" in table["source"]
+    changed = 0
+    for r in rows:
+        for mode in ("fwd", "fwd_bwd"):
+            got = choose(r["N"], r["D"], r["V"], "float32", r["head"], mode, table)
+            assert got == r[f"faster_{mode}"], (r, mode)
+            changed += got != choose(r["N"], r["D"], r["V"], "float32", r["head"], mode, DEFAULT_TABLE)
+    assert changed > 0
+    assert f"export GRPOFLOW_AUTO_TABLE={written['path']}" in res.stdout
 
     assert report["sections"]["grpo_second_gpu"]["status"] == "skipped"
     peers = report["sections"]["peers"]
     assert peers["status"] == "skipped" and all("not installed" in c["reason"] for c in peers["cases"].values())
+    assert set(peers["cases"]) == {
+        f"{p}/frozen/{s}" for p in ("trl_triton", "liger") for s in ("64x32x300", "128x64x300")
+    }
     assert report["sections"]["reference_timing"]["status"] == "passed"
+
+    # every case of the run is listed with its status as it ends
+    for sec, name, c in cases(report):
+        word = {"passed": "ok", "failed": "FAIL", "skipped": "skipped"}[c["status"]]
+        assert f"{word:7s} {sec}/{name}" in res.stdout, (sec, name)
 
     summary = res.stdout[res.stdout.index("gpu_check summary") :]
     assert "kernel_correctness   PASSED" in summary and " faster" in summary
     assert "grpo_second_gpu      SKIPPED" in summary
+
+
+def test_the_liger_peer_has_no_forward_only_time_and_builds_without_a_reference_model(monkeypatch):
+    """Liger computes its gradients inside its forward: the check reports no "fwd" for it (the old one timed a
+    forward + backward), and builds its GRPO loss with use_ref_model=False (True asserts without reference
+    inputs). Liger is not installed here: a stand-in module records the constructor's arguments."""
+    import types
+
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    try:
+        import gpu_check_kernels as k
+    finally:
+        sys.path.remove(str(REPO / "benchmarks"))
+    built = {}
+
+    class FakeGRPOLoss:
+        def __init__(self, **kw):
+            built.update(kw)
+
+        def __call__(self, h, w, y, mask, adv):
+            assert h.dim() == 3 and y.shape == mask.shape == h.shape[:2] and adv.shape == (h.shape[0],)
+            return ((h.float() @ w.float().t()).logsumexp(-1) * mask).sum(), []
+
+    chunked = types.ModuleType("liger_kernel.chunked_loss")
+    chunked.LigerFusedLinearGRPOLoss = FakeGRPOLoss
+    monkeypatch.setitem(sys.modules, "liger_kernel", types.ModuleType("liger_kernel"))
+    monkeypatch.setitem(sys.modules, "liger_kernel.chunked_loss", chunked)
+    rec = k.timing_case("liger", 16, 8, 32, False, torch.device("cpu"), 1)
+    assert built == {"beta": 0.0, "use_ref_model": False, "compiled": False}
+    assert rec["fwd_ms"] is None and "inside its forward" in rec["fwd_note"] and rec["fwd_bwd_ms"] > 0
+    with pytest.raises(ValueError, match="no forward-only pass"):
+        k.one_pass("liger", *k.inputs(16, 8, 32, torch.float32, torch.device("cpu"), False), backward=False)
 
 
 def test_a_failing_case_is_recorded_and_the_next_sections_run(tmp_path):

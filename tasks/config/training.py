@@ -225,7 +225,9 @@ class GRPOConfig(OptimizerFields):
         "auto",
         description="Implementation of the per-token log-probs (loss, old and reference passes; "
         "kernels.token_logprobs): triton (the Triton kernels, CUDA only), chunked (chunked torch: cuBLAS GEMMs in "
-        "the compute dtype on CUDA, the float32 CPU path on CPU), auto (triton on CUDA, chunked otherwise). "
+        "the compute dtype on CUDA, the float32 CPU path on CPU), auto (on CUDA the faster of the two at the call's "
+        "shape, from the table of kernels/auto_table.py: the file GRPOFLOW_AUTO_TABLE names, which "
+        "benchmarks/gpu_check.py writes, else the default, triton everywhere; chunked off CUDA). "
         "Under autocast on CUDA both run with the autocast dtype's operands and float32 accumulation. triton on a "
         "CPU device is refused when the GRPO trainer starts.",
     )
