@@ -245,6 +245,14 @@ class GenerationConfig(_Section):
         "compiling (5-50 s per sampling setting and shape bucket) costs more than it saves in a default run "
         "(docs/generation.md). Keyed: compiled kernels sum in another order, so log-probs differ in the last bits.",
     )
+
+    @field_validator("compile", mode="before")
+    @classmethod
+    def _on_off(cls, v):
+        """YAML reads an unquoted on / off (a config file's `compile: on`, the override `generation.compile=on`) as a
+        boolean: take it as the word the user typed."""
+        return {True: "on", False: "off"}.get(v, v) if isinstance(v, bool) else v
+
     vllm_kv_cache_gib: float | None = Field(
         None,
         gt=0,

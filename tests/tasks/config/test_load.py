@@ -161,3 +161,14 @@ def test_correction_floor_must_be_below_the_cap():
     assert GRPOConfig(vllm_importance_sampling_clip_min=0.5, vllm_importance_sampling_clip_max=3.0)
     with pytest.raises(ValueError, match=r"clip_min \(2.0\) must be less than .*\(2.0\)"):
         GRPOConfig(vllm_importance_sampling_clip_min=2.0)
+
+
+def test_generation_compile_takes_on_and_off_as_typed(tmp_path):
+    """YAML reads an unquoted on/off as a boolean: the override and a config file both still mean the word."""
+    for word in ("on", "off", "auto"):
+        assert load_config(None, [f"generation.compile={word}"]).generation.compile == word
+    f = tmp_path / "c.yaml"
+    f.write_text("generation:\n  compile: on\n")
+    assert load_config(str(f), []).generation.compile == "on"
+    with pytest.raises(ConfigError, match="generation.compile"):
+        load_config(None, ["generation.compile=sometimes"])
