@@ -298,7 +298,12 @@ def test_a_cycle_that_improves_promotes_and_one_that_does_not_keeps_the_champion
     def cycle(batch: str, rows: list[dict], grpo: list[str]) -> dict:
         """Point the deployment at the folder with these GRPO settings, land ``batch``, signal it; the cycle's
         MLflow run tags once its flow run completed."""
-        params = {"config": str(DEFAULT), "overrides": [*common, *grpo], "source": str(incoming), "state_dir": str(state)}
+        params = {
+            "config": str(DEFAULT),
+            "overrides": [*common, *grpo],
+            "source": str(incoming),
+            "state_dir": str(state),
+        }
         run([*GRPOFLOW, "deploy", "-n", "grpo-continuous/local", "--params", json.dumps(params)], env)
         (incoming / batch).write_text("".join(json.dumps(r) + "\n" for r in rows))
         n = len(flow_runs(env, continuous["id"])) + 1
@@ -328,8 +333,9 @@ def test_a_cycle_that_improves_promotes_and_one_that_does_not_keeps_the_champion
     assert {k: v for k, v in version_tags.items() if k.startswith("promotion.")} == {
         k: v for k, v in improving.items() if k.startswith("promotion.")
     }
-    assert improving["continuous.decision"].startswith("promoted") and f"{b} rows gained, {c} lost" in (
-        improving["continuous.decision"]
+    assert (
+        improving["continuous.decision"].startswith("promoted")
+        and f"{b} rows gained, {c} lost" in (improving["continuous.decision"])
     )
 
     # 3. another batch, and a cycle that cannot improve: the champion is kept

@@ -44,7 +44,9 @@ def rows(pairs: list[tuple[bool, bool]], times: int = 1) -> tuple[list[bool], li
 
 def test_promotes_on_a_significant_gain_and_tags_the_figures():
     # 100 rows: 30 both right, 40 both wrong, 20 gained, 10 lost -> p = 0.0987: not enough at 0.05
-    champion, candidate = rows([(True, True)] * 30 + [(False, False)] * 40 + [(False, True)] * 20 + [(True, False)] * 10)
+    champion, candidate = rows(
+        [(True, True)] * 30 + [(False, False)] * 40 + [(False, True)] * 20 + [(True, False)] * 10
+    )
     d = paired_promotion(champion, candidate, alpha=0.05)
     assert (d.rows, d.b, d.c) == (100, 20, 10)
     assert d.accuracy_champion == 0.40 and d.accuracy_candidate == 0.50
