@@ -59,7 +59,9 @@ def test_promotes_on_a_significant_gain_and_tags_the_figures():
     assert d.promote and d.p_value < 0.01 and "promoted" in d.reason
     tags = d.tags()
     assert tags["promotion.b"] == "24" and tags["promotion.c"] == "6" and tags["promotion.alpha"] == "0.05"
-    assert tags["promotion.decision"] == "promoted" and float(tags["promotion.p_value"]) == pytest.approx(d.p_value)
+    assert tags["promotion.decision"] == "promoted" and float(tags["promotion.p_value"]) == pytest.approx(
+        d.p_value, rel=1e-5
+    )
     assert float(tags["promotion.accuracy_candidate"]) == 0.54 and float(tags["promotion.accuracy_champion"]) == 0.36
 
 
