@@ -53,7 +53,8 @@ PEAK_KEY = {"float32": "fp32_tflops", "bfloat16": "bf16_tflops"}  # bench_matmul
 
 SAMPLERS = {
     "transformers": {
-        "ours": "grpoflow transformers KV-cached loop (LoRA merged, {gen_threads} decode threads)",
+        "ours": "grpoflow transformers KV-cached loop (LoRA merged, {gen_threads} decode threads, "
+        "generation.compile={compile})",
         "trl": "transformers generate on the PEFT model ({threads} threads)",
     },
     "vllm": {
@@ -142,7 +143,9 @@ def side_ours(args, rows: list[dict]) -> dict:
     tok = load_tokenizer(folder, mcfg)
     model = load_trainable(folder, mcfg, use_lora=True)  # as the GRPO stage: bf16 -> float32 attention on CPUs
     g = GRPOConfig(**grpo_settings(args, args.steps))
-    gen_cfg = GenerationConfig(backend=args.sampler, batch_size=128, torch_threads=args.gen_threads)
+    gen_cfg = GenerationConfig(
+        backend=args.sampler, batch_size=128, torch_threads=args.gen_threads, compile=args.compile
+    )
     prompts = [prompt_ids(tok, r["prompt"]) for r in rows]
     max_len = max(map(len, prompts)) + g.max_completion_length
     t = time.perf_counter()
@@ -177,6 +180,9 @@ def side_ours(args, rows: list[dict]) -> dict:
         "weight_bytes": model_shape(model).matmul_params * DTYPE_BYTES[args.dtype],
         "threads": {"train": args.threads, "decode": args.gen_threads if args.sampler == "transformers" else None},
         "reward": sum(x["reward"] for x in h) / len(h),
+        # generation.compile: the decode step's compiles (inside gen_s and the loop), reported apart
+        "compile_s": decoder.stats.compile_s if (decoder := getattr(gen, "decoder", None)) else 0.0,
+        "compiles": decoder.stats.compiles if decoder else 0,
     }
 
 
@@ -340,7 +346,7 @@ def compare(args, sampler: str, folder: str, tmp: Path, peak: dict) -> dict:
             argv += ["--out", str(tmp / f"{sampler}{side}{r}"), "--sampler", sampler, "--steps", str(args.steps)]
             argv += ["--threads", str(args.threads)]
             argv += ["--gen-threads", str(args.gen_threads), "--completion-len", str(args.completion_len)]
-            argv += ["--dtype", args.dtype]
+            argv += ["--dtype", args.dtype, "--compile", args.compile]
             run = protocol.spawn(side, r, argv, args)
             if not run.error:
                 run.result |= derived(run.result, peak, args.dtype)
@@ -376,6 +382,14 @@ def report(args, sampler: str, runs: list[protocol.SideRun], peak: dict) -> dict
               f"{r.process_wall_s:7.1f} {r.process_wall_s - d['loop_s']:7.1f} {100 * d['gen_share']:5.1f} "
               f"{d['train_tflops']:8.4f} {d['mfu']:6.1%} {d['decode_tok_s']:9.0f} {d['decode_bound_tok_s']:9.0f} "
               f"{d['decode_of_bound']:6.1%} {r.max_rss_mib:8.0f}")  # fmt: skip
+    for r in ok:
+        d = r.result
+        if d.get("compile_s"):  # generation.compile=on: the compiles sit inside the loop and gen_s; shown apart
+            loop, gen = d["loop_s"] - d["compile_s"], d["gen_s"] - d["compile_s"]
+            bound = d["tokens"] / gen / d["decode_bound_tok_s"]
+            print(f"  round {r.round} {r.side}: {d['compile_s']:.1f} s compiling ({d['compiles']} graph(s)) inside the "
+                  f"loop; without it {d['tokens'] / loop:.1f} tok/s, decoding {d['tokens'] / gen:.0f} tok/s "
+                  f"({bound:.1%} of bound), {gen / loop:.0%} of the loop")  # fmt: skip
     protocol.print_rounds(runs)
     by_round = {(r.round, r.side): r.result["tok_s"] for r in ok}
     both = [k for k in range(args.rounds) if (k, "ours") in by_round and (k, "trl") in by_round]
@@ -408,6 +422,13 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2, help="torch threads of both training loops")
     ap.add_argument(
         "--gen-threads", type=int, help="our transformers decoding loop's threads (default: --threads, as the product)"
+    )
+    ap.add_argument(
+        "--compile",
+        default="auto",
+        choices=["auto", "on", "off"],
+        help="ours: generation.compile (auto, the product's default, is off on CPU; on: the compiled static-shape "
+        "decode step, its compile time printed apart)",
     )
     ap.add_argument("--peak-json", type=Path, help="a bench_matmul_peak.py --json result to reuse (same threads)")
     ap.add_argument("--json", type=Path, help="write the results here too")

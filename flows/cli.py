@@ -483,7 +483,8 @@ def _sync(args, run_dir: Path) -> int:
 
 
 def cmd_deploy(args) -> int:
-    """Work pools (created when missing) and the deployments of infra/prefect.yaml (flows/operations.py)."""
+    """Work pools (created when missing) and the deployments of infra/prefect.yaml (flows/operations.py); existing
+    deployments keep their parameters unless --reset-params (flows/redeploy.py)."""
     from grpoflow.flows.operations import deploy
 
     return deploy(args.prefect_args)
@@ -579,7 +580,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument(
         "prefect_args",
         nargs="*",
-        help="passed on to `prefect deploy` (default --all), e.g. -n grpo-continuous/local --params '{...}'",
+        help="passed on to `prefect deploy` (default --all), e.g. -n grpo-continuous/local --params '{...}'; "
+        "a deployment that exists keeps its parameters (--params sets keys over them)",
+    )
+    p.add_argument(
+        "--reset-params",
+        action="store_true",
+        help="deploy infra/prefect.yaml's parameters instead of the existing deployments' (then --params over them)",
     )
     p.set_defaults(fn=cmd_deploy)
     p = sub.add_parser("continuous-status", help="what the continuous flow consumed, quarantined (why), and what waits")

@@ -12,9 +12,11 @@ interval schedule and by the ``grpoflow.data.landed`` event).
                                                      a paired McNemar test, tasks/tracking/promotion.py)
                                                -> add the files to the ledger
 
-The ledger (``<state>/ledger.json``) is written only after the pipeline finished, so a failed cycle consumes
-nothing and the next run retries the same files. The state (ledger and cycle workspaces) may live on S3
-(tasks/ops/datasource.py: state_location), so a worker pod that restarts does not retrain on everything.
+The parameters are checked first (flows/parameters.py): a missing source folder fails in one line naming the
+deployment and the parameter. The ledger (``<state>/ledger.json``) is written only after the pipeline finished,
+so a failed cycle consumes nothing and the next run retries the same files. The state (ledger and cycle
+workspaces) may live on S3 (tasks/ops/datasource.py: state_location), so a worker pod that restarts does not
+retrain on everything.
 Run one cycle at a time (the deployment's concurrency limit is 1): besides, a cycle holds the state folder's lock
 (tasks/storage/lock.py) from listing the files to writing the ledger, so a second cycle fails at once naming the
 first rather than training on the same files.
@@ -28,7 +30,8 @@ from pathlib import Path
 
 from prefect import flow, get_run_logger, task
 
-from grpoflow.tasks.config import ConfigError, PipelineConfig, StorageConfig, load_run_config
+from grpoflow.flows.parameters import continuous_config, quiet_parameter_errors
+from grpoflow.tasks.config import PipelineConfig, StorageConfig
 from grpoflow.tasks.ops.datasource import DataFile, Ledger, list_source, state_location
 from grpoflow.tasks.storage.lock import workspace_lock
 from grpoflow.tasks.storage.s3 import is_s3_uri, join_uri, local_path
@@ -71,13 +74,9 @@ def grpo_continuous(
     ``data.eval_source``); ``state_dir`` (a folder or s3:// URI) holds the ledger and one workspace per cycle
     (default <run.output_dir>/continuous, or <source>/_grpoflow-continuous for an s3:// source when
     run.output_dir is local)."""
-    from grpoflow.tasks.ops.continuous import check_continuous_config
-
     logger = get_run_logger()
-    if not source:
-        raise ConfigError("source: the continuous flow needs a data source (a folder or s3://bucket/prefix)")
-    cfg = load_run_config(config, overrides)
-    check_continuous_config(cfg)
+    quiet_parameter_errors()  # a parameter problem: one line naming the deployment and parameter, no traceback
+    cfg = continuous_config(config, overrides, source, state_dir)
     state = state_location(source, state_dir, cfg.run.output_dir)
     with workspace_lock(open_store(state, cfg.storage), "grpo-continuous cycle"):  # one cycle owns the ledger
         return _cycle(cfg, source, state, logger)

@@ -4,6 +4,7 @@ deploy: create the work pools of POOLS when they are missing (the docker and kub
 job templates from infra/work-pools/; the process pool with Prefect's default), then run
 `prefect deploy --prefect-file infra/prefect.yaml` from the checkout (``--all`` unless names are given); the
 deployments' entry points are module:function paths of the installed package (grpoflow.flows.deployment:...).
+A redeploy keeps each existing deployment's parameters unless ``--reset-params`` (flows/redeploy.py).
 
 data-landed: emit the ``grpoflow.data.landed`` event for a file, folder or s3:// prefix; the trigger of
 grpo-continuous/local matches it and starts a continuous cycle. Both need PREFECT_API_URL (a Prefect server).
@@ -98,15 +99,42 @@ def ensure_pools(pools: dict[str, tuple[str, str | None]] = POOLS) -> list[str]:
 
 
 def deploy(extra: list[str]) -> int:
-    """Pools, then `prefect deploy` of infra/prefect.yaml from the repo root (local pull steps use $PWD)."""
+    """Pools, then `prefect deploy` of infra/prefect.yaml from the repo root (local pull steps use $PWD).
+
+    A deployment that exists keeps its parameters unless ``--reset-params`` is given (flows/redeploy.py): they are
+    deployed from a copy of the prefect.yaml that carries them. One line per deployment says which it got."""
+    import tempfile
+
+    import yaml
+
+    from grpoflow.flows import redeploy
+
     _api_url()
     for name in ensure_pools():
         print(f"created work pool {name} ({POOLS[name][0]})")
+    reset = redeploy.RESET_FLAG in extra
+    extra = [a for a in extra if a != redeploy.RESET_FLAG]
     args = list(extra) if any(a in ("-n", "--name") or a.startswith("--name=") for a in extra) else ["--all", *extra]
     root = project_root()
+    prefect_file = root / PREFECT_YAML
+    try:
+        config = yaml.safe_load(prefect_file.read_text()) or {}
+    except (OSError, yaml.YAMLError) as e:
+        raise ConfigError(f"{prefect_file}: cannot read: {e}") from None
+    specs = redeploy.selected(config.get("deployments") or [], args)
+    existing = redeploy.server_parameters([redeploy.full_name(s) for s in specs])
+    choices = redeploy.plan(specs, existing, redeploy.given_parameters(args), reset)
     env = dict(os.environ, PWD=str(root))
-    cmd = _prefect("deploy", "--prefect-file", str(root / PREFECT_YAML), *args)
-    return subprocess.run(cmd, cwd=root, env=env).returncode
+    with tempfile.TemporaryDirectory(prefix="grpoflow-deploy-") as tmp:
+        if any(c.kind == "kept" for c in choices):  # the server's parameters, in the file prefect deploy reads
+            prefect_file = Path(tmp) / "prefect.yaml"
+            prefect_file.write_text(yaml.safe_dump(redeploy.with_parameters(config, choices), sort_keys=False))
+        cmd = _prefect("deploy", "--prefect-file", str(prefect_file), *args)
+        code = subprocess.run(cmd, cwd=root, env=env).returncode
+    if code == 0:
+        for choice in choices:
+            print(choice.line(str(PREFECT_YAML)))
+    return code
 
 
 def resource_id(path: str) -> str:

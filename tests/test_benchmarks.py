@@ -139,3 +139,20 @@ def test_vllm_sync_smoke_syncs_before_every_round(smoke_runs):
     head = next(i for i, ln in enumerate(lines) if "sync s (first; timed)" in ln)
     rows = [ln.split() for ln in lines[head + 1 : head + 5]]
     assert [(r[0], r[1], r[2]) for r in rows] == [(str(k), s, "2") for k in (0, 1) for s in ("merge", "adapter")]
+
+
+def test_profile_decode_splits_each_loops_step(tmp_path):
+    """profile_decode.py splits a decode step of both loops into compute floor, kernels, launch and Python, and
+    the compiled step runs fewer ops a step than the eager loop (inductor fuses the elementwise work)."""
+    argv = [sys.executable, str(REPO / "benchmarks" / "profile_decode.py"), "--prompts", "2", "--samples", "4"]
+    argv += ["--batch", "8", "--max-new-tokens", "8", "--repeats", "1", "--cache-dir", str(tmp_path)]
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    done = subprocess.run(argv, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
+    split = re.compile(
+        r"^  (ours|compiled) +[\d.]+ ms a step \(\d+ tok/s, (\d+) ops a step\): compute floor [\d.]+ \(\d+%\), "
+        r"kernels above floor [\d.]+ \(\d+%\), launch [\d.]+ \(\d+%\), Python [\d.]+ \(\d+%\)$"
+    )
+    ops = {m[1]: int(m[2]) for ln in done.stdout.splitlines() if (m := split.match(ln))}
+    assert set(ops) == {"ours", "compiled"}, done.stdout[-2000:]
+    assert ops["compiled"] < ops["ours"], ops

@@ -32,6 +32,7 @@ from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from grpoflow.tasks.storage.s3 import join_uri
 from grpoflow.tasks.storage.store import S3Store, Store
 
 LOCK_FILE = ".grpoflow.lock"
@@ -123,7 +124,7 @@ class _LocalLock:
 
 class _S3Lease:
     def __init__(self, store: S3Store, ttl_s: float):
-        self.client, self.uri, self.ttl_s = store.client, store._uri(LEASE), ttl_s
+        self.client, self.uri, self.ttl_s = store.client, join_uri(store.uri, LEASE), ttl_s
         self.etag: str | None = None
         self.me: Holder | None = None
         self.stop = threading.Event()

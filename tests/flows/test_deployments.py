@@ -58,7 +58,7 @@ def prefect_env(tmp_path_factory):
         PREFECT_API_URL=f"http://127.0.0.1:{port}/api",
         PREFECT_WORKER_QUERY_SECONDS="2",
         PREFECT_LOGGING_LEVEL="INFO",
-        # the flow-run processes import this checkout (after a PYTHONPATH set here, e.g. a worktree's package map)
+        # the flow-run processes import this checkout (after a PYTHONPATH that maps the grpoflow namespace onto it)
         PYTHONPATH=os.pathsep.join(p for p in (os.environ.get("PYTHONPATH"), str(REPO)) if p),
         GRPOFLOW_PROGRESS="0",
     )
@@ -102,7 +102,7 @@ def deployed(prefect_env, tmp_path_factory):
         cmd, env=prefect_env, cwd=log_path.parent, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
     )
     try:
-        yield prefect_env
+        yield dict(prefect_env, GRPOFLOW_TEST_WORKER_LOG=str(log_path))  # read by the tests of the worker's log
     finally:
         stop(worker)
         log.close()
@@ -347,3 +347,72 @@ def test_a_cycle_that_improves_promotes_and_one_that_does_not_keeps_the_champion
     ledger = json.loads((state / "ledger.json").read_text())["consumed"]
     assert [e["name"] for e in ledger] == ["batch1.jsonl", "batch2.jsonl"]
     assert len(flow_runs(env, continuous["id"])) == before + 2
+
+
+CONTINUOUS = "grpo-continuous/local"
+
+
+def deploy_continuous(env: dict, *args: str) -> tuple[dict, str]:
+    """`grpoflow deploy -n grpo-continuous/local ARGS`: the deployment's parameters on the server after it, and the
+    line the command printed about them."""
+    out = run([*GRPOFLOW, "deploy", "-n", CONTINUOUS, *args], env)
+    (line,) = [line for line in out.splitlines() if line.startswith(f"{CONTINUOUS}: ")]
+    return api(env, "GET", f"/deployments/name/{CONTINUOUS}")["parameters"], line
+
+
+def test_a_redeploy_keeps_the_parameters_unless_reset(prefect_env, tmp_path):
+    """A redeploy without --params keeps what the user set (with --params or through the API) and says so;
+    --reset-params restores infra/prefect.yaml's parameters."""
+    import yaml
+
+    env = prefect_env
+    (spec,) = [d for d in yaml.safe_load((REPO / "infra" / "prefect.yaml").read_text())["deployments"]
+               if d["entrypoint"].endswith(":grpo_continuous")]  # fmt: skip
+    defaults = spec["parameters"]
+    params, line = deploy_continuous(env, "--reset-params")  # new, or back to the yaml's if an earlier test set it
+    assert params == defaults and line.startswith((f"{CONTINUOUS}: new: ", f"{CONTINUOUS}: parameters reset to "))
+
+    mine = {"source": str(tmp_path / "incoming"), "state_dir": str(tmp_path / "state")}
+    params, line = deploy_continuous(env, "--params", json.dumps(mine))
+    assert params == {**defaults, **mine}  # --params sets its keys over the kept ones
+    assert line.startswith(f"{CONTINUOUS}: kept parameters ") and "--params set source, state_dir" in line
+
+    # parameters changed through the API (as the UI does), then a plain redeploy of everything
+    dep = api(env, "GET", f"/deployments/name/{CONTINUOUS}")
+    edited = {**params, "overrides": ["data.eval_source=/data/heldout.jsonl", "grpo.max_steps=5"]}
+    httpx.patch(f"{env['PREFECT_API_URL']}/deployments/{dep['id']}", json={"parameters": edited}).raise_for_status()
+    out = run([*GRPOFLOW, "deploy"], env)
+    after = api(env, "GET", f"/deployments/name/{CONTINUOUS}")
+    assert after["parameters"] == edited and after["id"] == dep["id"]
+    expected = (
+        f"{CONTINUOUS}: kept parameters {json.dumps(edited, sort_keys=True)} "
+        "(--reset-params to restore infra/prefect.yaml's)"
+    )
+    assert expected in out.splitlines(), out[-3000:]
+    assert sum(line.startswith("grpo-pipeline/") for line in out.splitlines()) == 3  # one line per deployment
+    assert [s["active"] for s in after["schedules"]] == [False]  # the rest of the yaml deployed as before
+
+    params, line = deploy_continuous(env, "--reset-params")
+    assert params == defaults and line.startswith(f"{CONTINUOUS}: parameters reset to infra/prefect.yaml's: ")
+
+
+def test_a_cycle_whose_source_is_missing_fails_naming_the_deployment_and_parameter(deployed):
+    """The yaml's default source (data/incoming, not in the checkout) on the process worker: the flow run fails
+    with one error naming the deployment, the parameter and the working directory, and no traceback in the
+    worker's log."""
+    env = deployed
+    assert not (REPO / "data" / "incoming").exists()
+    params, _ = deploy_continuous(env, "--reset-params")  # what a redeploy used to do silently
+    assert params["source"] == "data/incoming"
+    log = Path(env["GRPOFLOW_TEST_WORKER_LOG"])
+    start = log.stat().st_size
+    text = run([*PREFECT, "deployment", "run", CONTINUOUS], env)
+    fr = wait_for(env, re.search(r"UUID: ([0-9a-f-]{36})", text)[1])
+    assert fr["state_type"] == "FAILED"
+    message = f'deployment {CONTINUOUS}: parameter source="data/incoming" is not a folder (working directory {REPO})'
+    logs = wait_for_log(env, fr["id"], message)
+    assert f"{message}; set it with `grpoflow deploy -n {CONTINUOUS} --param source=/data/incoming`" in logs
+    time.sleep(3)  # the flow-run process's last lines reach the worker's log
+    worker_log = log.read_text()[start:]
+    assert message in worker_log and "Traceback" not in worker_log, worker_log[-5000:]
+    print(worker_log[-3000:])

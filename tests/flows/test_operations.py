@@ -135,6 +135,94 @@ def test_prefect_yaml_declares_the_fixed_names():
     assert trigger["expect"] == ["grpoflow.data.landed"] and trigger["enabled"]
 
 
+def test_a_redeploy_keeps_the_server_parameters_unless_reset():
+    """flows/redeploy.py on the real infra/prefect.yaml: which deployments a `prefect deploy` argument list selects,
+    and the parameters each is deployed with (the server's, the yaml's, --params over either)."""
+    from grpoflow.flows import redeploy
+
+    spec = yaml.safe_load(PREFECT_FILE.read_text())
+    deployments = spec["deployments"]
+    everything = [redeploy.full_name(d) for d in redeploy.selected(deployments, ["--all"])]
+    assert everything == [
+        "grpo-pipeline/local", "grpo-pipeline/docker-gpu", "grpo-pipeline/k8s-gpu", "grpo-continuous/local"
+    ]  # fmt: skip
+    (continuous,) = redeploy.selected(deployments, ["-n", "grpo-continuous/local", "--params", "{}"])
+    assert [redeploy.full_name(d) for d in redeploy.selected(deployments, ["--name=grpo-pipeline/*"])] == everything[:3]
+    assert redeploy.given_parameters(["-n", "x"]) is None
+    given = redeploy.given_parameters(["--params", '{"source": "/data/in"}', "--param", "state_dir=s"])
+    assert given == {"source": "/data/in", "state_dir": "s"}
+
+    mine = {**continuous["parameters"], "source": "/data/in", "state_dir": "/data/state"}
+    name = "grpo-continuous/local"
+    (kept,) = redeploy.plan([continuous], {name: mine}, None, reset=False)
+    assert kept.kind == "kept" and kept.parameters == mine
+    assert kept.line("infra/prefect.yaml") == (
+        f"{name}: kept parameters {json.dumps(mine, sort_keys=True)} (--reset-params to restore infra/prefect.yaml's)"
+    )
+    rewritten = redeploy.with_parameters(spec, [kept])  # the copy `prefect deploy` reads
+    assert [d["parameters"] for d in rewritten["deployments"]][3] == mine
+    assert rewritten["deployments"][:3] == deployments[:3] and spec["deployments"][3]["parameters"]["source"] == (
+        "data/incoming"
+    )  # the yaml's own content is untouched
+    (over,) = redeploy.plan([continuous], {name: mine}, {"state_dir": "/other"}, reset=False)
+    assert (
+        over.kind == "kept" and "--params set state_dir" in over.line("y") and '"state_dir": "/other"' in over.line("y")
+    )
+    (reset,) = redeploy.plan([continuous], {name: mine}, None, reset=True)
+    assert reset.kind == "reset" and reset.parameters == continuous["parameters"]
+    assert reset.line("infra/prefect.yaml").startswith(f"{name}: parameters reset to infra/prefect.yaml's: ")
+    assert redeploy.with_parameters(spec, [reset]) == spec
+    (new,) = redeploy.plan([continuous], {name: None}, None, reset=False)
+    assert new.kind == "new" and new.line("y").startswith(f"{name}: new: parameters ")
+    # --params with several deployments: Prefect ignores it, so the plan does too
+    choices = redeploy.plan(deployments, {n: {"config": "mine.yaml"} for n in everything}, {"config": "x"}, False)
+    assert all(c.kind == "kept" and c.given is None for c in choices)
+
+
+def test_continuous_parameters_are_checked_first_and_named(tmp_path, monkeypatch):
+    """A parameter pointing at a missing folder or file fails in one ParameterError naming the parameter, its
+    value and the working directory (outside a deployment run: the flow), with no traceback in Prefect's log."""
+    import logging
+
+    from grpoflow.flows.parameters import ParameterError, continuous_config, quiet_parameter_errors
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "heldout.jsonl").write_text(json.dumps({"question": "What is 1 + 1?", "answer": "2"}) + "\n")
+    (tmp_path / "incoming").mkdir()
+    (tmp_path / "a-file").write_text("")
+    overrides = ["data.eval_source=heldout.jsonl"]
+    where = f"(working directory {tmp_path})"
+    with pytest.raises(ParameterError) as e:
+        continuous_config(str(MICRO), overrides, "data/incoming", None)
+    assert str(e.value) == f'flow grpo-continuous: parameter source="data/incoming" is not a folder {where}'
+    with pytest.raises(ParameterError, match='parameter source="a-file" is a file, not a folder'):
+        continuous_config(str(MICRO), overrides, "a-file", None)
+    with pytest.raises(ParameterError, match='parameter state_dir="a-file" is a file, not a folder'):
+        continuous_config(str(MICRO), overrides, "incoming", "a-file")
+    with pytest.raises(ParameterError, match=r'data.eval_source="missing.jsonl" \(parameters config/overrides\)'):
+        continuous_config(str(MICRO), ["data.eval_source=missing.jsonl"], "incoming", None)
+    with pytest.raises(ParameterError, match='parameters config="nowhere.yaml", .*config file not found: nowhere'):
+        continuous_config("nowhere.yaml", overrides, "incoming", None)
+    with pytest.raises(ParameterError, match="parameter source is not set"):
+        continuous_config(str(MICRO), overrides, None, None)
+    cfg = continuous_config(str(MICRO), overrides, "incoming", "state")  # a state_dir not there yet is created
+    assert cfg.data.eval_source == "heldout.jsonl"
+
+    quiet_parameter_errors()
+    records = []
+    handler = logging.Handler()
+    handler.emit = records.append
+    logger = logging.getLogger("prefect.flow_runs")
+    logger.addHandler(handler)
+    try:
+        logger.error("Encountered exception during execution: %r", e.value, exc_info=e.value)
+        logger.error("other", exc_info=ValueError("kept"))
+    finally:
+        logger.removeHandler(handler)
+    assert records[0].exc_info is None and 'parameter source="data/incoming"' in records[0].getMessage()
+    assert records[1].exc_info is not None  # other errors keep their traceback
+
+
 @pytest.mark.slow
 def test_a_bad_file_among_good_ones_is_quarantined_and_the_good_ones_train(tmp_path):
     """The flow in-process: the bad file is named by its own path and line and recorded as quarantined; the good
