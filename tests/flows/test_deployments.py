@@ -255,8 +255,9 @@ def wait_until_runs(env: dict, deployment_id: str, n: int, timeout: float = 120)
 # SFT's). Measured 2026-12-05 on the 2-core host (one run; training is deterministic on one machine and thread count,
 # another CPU gives another SFT model): champion 15% -> candidate 26% on the 100 held-out rows, 17 rows gained,
 # 6 lost, McNemar p = 0.035 (promoted, but near alpha 0.05); the zero-LR cycle 26% -> 26%, b = c = 0, p = 1. The
-# test took 4:47 (weak run 120 s, the improving cycle 108 s, the flat one 21 s). 300 SFT steps + 60 GRPO steps
-# measured 6% -> 7% (b 7, c 6, p 1): too weak a champion for GRPO to gain on.
+# test took 4:46 (weak run 120 s, the improving cycle 108 s, the flat one 21 s). Outside the test (one `grpoflow
+# run`, GRPO on all 700 rows): 500 SFT + 150 GRPO steps 15% -> 28% (b 19, c 6, p = 0.015), a wider margin for about
+# 50 s more; 300 SFT + 60 GRPO steps 6% -> 7% (b 7, c 6, p = 1): too weak a champion for GRPO to gain on.
 DEFAULT = REPO / "configs" / "default.yaml"
 WEAK_SFT_STEPS = 500
 IMPROVING_GRPO_STEPS = 100
