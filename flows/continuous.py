@@ -7,7 +7,9 @@ interval schedule and by the ``grpoflow.data.landed`` event).
                                                -> gather them into one training file
                                                -> download the champion (registry alias), if any
                                                -> the pipeline: data -> GRPO from the champion -> eval -> export
-                                                  -> register (the alias moves only when accuracy beats the champion)
+                                                  -> register (the alias moves only when the new model beats the
+                                                     champion on the same held-out rows by more than their noise:
+                                                     a paired McNemar test, tasks/tracking/promotion.py)
                                                -> add the files to the ledger
 
 The parameters are checked first (flows/parameters.py): a missing source folder fails in one line naming the
@@ -112,7 +114,8 @@ def _cycle(cfg: PipelineConfig, source: str, state: str, logger) -> dict:
     else:
         logger.info("warm start from champion %s version %s", champion[1]["name"], champion[1]["version"])
     cycle = cycle_config(cfg, name, data_file, warm_start=champion is not None)
-    result = grpo_pipeline(config=cycle, workspace=ws, init_model=champion[0] if champion is not None else None)
+    init_model, init_version = (champion[0], champion[1]["version"]) if champion is not None else (None, None)
+    result = grpo_pipeline(config=cycle, workspace=ws, init_model=init_model, init_version=init_version)
     reg = result.get("registry")
     if reg is None:
         decision = "not registered (no exported model)"

@@ -58,19 +58,23 @@ def log_timeline(parent, result: dict) -> dict[str, float]:
 
 
 @flow(name="grpo-pipeline")
-def grpo_pipeline(config: PipelineConfig, workspace: str, init_model: str | None = None) -> dict:
+def grpo_pipeline(
+    config: PipelineConfig, workspace: str, init_model: str | None = None, init_version: str | None = None
+) -> dict:
     """Run the DAG on ``config`` (the validated run config, passed on to every stage task as it is) in
     ``workspace``. ``init_model`` (a local model folder,
     e.g. the registry champion the continuous flow warm-starts from) replaces the SFT stage: GRPO starts from it
-    and evaluation measures it as the "before" model."""
+    and evaluation measures it as the "before" model. ``init_version``: the registry version ``init_model`` is;
+    registration then promotes on the paired comparison of the two on the held-out rows
+    (tasks/tracking/promotion.py)."""
     timeline.mark("flow_start")
     cfg = config
     ws = Workspace(workspace, cfg.storage)
     with workspace_lock(ws.store, "grpo-pipeline flow"):  # the CLI holds it already; a deployed run takes it here
-        return _pipeline(cfg, ws, init_model)
+        return _pipeline(cfg, ws, init_model, init_version)
 
 
-def _pipeline(cfg: PipelineConfig, ws: Workspace, init_model: str | None) -> dict:
+def _pipeline(cfg: PipelineConfig, ws: Workspace, init_model: str | None, init_version: str | None) -> dict:
     ws.write_text("config.yaml", yaml.safe_dump(cfg.to_dict(), sort_keys=False))  # what `grpoflow resume` reads
     names = PIPELINE.names
     tags = {"prefect_flow_run_id": runtime.flow_run.id, "workspace": ws.location}
@@ -118,8 +122,9 @@ def _pipeline(cfg: PipelineConfig, ws: Workspace, init_model: str | None) -> dic
                 cfg,
                 parent.run_id,
                 result.get("export"),
-                result.get("eval", {}).get("accuracy_after"),
+                result.get("eval"),
                 result["data"].get("eval_path"),
+                init_version if init_model is not None else None,
             )
             if registered is not None:
                 result["registry"] = registered.__dict__

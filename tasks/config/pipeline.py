@@ -375,7 +375,17 @@ class TrackingConfig(_Section):
     register_model: bool = Field(True, description="Register the exported model in the MLflow model registry.")
     registered_model: str | None = Field(None, description="Registered model name; default grpoflow-<model name>.")
     champion_alias: str = Field(
-        "champion", description="Alias moved to a new version whose held-out accuracy beats the current holder's."
+        "champion",
+        description="Alias moved to a new version that beats the current holder: on the paired held-out comparison "
+        "for a run that started from it (tracking.promotion_alpha), else on the recorded held-out accuracy.",
+    )
+    promotion_alpha: float = Field(
+        0.05,
+        gt=0,
+        le=1,
+        description="A run that started from the champion (a continuous cycle) takes the alias only when it answers "
+        "more held-out rows right that the champion got wrong than the reverse, and an exact two-sided McNemar test "
+        "on those rows gives p < this (tasks/tracking/promotion.py). Smaller: a larger gain needed.",
     )
     flush_timeout_s: float = Field(
         60.0,

@@ -4,9 +4,10 @@
 
 The cycle itself is the pipeline flow on that config: data prep on the new files, GRPO warm-started from the
 champion (no SFT), evaluation on the config's fixed held-out file (``data.eval_source``), export, and
-registration, where the champion alias moves only when the new model's held-out accuracy beats the champion's
-(tasks/tracking/registry.py). mlflow, datasets and torch are imported where used: the continuous flow imports this
-module first thing, and a run that finds no new data should not wait for them.
+registration, where the champion alias moves only when the new model beats the champion on the same held-out rows
+by more than their noise (a paired McNemar test: tasks/tracking/promotion.py, tasks/tracking/registry.py).
+mlflow, datasets and torch are imported where used: the continuous flow imports this module first thing, and a run
+that finds no new data should not wait for them.
 """
 
 from __future__ import annotations

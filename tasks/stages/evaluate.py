@@ -243,15 +243,23 @@ def run_eval(
     }
     models = eval_models(cfg, before_model, after_model, after_is_adapter)
     out = ws.stage_dir("eval")
+    correct: dict[str, list[bool]] = {}
     for label, load in models.items():
-        report[label] = evaluate_and_log(cfg, tracker, load(), tokenizer, rows, reward_funcs, params, label)
+        report[label], correct[label] = evaluate_and_log(
+            cfg, tracker, load(), tokenizer, rows, reward_funcs, params, label
+        )
     report["accuracy_gain"] = report["after"]["accuracy"] - report["before"]["accuracy"]
+    report["correct"] = correct  # per row, in the same order: what a paired comparison of the two models reads
     save_report(report, out, tracker)
     return {
         "report_path": str(out / "report.json"),
         "rows": len(rows),
         "accuracy_before": report["before"]["accuracy"],
         "accuracy_after": report["after"]["accuracy"],
+        # per held-out row, was the greedy answer correct: the registry's paired promotion test
+        # (tasks/tracking/promotion.py) when "before" is the champion the continuous cycle started from
+        "correct_before": correct["before"],
+        "correct_after": correct["after"],
         "seconds": time.perf_counter() - t0,
     }
 
@@ -289,9 +297,10 @@ def eval_models(cfg: PipelineConfig, before_model: str, after_model: str, after_
 
 def evaluate_and_log(
     cfg: PipelineConfig, tracker: RunLogger, model, tokenizer, rows, reward_funcs, params, label: str
-) -> dict:
+) -> tuple[dict, list[bool]]:
     """:func:`evaluate_model` with the run's eval settings; logs the metrics under ``<label>/`` and the table of
-    greedy completions as eval/completions_<label>.json. Returns the metrics."""
+    greedy completions as eval/completions_<label>.json. Returns the metrics and, per row, whether the greedy
+    answer was correct."""
     e = cfg.eval
     compiled, mode, _ = compile_choice(cfg.generation.compile, model_device(model).type)
     metrics, table = evaluate_model(
@@ -312,7 +321,7 @@ def evaluate_and_log(
     )
     tracker.log_metrics({f"{label}/{k}": v for k, v in metrics.items()})
     tracker.log_table(table, f"eval/completions_{label}.json")
-    return metrics
+    return metrics, [bool(c) for c in table["correct"]]
 
 
 def save_report(report: dict, out, tracker: RunLogger) -> None:

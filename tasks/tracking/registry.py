@@ -3,12 +3,19 @@
 After export, the run's model becomes a new version of ``tracking.registered_model``: the merged weights as an
 MLflow transformers model (a LoggedModel of the export run, tasks/tracking/model_registry.py; loadable with
 ``mlflow.pyfunc.load_model("models:/NAME@champion")``), else the adapter folder of the export run's artifacts.
-The version is tagged with the run's held-out accuracy after GRPO; it takes the alias ``tracking.champion_alias`` when
+The version is tagged with the run's held-out accuracy after GRPO; it takes the alias ``tracking.champion_alias``
 
-    there is no champion yet, or accuracy(new) > accuracy(champion)
+- when there is no champion yet;
+- for a run that started from the champion (a continuous cycle: GRPO warm-started from it, so the eval stage scored
+  champion and candidate on the same held-out rows), when the paired test of tasks/tracking/promotion.py says so:
+  more rows gained than lost and an exact McNemar p < ``tracking.promotion_alpha``; the counts, both accuracies,
+  the p-value, alpha and the decision are tagged (``promotion.*``) on the version and the parent run. Should the
+  alias have moved to another version during the run, the new one is not promoted (it was not compared with it);
+- for any other run (it did not start from the champion, so the two were never measured side by side), when its
+  accuracy beats the champion's recorded ``accuracy_after`` tag (ties keep the current champion).
 
-(ties keep the current champion), and the decision and its reason are tagged on the version and the
-parent run. The registry lives in the tracking store (SQLite file or an ``mlflow server``).
+The decision and its reason are tagged on the version and the parent run (``champion_decision``). The registry
+lives in the tracking store (SQLite file or an ``mlflow server``).
 """
 
 from __future__ import annotations
@@ -20,6 +27,7 @@ from mlflow.exceptions import MlflowException
 from mlflow.tracking import MlflowClient
 
 from grpoflow.tasks.tracking.model_registry import log_merged_model
+from grpoflow.tasks.tracking.promotion import PairedComparison, paired_promotion
 
 log = logging.getLogger(__name__)
 ACCURACY_TAG = "accuracy_after"
@@ -44,6 +52,14 @@ def champion_decision(new: float | None, champion: float | None) -> tuple[bool, 
     return False, f"accuracy {new:.1%} does not beat the champion's {champion:.1%}"
 
 
+@dataclass(frozen=True)
+class Baseline:
+    """The champion a run started from (its registry version) and the paired comparison against it."""
+
+    version: str
+    comparison: PairedComparison
+
+
 def register_run_model(
     client: MlflowClient,
     name: str,
@@ -53,9 +69,11 @@ def register_run_model(
     accuracy: float | None,
     parent_run_id: str | None = None,
     model_id: str | None = None,
+    baseline: Baseline | None = None,
 ) -> Registration:
     """Register ``source`` (an artifact URI of ``run_id``) as a new version of ``name``; move ``alias`` to it
-    when ``champion_decision`` says so. Tags the version (accuracy, decision) and the parent run."""
+    when the module docstring's rule says so (``baseline``: the champion version the run started from and the
+    paired comparison with it). Tags the version (accuracy, decision, the comparison) and the parent run."""
     try:
         client.get_registered_model(name)
     except MlflowException:
@@ -67,17 +85,45 @@ def register_run_model(
         champion = float(current.tags[ACCURACY_TAG]) if ACCURACY_TAG in current.tags else None
     except MlflowException:
         current, champion = None, None
-    promoted, reason = champion_decision(accuracy, champion)
-    if current is not None and champion is None and accuracy is not None:
-        promoted, reason = True, f"the champion (version {current.version}) has no recorded accuracy"
+    if accuracy is None or current is None:
+        promoted, reason = champion_decision(accuracy, None if current is None else champion)
+    elif baseline is not None and str(current.version) != baseline.version:
+        promoted = False
+        reason = (
+            f"the champion moved to version {current.version} during this run (it started from version "
+            f"{baseline.version} and was compared with it): the champion is kept"
+        )
+    elif baseline is not None:
+        promoted, reason = baseline.comparison.promote, baseline.comparison.reason
+    else:
+        promoted, reason = champion_decision(accuracy, champion)
+        if champion is None:
+            promoted, reason = True, f"the champion (version {current.version}) has no recorded accuracy"
     if promoted:
         client.set_registered_model_alias(name, alias, version)
-    client.set_model_version_tag(name, version, "champion_decision", reason)
+    decided = {"champion_decision": reason}
+    if baseline is not None:  # the figures of the comparison, and what was done (the alias may have moved)
+        decided |= baseline.comparison.tags() | {"promotion.champion_version": baseline.version}
+        decided["promotion.decision"] = "promoted" if promoted else "kept the champion"
+    for key, value in decided.items():
+        client.set_model_version_tag(name, version, key, value)
     if parent_run_id is not None:
         client.set_tag(parent_run_id, "registered_model", f"{name}/{version}")
-        client.set_tag(parent_run_id, "champion_decision", reason)
+        for key, value in decided.items():
+            client.set_tag(parent_run_id, key, value)
     log.info("registry: %s version %s; %s", name, version, reason)
     return Registration(name, str(version), promoted, reason)
+
+
+def paired_baseline(cfg, evaluation: dict | None, champion_version: str | None) -> Baseline | None:
+    """The :class:`Baseline` of a run that started from registry version ``champion_version``, from its eval
+    summary's per-row correctness (``correct_before``: the champion, ``correct_after``: this run's model); None
+    for a run that did not start from the champion, or whose eval summary has no per-row data."""
+    if champion_version is None or not evaluation or "correct_before" not in evaluation:
+        return None
+    alpha = cfg.tracking.promotion_alpha
+    comparison = paired_promotion(evaluation["correct_before"], evaluation["correct_after"], alpha)
+    return Baseline(str(champion_version), comparison)
 
 
 def register_pipeline_model(
@@ -85,12 +131,14 @@ def register_pipeline_model(
     cfg,
     parent_run_id: str,
     export: dict | None,
-    accuracy: float | None,
+    evaluation: dict | None,
     eval_path: str | None,
+    champion_version: str | None = None,
 ) -> Registration | None:
     """The pipeline's last step: register the model the export stage wrote (``export``: its summary), with the
-    held-out ``accuracy`` after GRPO (None without an eval stage) and the first question of ``eval_path`` as the
-    merged model's input example.
+    eval stage's summary ``evaluation`` (its held-out ``accuracy_after``; None without an eval stage) and the first
+    question of ``eval_path`` as the merged model's input example. ``champion_version``: the registry version the
+    run's GRPO started from (the continuous cycle's champion): the alias then moves on the paired comparison.
 
     Nothing when registration is off, nothing was exported, or this export run is already registered
     (a resumed run whose export stage was skipped)."""
@@ -110,7 +158,11 @@ def register_pipeline_model(
         max_new = cfg.eval.max_new_tokens or cfg.grpo.max_completion_length
         logged = log_merged_model(client, export_run, export["merged_path"], name, example, max_new)
         source, model_id = logged.source, logged.model_id
-    reg = register_run_model(client, name, t.champion_alias, source, export_run, accuracy, parent_run_id, model_id)
+    accuracy = (evaluation or {}).get("accuracy_after")
+    baseline = paired_baseline(cfg, evaluation, champion_version)
+    reg = register_run_model(
+        client, name, t.champion_alias, source, export_run, accuracy, parent_run_id, model_id, baseline
+    )
     client.set_tag(parent_run_id, "registered_export_run", export_run)
     return reg
 

@@ -250,6 +250,110 @@ def wait_until_runs(env: dict, deployment_id: str, n: int, timeout: float = 120)
     raise TimeoutError(f"deployment {deployment_id}: {len(runs)} flow runs after {timeout} s, expected {n}")
 
 
+# The improving cycle (issue 44 item 4), on the offline default config's tiny model. The weak champion: SFT for
+# WEAK_SFT_STEPS steps, then one GRPO step at the warm-up's zero learning rate (so the registered model is the short
+# SFT's). Measured 2026-12-05 on the 2-core host (one run; training is deterministic on one machine and thread count,
+# another CPU gives another SFT model): champion 15% -> candidate 26% on the 100 held-out rows, 17 rows gained,
+# 6 lost, McNemar p = 0.035 (promoted, but near alpha 0.05); the zero-LR cycle 26% -> 26%, b = c = 0, p = 1. The
+# test took 4:46 (weak run 120 s, the improving cycle 108 s, the flat one 21 s). Outside the test (one `grpoflow
+# run`, GRPO on all 700 rows): 500 SFT + 150 GRPO steps 15% -> 28% (b 19, c 6, p = 0.015), a wider margin for about
+# 50 s more; 300 SFT + 60 GRPO steps 6% -> 7% (b 7, c 6, p = 1): too weak a champion for GRPO to gain on.
+DEFAULT = REPO / "configs" / "default.yaml"
+WEAK_SFT_STEPS = 500
+IMPROVING_GRPO_STEPS = 100
+
+
+def test_a_cycle_that_improves_promotes_and_one_that_does_not_keeps_the_champion(deployed, mlflow_server, tmp_path):
+    """From a weak champion (a short SFT), a landed batch and a cycle of real GRPO steps: the cycle measures the
+    champion and its candidate on the same 100 held-out rows and promotes on the paired McNemar test; a second
+    landed batch and a cycle whose GRPO cannot move the model (one step, at the warm-up's zero learning rate) finds
+    no difference and keeps the champion. Real Prefect server, process worker, events, real MLflow server."""
+    from grpoflow.tasks.config import load_config
+    from grpoflow.tasks.dataio.rows import generate_arithmetic
+
+    env = deployed
+    cfg = load_config(DEFAULT)
+    train, held_out = generate_arithmetic(cfg.data.arithmetic, cfg.run.seed)  # the default run's 700 / 100 split
+    heldout, incoming, state = tmp_path / "heldout.jsonl", tmp_path / "incoming", tmp_path / "state"
+    heldout.write_text("".join(json.dumps(r) + "\n" for r in held_out))
+    incoming.mkdir()
+    name = "grpoflow-improves"
+    common = [
+        f"run.output_dir={tmp_path / 'runs'}",
+        f"tracking.uri={mlflow_server}",
+        "tracking.experiment=improves",
+        f"tracking.registered_model={name}",
+        f"data.eval_source={heldout}",
+        "eval.pass_k=[]",  # greedy accuracy decides; no sampling
+        "export.gguf=[]",
+        "export.verify_prompts=0",
+    ]
+    client = MlflowClient(mlflow_server)
+
+    # 1. the weak champion: a short SFT, registered as the first version (no champion yet: promoted as it is)
+    t0 = time.perf_counter()
+    weak = [f"sft.max_steps={WEAK_SFT_STEPS}", "grpo.max_steps=1", "run.name=weak"]
+    run([*GRPOFLOW, "run", str(DEFAULT), *common, *weak], env, timeout=900)
+    print(f"\nweak champion ({WEAK_SFT_STEPS} SFT steps): {time.perf_counter() - t0:.0f} s")
+    weak_version = client.get_model_version_by_alias(name, "champion").version
+
+    continuous = api(env, "GET", "/deployments/name/grpo-continuous/local")
+    before = len(flow_runs(env, continuous["id"]))
+
+    def cycle(batch: str, rows: list[dict], grpo: list[str]) -> dict:
+        """Point the deployment at the folder with these GRPO settings, land ``batch``, signal it; the cycle's
+        MLflow run tags once its flow run completed."""
+        params = {
+            "config": str(DEFAULT),
+            "overrides": [*common, *grpo],
+            "source": str(incoming),
+            "state_dir": str(state),
+        }
+        run([*GRPOFLOW, "deploy", "-n", "grpo-continuous/local", "--params", json.dumps(params)], env)
+        (incoming / batch).write_text("".join(json.dumps(r) + "\n" for r in rows))
+        n = len(flow_runs(env, continuous["id"])) + 1
+        t0 = time.perf_counter()
+        run([*GRPOFLOW, "data-landed", str(incoming / batch)], env)
+        fr = wait_for(env, wait_until_runs(env, continuous["id"], n)[-1]["id"], timeout=900)
+        print(f"cycle on {batch} ({grpo}): {time.perf_counter() - t0:.0f} s")
+        assert fr["state_type"] == "COMPLETED", run_logs(env, fr["id"])[-3000:]
+        exp = client.get_experiment_by_name("improves")
+        runs = client.search_runs([exp.experiment_id], f"tags.`continuous.files` = '{batch}'")
+        assert len(runs) == 1
+        print({k: v for k, v in runs[0].data.tags.items() if k.startswith("promotion.")})
+        return runs[0].data.tags
+
+    # 2. a batch and real GRPO from the weak champion: a gain the paired test accepts
+    improving = cycle("batch1.jsonl", train[:300], [f"grpo.max_steps={IMPROVING_GRPO_STEPS}"])
+    assert improving["continuous.warm_start"] == f"models:/{name}/{weak_version}"
+    assert improving["promotion.champion_version"] == weak_version
+    b, c, p = int(improving["promotion.b"]), int(improving["promotion.c"]), float(improving["promotion.p_value"])
+    assert improving["promotion.rows"] == "100" and improving["promotion.alpha"] == "0.05"
+    assert improving["promotion.decision"] == "promoted" and b > c and p < 0.05, improving
+    gain = float(improving["promotion.accuracy_candidate"]) - float(improving["promotion.accuracy_champion"])
+    assert gain == pytest.approx((b - c) / 100)  # the accuracies are the same rows' counts
+    promoted = improving["registered_model"].split("/")[-1]
+    assert client.get_model_version_by_alias(name, "champion").version == promoted != weak_version
+    version_tags = client.get_model_version(name, promoted).tags
+    assert {k: v for k, v in version_tags.items() if k.startswith("promotion.")} == {
+        k: v for k, v in improving.items() if k.startswith("promotion.")
+    }
+    assert (
+        improving["continuous.decision"].startswith("promoted")
+        and f"{b} rows gained, {c} lost" in (improving["continuous.decision"])
+    )
+
+    # 3. another batch, and a cycle that cannot improve: the champion is kept
+    flat = cycle("batch2.jsonl", train[300:400], ["grpo.max_steps=1"])
+    assert flat["continuous.warm_start"] == f"models:/{name}/{promoted}"
+    assert flat["promotion.decision"] == "kept the champion" and float(flat["promotion.p_value"]) >= 0.05, flat
+    assert flat["continuous.decision"].startswith("kept the champion")
+    assert client.get_model_version_by_alias(name, "champion").version == promoted
+    ledger = json.loads((state / "ledger.json").read_text())["consumed"]
+    assert [e["name"] for e in ledger] == ["batch1.jsonl", "batch2.jsonl"]
+    assert len(flow_runs(env, continuous["id"])) == before + 2
+
+
 CONTINUOUS = "grpo-continuous/local"
 
 

@@ -9,7 +9,8 @@ import pytest
 from mlflow.tracking import MlflowClient
 
 from grpoflow.flows.cli import main
-from grpoflow.tasks.tracking.registry import ACCURACY_TAG, register_run_model
+from grpoflow.tasks.config import load_config
+from grpoflow.tasks.tracking.registry import ACCURACY_TAG, paired_baseline, register_run_model
 from tests.paths import MICRO
 
 
@@ -33,6 +34,48 @@ def test_champion_alias_follows_accuracy(server, tmp_path):
     assert champion.version == better.version and champion.tags[ACCURACY_TAG] == "0.500000"
     assert "does not beat" in client.get_model_version(name, worse.version).tags["champion_decision"]
     assert [v.run_id for v in client.search_model_versions(f"name='{name}'", order_by=["version_number ASC"])] == runs
+
+
+def test_a_run_from_the_champion_is_promoted_on_the_paired_comparison(server):
+    """A run that started from the champion: the paired test decides, not the champion's recorded accuracy; the
+    figures go on the version and the parent run; a champion that moved meanwhile is not replaced."""
+    client = MlflowClient(server)
+    exp = client.create_experiment("paired-registry-test")
+    runs = [client.create_run(exp).info.run_id for _ in range(4)]
+    name = "grpoflow-paired-test"
+    src = [f"{client.get_run(r).info.artifact_uri}/merged" for r in runs]
+    first = register_run_model(client, name, "champion", src[0], runs[0], 0.90)  # a high recorded figure
+    cfg = load_config(MICRO)
+    # measured side by side, the champion answers 10 of 40 rows, the candidate those and 8 more: p = 2/256
+    rows = {"correct_before": [True] * 10 + [False] * 30, "correct_after": [True] * 18 + [False] * 22}
+    ev = {"accuracy_after": 0.45, **rows}
+    better = register_run_model(
+        client, name, "champion", src[1], runs[1], 0.45, runs[1], None, paired_baseline(cfg, ev, first.version)
+    )
+    assert better.promoted and "8 rows gained, 0 lost" in better.reason  # 0.45 < 0.90 recorded: the tag is not used
+    assert client.get_model_version_by_alias(name, "champion").version == better.version
+    tags = client.get_model_version(name, better.version).tags
+    assert (tags["promotion.b"], tags["promotion.c"], tags["promotion.decision"]) == ("8", "0", "promoted")
+    assert float(tags["promotion.p_value"]) == pytest.approx(2 / 256) and tags["promotion.alpha"] == "0.05"
+    assert tags["promotion.champion_version"] == first.version
+    run_tags = client.get_run(runs[1]).data.tags
+    assert run_tags["promotion.p_value"] == tags["promotion.p_value"] and run_tags["champion_decision"] == better.reason
+    # 3 gained, 1 lost: noise; kept
+    noisy = {"correct_before": [True] + [False] * 3, "correct_after": [False] + [True] * 3}
+    kept = register_run_model(
+        client, name, "champion", src[2], runs[2], 0.75, None, None, paired_baseline(cfg, noisy, better.version)
+    )
+    assert not kept.promoted and "within the held-out noise" in kept.reason
+    assert client.get_model_version(name, kept.version).tags["promotion.decision"] == "kept the champion"
+    # started from the old champion (first), which is no longer the alias holder: not compared with it, kept
+    moved = register_run_model(
+        client, name, "champion", src[3], runs[3], 0.45, None, None, paired_baseline(cfg, ev, first.version)
+    )
+    assert not moved.promoted and f"moved to version {better.version}" in moved.reason
+    moved_tags = client.get_model_version(name, moved.version).tags
+    assert moved_tags["promotion.b"] == "8" and moved_tags["promotion.decision"] == "kept the champion"
+    assert client.get_model_version_by_alias(name, "champion").version == better.version
+    assert paired_baseline(cfg, ev, None) is None and paired_baseline(cfg, {"accuracy_after": 0.5}, "1") is None
 
 
 @pytest.mark.slow

@@ -217,6 +217,11 @@ def test_run_eval_reports_both_models_of_a_grpo_run(tmp_path):
     assert summary["report_path"] == str(out / "report.json") and summary["rows"] == report["rows"] == 4
     assert summary["accuracy_before"] == report["before"]["accuracy"]
     assert summary["accuracy_after"] == report["after"]["accuracy"]
+    # per row, both models, in the row order: what the registry's paired promotion test reads
+    for label in ("before", "after"):
+        correct = summary[f"correct_{label}"]
+        assert correct == report["correct"][label] and len(correct) == 4
+        assert sum(correct) / 4 == report[label]["accuracy"]
     assert report["accuracy_gain"] == report["after"]["accuracy"] - report["before"]["accuracy"]
     assert report["sampling"]["n"] == cfg.eval.samples_per_row and "greedy" not in report["sampling"]
     assert (out / "report.md").read_text() == report_markdown(report) and (out / "accuracy.png").is_file()
