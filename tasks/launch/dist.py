@@ -16,6 +16,7 @@ import contextlib
 import datetime
 import logging
 import os
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -88,12 +89,24 @@ class Comm:
         return y.to(x.device)
 
 
+# seconds a rank idles without the GIL after destroying its process group (process_group says why)
+SHUTDOWN_GRACE_S = 0.25
+
+
 @contextlib.contextmanager
 def process_group(backend: str = "auto", timeout_s: float = 300.0, device_type: str = "cpu") -> Iterator[Comm]:
     """The default process group of a torchrun-launched process, destroyed on exit; ``Comm()`` without torchrun.
 
     ``timeout_s`` bounds every collective: a rank that died or hangs makes the others fail after it, not wait.
-    On CUDA each process takes the GPU of its LOCAL_RANK."""
+    On CUDA each process takes the GPU of its LOCAL_RANK.
+
+    A body that ends normally meets the other ranks at a barrier, and after the group is destroyed the process
+    sleeps ``SHUTDOWN_GRACE_S`` without the GIL. A gloo worker thread that ran an all-gather of Python-made tensors
+    (``all_gather_object``) frees them after the collective has returned, and needs the GIL for it; a rank that
+    went straight on to exit could start interpreter shutdown first, which ends that waiting thread mid-C++ and
+    aborts the process ("terminate called without an active exception", SIGABRT, seen in a core dump under
+    ``ProcessGroupGloo::runLoop`` -> ``~AsyncAllgatherWork``) after all its work was done, so torchrun reported the
+    run failed. A body that raises skips both: the other ranks may be gone."""
     world = launched_world_size()
     if world == 1:
         yield Comm()
@@ -107,7 +120,10 @@ def process_group(backend: str = "auto", timeout_s: float = 300.0, device_type: 
     dist.init_process_group(name, timeout=datetime.timedelta(seconds=timeout_s))
     log.info("process group: rank %d of %d (local %d), %s, timeout %.0f s", rank, world, local_rank, name, timeout_s)
     try:
-        yield Comm(rank=rank, world=world, local_rank=local_rank, device=device)
+        comm = Comm(rank=rank, world=world, local_rank=local_rank, device=device)
+        yield comm
+        comm.barrier()
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
+    time.sleep(SHUTDOWN_GRACE_S)  # only on a normal exit: a raise leaves through the finally above
