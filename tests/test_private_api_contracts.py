@@ -569,7 +569,8 @@ def private_uses(source: str) -> set[str]:
     - a private name imported from a third-party module (``from pkg import _x``: ``_x``);
     - in a module that imports a third-party package, ``<expr>._x`` and ``getattr/setattr/hasattr(obj, "_x")``
       (``_x``), except on ``self``/``cls`` of a class with no third-party base and on names bound to standard
-      library or grpoflow imports (``os._exit``).
+      library or grpoflow imports (``os._exit``);
+    - a private method defined in a class with a third-party base (an override of the library's private).
     """
     tree = ast.parse(source)
     found: set[str] = set()
@@ -600,6 +601,8 @@ def private_uses(source: str) -> set[str]:
     for node in ast.walk(tree):
         if isinstance(node, ast.ClassDef) and any(_root_name(b) in third for b in node.bases):
             subclass_self |= {id(n) for n in ast.walk(node)}
+            # a private method defined there overrides (or may collide with) the library's
+            found |= {f.name for f in node.body if isinstance(f, ast.FunctionDef) and _is_private(f.name)}
     for node in ast.walk(tree):
         if isinstance(node, ast.Attribute) and _is_private(node.attr):
             root = _root_name(node.value)
@@ -682,8 +685,11 @@ def test_scan_finds_the_kinds_of_private_use() -> None:
         class Sub(torch.nn.Module):
             def g(self):
                 return self._parameters
+
+            def _call_impl(self):
+                pass
         """
     )
     assert private_uses(sample) == {
-        "torch._dynamo.utils", "_hidden", "_version", "_attn_implementation", "_parameters"
+        "torch._dynamo.utils", "_hidden", "_version", "_attn_implementation", "_parameters", "_call_impl"
     }  # fmt: skip
