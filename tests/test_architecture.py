@@ -170,7 +170,8 @@ def test_the_workspace_does_not_know_where_its_files_are():
 STAGE_NAMES = {"data", "sft", "grpo", "eval", "export", "base_model"}
 # the same words in another sense: a dataset split, TRL's config section, a loss_type
 NOT_STAGES = {
-    ("tasks/tracking/entities.py", "eval"),  # the eval split's MLflow dataset context
+    ("tasks/tracking/dataset_inputs.py", "eval"),  # the eval split's MLflow dataset context
+    ("tasks/dataio/sources.py", "eval"),  # the prepared eval split's origin (split_origins)
     ("tasks/tracking/run_meta.py", "grpo"),  # TRL's keys map onto the config's grpo section
     ("tasks/grpo/loss.py", "grpo"),  # grpo.loss_type "grpo"
 }

@@ -10,11 +10,12 @@ import json
 import os
 import re
 from collections.abc import Callable
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 
 import datasets
 from datasets import Dataset
 
+from grpoflow.tasks.config import DataConfig
 from grpoflow.tasks.config.storage import StorageConfig
 from grpoflow.tasks.storage import s3
 
@@ -226,3 +227,30 @@ def _head_columns(path: Path) -> tuple[set[str] | None, str]:
     if common is None:
         raise ValueError("has no rows")
     return common, f"(first {seen} rows)"
+
+
+def source_origin(source: str, split: str = "train", subset: str | None = None) -> dict[str, str] | None:
+    """Where rows of ``source`` come from, as ``datasets.load_dataset`` arguments (the fields of MLflow's
+    HuggingFaceDatasetSource): a file as ``{"path": its builder, "data_files": the file}`` (a local file made
+    absolute), a hub id as ``{"path": id, "config_name": subset, "split": split}``; None for the generated sources
+    (arithmetic, humaneval), which have no origin to reload."""
+    if source in (BUILTIN_SOURCE, HUMANEVAL_SOURCE):
+        return None
+    path = Path(source).expanduser()
+    if s3.is_s3_uri(source) or path.is_file() or looks_like_file(source):
+        suffix = PurePosixPath(source).suffix if s3.is_s3_uri(source) else path.suffix
+        files = source if s3.is_s3_uri(source) else str(path.resolve())
+        return {"path": FILE_BUILDERS.get(suffix.lower(), suffix.lstrip(".") or "file"), "data_files": files}
+    return {"path": source, "config_name": subset, "split": split}
+
+
+def split_origins(d: DataConfig) -> dict[str, dict[str, str] | None]:
+    """{prepared split: :func:`source_origin` of its rows}: train from data.source (data.split); eval from
+    data.eval_source (a file, or a split of the hub dataset) or else the held-out slice of data.source's rows."""
+    train = source_origin(d.source, d.split, d.subset)
+    if d.eval_source is None:
+        return {"train": train, "eval": train}
+    src = d.eval_source
+    if Path(src).expanduser().exists() or looks_like_file(src) or s3.is_s3_uri(src):
+        return {"train": train, "eval": source_origin(src)}
+    return {"train": train, "eval": source_origin(d.source, src, d.subset)}

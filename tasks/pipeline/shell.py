@@ -27,6 +27,7 @@ from typing import Any
 import torch
 
 from grpoflow.tasks.config import PipelineConfig
+from grpoflow.tasks.dataio.sources import split_origins
 from grpoflow.tasks.dataio.splits import split_path
 from grpoflow.tasks.pipeline.errors import StageError
 from grpoflow.tasks.pipeline.fingerprint import continue_key, extents, fingerprints, key_of
@@ -101,7 +102,7 @@ def run_stage(
             split_dirs = {}
             if folder := pipeline.splits_folder(name):  # a stage after the one preparing the splits reads them
                 split_dirs = {s: split_path(ws.root / folder, s) for s in ("train", *spec.splits)}
-            prepare_run(tracker, cfg, spec, split_dirs)
+            prepare_run(tracker, cfg, spec, split_dirs, split_origins(cfg.data) if split_dirs else None)
             with system_metrics(tracker if spec.trains else None):
                 summary = fn(cfg, ws, tracker, **inputs)
             finish_run(tracker, cfg, ws, spec, summary)

@@ -40,7 +40,7 @@ from grpoflow.tasks.pipeline.shell import run_stage
 from grpoflow.tasks.pipeline.spec import Pipeline, StageSpec
 from grpoflow.tasks.stages.common import DATA, prepared
 from grpoflow.tasks.storage.workspace import Workspace
-from grpoflow.tasks.tracking.entities import split_dataset
+from grpoflow.tasks.tracking.dataset_inputs import split_digest
 from grpoflow.tasks.tracking.run_meta import short_dataset
 from grpoflow.tasks.tracking.tracker import RunLogger
 
@@ -210,7 +210,7 @@ def _result(s: dict[str, Any]) -> str:
 def _log_digest(tracker: RunLogger, cfg: PipelineConfig, ws: Workspace, summary: dict[str, Any]) -> None:
     """The prepared train split's digest as the run's dataset_digest param (the later stages log it up front)."""
     path = split_path(prepared(ws), "train")
-    digest = split_dataset(str(path), f"{short_dataset(cfg.data.source)}-train").digest if path.is_dir() else None
+    digest = split_digest(path) if path.is_dir() else None
     tracker.log_params({"dataset_digest": digest})
 
 

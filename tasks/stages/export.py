@@ -139,6 +139,7 @@ def run_export(
         trained.save_pretrained(adapter_dir)
         tokenizer.save_pretrained(adapter_dir)
         summary["adapter_path"] = str(adapter_dir)
+        summary["base_model"] = base_model  # what the adapter applies to: the registry loads it to log the adapter
         tracker.log_artifact(adapter_dir, "adapter")
     if x.merged:
         merged_dir = out / "merged"

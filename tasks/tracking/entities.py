@@ -1,9 +1,6 @@
-"""MLflow entities of a stage run beyond params and metrics: dataset inputs, logged model outputs, system metrics.
+"""MLflow entities of a stage run beyond params and metrics: logged model outputs, system metrics (the dataset
+inputs: tasks/tracking/dataset_inputs.py).
 
-datasets        the prepared splits a stage reads, as ``mlflow.data.from_pandas`` datasets logged with
-                ``MlflowClient.log_inputs`` (by run id: ``mlflow.log_input`` would start an unrelated run when
-                no run is active): name, source (the split's folder), digest, row count (the profile), and the
-                ``mlflow.data.context`` tag (training / evaluation)
 logged model    the model a training stage wrote, as a LoggedModel of the run's experiment, linked to the run as
                 an output (``log_outputs``): the UI lists the run as a training run, also in its GenAI view. The
                 weights stay in the workspace (and, for the export stage, in the run's artifacts); the model's
@@ -22,40 +19,12 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
-import warnings
 from collections.abc import Iterator
 from typing import Any
 
 from mlflow.tracking import MlflowClient
 
 log = logging.getLogger(__name__)
-CONTEXTS = {"train": "training", "eval": "evaluation"}
-
-
-def split_dataset(path: str, name: str):
-    """The saved split at ``path`` (a ``Dataset.save_to_disk`` folder) as an MLflow PandasDataset."""
-    import datasets
-    import mlflow.data
-
-    df = datasets.load_from_disk(path).to_pandas()
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # the source resolver's notes about which source type it chose
-        return mlflow.data.from_pandas(df, source=path, name=name)
-
-
-def log_datasets(client: MlflowClient, run_id: str, splits: dict[str, Any]) -> None:
-    """Log {split: PandasDataset} as inputs of ``run_id``, each with its context tag."""
-    from mlflow.entities import DatasetInput, InputTag
-
-    inputs = [
-        DatasetInput(
-            dataset=ds._to_mlflow_entity(),
-            tags=[InputTag("mlflow.data.context", CONTEXTS.get(split, split)), InputTag("split", split)],
-        )
-        for split, ds in splits.items()
-    ]
-    if inputs:
-        client.log_inputs(run_id, datasets=inputs)
 
 
 def log_model_output(

@@ -1,8 +1,9 @@
 """The MLflow model registry: every finished run registers its model; the best one carries an alias.
 
 After export, the run's model becomes a new version of ``tracking.registered_model``: the merged weights as an
-MLflow transformers model (a LoggedModel of the export run, tasks/tracking/model_registry.py; loadable with
-``mlflow.pyfunc.load_model("models:/NAME@champion")``), else the adapter folder of the export run's artifacts.
+MLflow transformers model, or without a merged export the adapter on its base model (the transformers flavour
+with a peft adapter); either a LoggedModel of the export run (tasks/tracking/model_registry.py), loadable with
+``mlflow.pyfunc.load_model("models:/NAME@champion")``.
 The version is tagged with the run's held-out accuracy after GRPO; it takes the alias ``tracking.champion_alias``
 
 - when there is no champion yet;
@@ -26,7 +27,7 @@ from dataclasses import dataclass
 from mlflow.exceptions import MlflowException
 from mlflow.tracking import MlflowClient
 
-from grpoflow.tasks.tracking.model_registry import log_merged_model
+from grpoflow.tasks.tracking.model_registry import log_adapter_model, log_merged_model
 from grpoflow.tasks.tracking.promotion import PairedComparison, paired_promotion
 
 log = logging.getLogger(__name__)
@@ -152,12 +153,14 @@ def register_pipeline_model(
     if client.get_run(parent_run_id).data.tags.get("registered_export_run") == export_run:
         return None
     name = t.registered_model or registered_model_name(cfg.model.name)
-    source, model_id = f"{client.get_run(export_run).info.artifact_uri}/{folder}", None
-    if folder == "merged":  # an MLflow transformers model (pyfunc-loadable); an adapter stays a plain folder
-        example = (first_question(eval_path) if eval_path else None) or "What is 2 + 3?"
-        max_new = cfg.eval.max_new_tokens or cfg.grpo.max_completion_length
+    example = (first_question(eval_path) if eval_path else None) or "What is 2 + 3?"
+    max_new = cfg.eval.max_new_tokens or cfg.grpo.max_completion_length
+    if folder == "merged":
         logged = log_merged_model(client, export_run, export["merged_path"], name, example, max_new)
-        source, model_id = logged.source, logged.model_id
+    else:  # the adapter on its base: MLflow's transformers flavour with a peft adapter (model_registry.py)
+        base = export.get("base_model") or adapter_base(export["adapter_path"])
+        logged = log_adapter_model(client, export_run, export["adapter_path"], base, name, example, max_new)
+    source, model_id = logged.source, logged.model_id
     accuracy = (evaluation or {}).get("accuracy_after")
     baseline = paired_baseline(cfg, evaluation, champion_version)
     reg = register_run_model(
@@ -165,6 +168,19 @@ def register_pipeline_model(
     )
     client.set_tag(parent_run_id, "registered_export_run", export_run)
     return reg
+
+
+def adapter_base(adapter_dir: str) -> str:
+    """The base model an exported adapter applies to, as peft recorded it (adapter_config.json's
+    ``base_model_name_or_path``): for an export summary written before the summary named it."""
+    import json
+    from pathlib import Path
+
+    config = Path(adapter_dir) / "adapter_config.json"
+    base = json.loads(config.read_text()).get("base_model_name_or_path")
+    if not base:
+        raise ValueError(f"registry: {config} names no base_model_name_or_path; the adapter cannot be registered")
+    return base
 
 
 def first_question(eval_path: str) -> str | None:

@@ -20,7 +20,7 @@ import torch
 from grpoflow.tasks.config import PipelineConfig
 from grpoflow.tasks.storage.workspace import Workspace
 from grpoflow.tasks.tracking import run_meta
-from grpoflow.tasks.tracking.entities import log_datasets, split_dataset
+from grpoflow.tasks.tracking.dataset_inputs import log_datasets, split_dataset
 from grpoflow.tasks.tracking.tracker import NOTE, RunLogger
 
 log = logging.getLogger(__name__)
@@ -43,20 +43,28 @@ def device_name(spec: str) -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 
-def _splits(cfg: PipelineConfig, split_dirs: dict[str, Path]) -> dict[str, Any]:
+def _splits(cfg: PipelineConfig, split_dirs: dict[str, Path], origins: dict[str, Any]) -> dict[str, Any]:
     out = {}
     for split, path in split_dirs.items():
         if path.is_dir():
-            out[split] = split_dataset(str(path), f"{run_meta.short_dataset(cfg.data.source)}-{split}")
+            name = f"{run_meta.short_dataset(cfg.data.source)}-{split}"
+            out[split] = split_dataset(str(path), name, origins.get(split))
     return out
 
 
-def prepare_run(tracker: RunLogger, cfg: PipelineConfig, stage: StageRun, split_dirs: dict[str, Path]) -> None:
-    """Params, dataset inputs (the stage's ``splits`` among ``split_dirs``: {split: its folder}; the train split's
-    digest is a param of every stage that reads the splits) and the stage's ``before`` hook."""
+def prepare_run(
+    tracker: RunLogger,
+    cfg: PipelineConfig,
+    stage: StageRun,
+    split_dirs: dict[str, Path],
+    origins: dict[str, Any] | None = None,
+) -> None:
+    """Params, dataset inputs (the stage's ``splits`` among ``split_dirs``: {split: its folder}, with ``origins``:
+    {split: where its rows came from, dataset_inputs.split_dataset}; the train split's digest is a param of every
+    stage that reads the splits) and the stage's ``before`` hook."""
     if not tracker:
         return
-    splits = _splits(cfg, split_dirs)
+    splits = _splits(cfg, split_dirs, origins or {})
     digest = splits["train"].digest if "train" in splits else None
     tracker.log_params(run_meta.stage_params(cfg, stage, device_name(cfg.run.device), digest))
     log_datasets(tracker.client, tracker.run_id, {k: v for k, v in splits.items() if k in stage.splits})
