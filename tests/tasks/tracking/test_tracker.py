@@ -67,6 +67,17 @@ def test_an_s3_output_dir_keeps_the_sqlite_store_and_artifacts_in_its_local_mirr
     assert (mirror / "mlflow.db").is_file()
 
 
+def test_the_parent_run_lands_in_the_experiment_mlflow_experiment_name_names(tmp_path, monkeypatch):
+    """MLflow's convention: a config without tracking.experiment logs to $MLFLOW_EXPERIMENT_NAME's experiment."""
+    monkeypatch.setenv("MLFLOW_EXPERIMENT_NAME", "named-by-env")
+    cfg = _cfg(tmp_path)
+    (tmp_path / "out").mkdir()
+    parent = start_pipeline_run(cfg)
+    assert parent.end(True)
+    client = MlflowClient(tracking_uri(cfg))
+    assert client.get_experiment(client.get_run(parent.run_id).info.experiment_id).name == "named-by-env"
+
+
 def test_flatten_joins_nested_keys_with_dots():
     assert flatten({"a": {"b": 1, "c": {"d": None}}, "e": [1, 2]}) == {"a.b": 1, "a.c.d": None, "e": [1, 2]}
     assert flatten({}) == {}
