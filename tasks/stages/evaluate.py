@@ -33,6 +33,7 @@ from collections.abc import Callable
 
 import torch
 from prefect import task
+from prefect.cache_policies import NO_CACHE
 
 from grpoflow.tasks.config import PipelineConfig
 from grpoflow.tasks.dataio.splits import load_split
@@ -357,7 +358,9 @@ SPEC = StageSpec(
 )
 
 
-@task(name="evaluate")
+# no Prefect cache: the pipeline's stage keys decide what reruns (tasks/pipeline/fingerprint.py); hashing the
+# inputs (the stage table, the config) would only cost time
+@task(name="evaluate", cache_policy=NO_CACHE)
 def eval_task(
     stages: Pipeline,
     cfg: PipelineConfig,
