@@ -32,6 +32,7 @@ from prefect import flow, get_run_logger, task
 from prefect.cache_policies import NO_CACHE
 
 from grpoflow.flows.parameters import continuous_config, quiet_parameter_errors
+from grpoflow.flows.run_logs import show_grpoflow_info
 from grpoflow.tasks.config import PipelineConfig, StorageConfig
 from grpoflow.tasks.ops.datasource import DataFile, Ledger, list_source, state_location
 from grpoflow.tasks.storage.lock import workspace_lock
@@ -77,6 +78,7 @@ def grpo_continuous(
     ``data.eval_source``); ``state_dir`` (a folder or s3:// URI) holds the ledger and one workspace per cycle
     (default <run.output_dir>/continuous, or <source>/_grpoflow-continuous for an s3:// source when
     run.output_dir is local)."""
+    show_grpoflow_info()
     logger = get_run_logger()
     quiet_parameter_errors()  # a parameter problem: one line naming the deployment and parameter, no traceback
     cfg = continuous_config(config, overrides, source, state_dir)

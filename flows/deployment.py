@@ -16,6 +16,7 @@ from pathlib import Path
 
 from prefect import flow, get_run_logger
 
+from grpoflow.flows.run_logs import show_grpoflow_info
 from grpoflow.tasks.config import load_run_config
 
 
@@ -27,6 +28,7 @@ def grpo_pipeline(config: str | None = None, overrides: list[str] | None = None)
     deployment by the function name after the entry point's colon."""
     from grpoflow.flows import pipeline  # torch and friends: not when `prefect deploy` loads this module
 
+    show_grpoflow_info()
     cfg = load_run_config(config, overrides)
     workspace = Path(cfg.run.output_dir).resolve() / cfg.run.name
     get_run_logger().info("config %s + %s: workspace %s", config or "(default)", list(overrides or []), workspace)
