@@ -86,6 +86,38 @@ def test_compose_services_have_what_compose_needs(compose):
             assert (DOCKER / build["context"] / build["dockerfile"]).is_file(), f"{name}: {build} has no Dockerfile"
 
 
+def requests_gpu(svc: dict) -> bool:
+    """A compose service that asks Docker for GPUs: device reservations, the nvidia runtime or ``gpus``."""
+    devices = (((svc.get("deploy") or {}).get("resources") or {}).get("reservations") or {}).get("devices") or []
+    return bool(
+        svc.get("gpus") or svc.get("runtime") == "nvidia"
+        or any(d.get("driver") == "nvidia" or "gpu" in (d.get("capabilities") or []) for d in devices)
+    )  # fmt: skip
+
+
+def started(compose: dict, *profiles: str) -> dict[str, dict]:
+    """The services `docker compose --profile P ... up -d` starts: those in no profile or in one of ``profiles``."""
+    return {n: s for n, s in compose["services"].items() if not s.get("profiles") or set(s["profiles"]) & set(profiles)}
+
+
+@pytest.mark.parametrize("profiles", [(), ("cpu",), ("gpu",), ("gpu", "docker")])
+def test_only_the_gpu_profile_needs_a_gpu_and_each_worker_profile_brings_a_worker(compose, profiles):
+    """`up -d` with the cpu profile (or none) must work on a machine without an NVIDIA GPU: none of the services it
+    starts reserves one; the gpu profile's process worker does. Every service started waits only on services the
+    same command starts (compose refuses a dependency outside the active profiles)."""
+    services = started(compose, *profiles)
+    gpu = sorted(name for name, svc in services.items() if requests_gpu(svc))
+    if "gpu" in profiles:
+        assert "worker" in gpu, f"profile gpu: the process worker reserves no GPU ({gpu})"
+    else:
+        assert gpu == [], f"profiles {profiles or '(none)'} start services that need a GPU: {gpu}"
+    workers = [n for n, svc in services.items() if "grpoflow-process" in (svc.get("entrypoint") or [])]
+    assert workers == ({"cpu": ["worker-cpu"], "gpu": ["worker"]}.get(profiles[0]) if profiles else []), workers
+    for name, svc in services.items():
+        missing = set(svc.get("depends_on") or {}) - set(services)
+        assert not missing, f"{name} (profiles {profiles}) depends on {missing}, which that command does not start"
+
+
 def test_every_dockerfile_is_built_by_compose(built_images):
     built = {p.name for p in built_images.values()}
     assert {p.name for p in DOCKER.glob("Dockerfile*")} == built
