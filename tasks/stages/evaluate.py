@@ -320,7 +320,9 @@ def evaluate_and_log(
         compiled=compiled,
         compile_mode=mode,
     )
-    tracker.log_metrics({f"{label}/{k}": v for k, v in metrics.items()})
+    # a NaN here is a mean or spread over no rows (every row skipped, none formatted): undefined, not a diverging
+    # value, so no point (the tracker logs NaN as it is and warns)
+    tracker.log_metrics({f"{label}/{k}": None if v != v else v for k, v in metrics.items()})
     tracker.log_table(table, f"eval/completions_{label}.json")
     return metrics, [bool(c) for c in table["correct"]]
 
