@@ -22,6 +22,7 @@ import warnings
 from pathlib import Path
 
 from grpoflow.flows.embedded_server import Terminated, handle_sigterm, serving, start_server
+from grpoflow.flows.run_logs import FLOW_RUN_LOG_ENV
 from grpoflow.tasks.config import (
     ConfigError,
     PipelineConfig,
@@ -76,6 +77,8 @@ def _library_env() -> None:
     import datasets, which reads HF_DATASETS_DISABLE_PROGRESS_BARS then); a value already set wins."""
     os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
     os.environ.setdefault("PREFECT_LOGGING_LEVEL", "WARNING")
+    for key, value in FLOW_RUN_LOG_ENV.items():  # grpoflow's lines in the flow run's Prefect logs
+        os.environ.setdefault(key, value)
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     os.environ.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")
     os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")

@@ -29,8 +29,10 @@ import time
 from pathlib import Path
 
 from prefect import flow, get_run_logger, task
+from prefect.cache_policies import NO_CACHE
 
 from grpoflow.flows.parameters import continuous_config, quiet_parameter_errors
+from grpoflow.flows.run_logs import show_grpoflow_info
 from grpoflow.tasks.config import PipelineConfig, StorageConfig
 from grpoflow.tasks.ops.datasource import DataFile, Ledger, list_source, state_location
 from grpoflow.tasks.storage.lock import workspace_lock
@@ -48,13 +50,15 @@ def join_location(base: str, *parts: str) -> str:
     return join_uri(base, *parts) if is_s3_uri(base) else str(Path(base, *parts))
 
 
-@task(name="new-data-files")
+# no Prefect cache: the ledger says which files are new, the registry which model is champion; a cached
+# answer would be stale
+@task(name="new-data-files", cache_policy=NO_CACHE)
 def new_files_task(source: str, ledger_path: str, storage: StorageConfig | None = None) -> list[dict]:
     files = Ledger(ledger_path, storage).new_files(list_source(source, storage))  # storage: an s3:// endpoint
     return [f.__dict__ for f in files]
 
 
-@task(name="champion")
+@task(name="champion", cache_policy=NO_CACHE)
 def champion_task(cfg: PipelineConfig, dest: str) -> tuple[str, dict] | None:
     from grpoflow.tasks.ops.continuous import champion_model
 
@@ -74,6 +78,7 @@ def grpo_continuous(
     ``data.eval_source``); ``state_dir`` (a folder or s3:// URI) holds the ledger and one workspace per cycle
     (default <run.output_dir>/continuous, or <source>/_grpoflow-continuous for an s3:// source when
     run.output_dir is local)."""
+    show_grpoflow_info()
     logger = get_run_logger()
     quiet_parameter_errors()  # a parameter problem: one line naming the deployment and parameter, no traceback
     cfg = continuous_config(config, overrides, source, state_dir)

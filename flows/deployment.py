@@ -12,11 +12,18 @@ and one MLflow parent run (tagged with this flow run's id).
 
 from __future__ import annotations
 
-from pathlib import Path
-
 from prefect import flow, get_run_logger
 
-from grpoflow.tasks.config import load_run_config
+from grpoflow.flows.run_logs import show_grpoflow_info
+from grpoflow.tasks.config import PipelineConfig, load_run_config
+from grpoflow.tasks.storage.workspace import join_location
+
+
+def workspace_of(cfg: PipelineConfig) -> str:
+    """The run's workspace, <run.output_dir>/<run.name>, as `grpoflow run` names it: a local folder made absolute
+    (relative to the flow run's working directory: the checkout, or /app in the images), an s3:// URI kept as a
+    URI (a Path would turn it into the local folder <cwd>/s3:/bucket/..., silently)."""
+    return join_location(cfg.run.output_dir, cfg.run.name)
 
 
 @flow(name="grpo-pipeline")
@@ -27,11 +34,12 @@ def grpo_pipeline(config: str | None = None, overrides: list[str] | None = None)
     deployment by the function name after the entry point's colon."""
     from grpoflow.flows import pipeline  # torch and friends: not when `prefect deploy` loads this module
 
+    show_grpoflow_info()
     cfg = load_run_config(config, overrides)
-    workspace = Path(cfg.run.output_dir).resolve() / cfg.run.name
+    workspace = workspace_of(cfg)
     get_run_logger().info("config %s + %s: workspace %s", config or "(default)", list(overrides or []), workspace)
     # the body, not the flow object: this deployment run is the pipeline's flow run (no nested run of the same name)
-    result = pipeline.grpo_pipeline.fn(config=cfg, workspace=str(workspace))
+    result = pipeline.grpo_pipeline.fn(config=cfg, workspace=workspace)
     if "eval" in result:
         e = result["eval"]
         get_run_logger().info("accuracy %.1f%% -> %.1f%%", 100 * e["accuracy_before"], 100 * e["accuracy_after"])

@@ -9,6 +9,7 @@ is loaded, with a :class:`ConfigError` whose message names the dotted key (``grp
 from __future__ import annotations
 
 import math
+import os
 import re
 from typing import Any, Literal
 
@@ -365,13 +366,21 @@ class ExportConfig(_Section):
         return raw
 
 
+EXPERIMENT_ENV = "MLFLOW_EXPERIMENT_NAME"  # MLflow's own name for the default experiment
+
+
 class TrackingConfig(_Section):
     """The ``tracking`` section: the MLflow store the runs are logged to, and the model registry."""
 
     uri: str | None = Field(
         None, description="MLflow tracking URI; default: $MLFLOW_TRACKING_URI, else sqlite:///<output_dir>/mlflow.db"
     )
-    experiment: str = Field("grpoflow", description="MLflow experiment the pipeline's runs are logged in.")
+    experiment: str = Field(
+        "grpoflow",
+        description="MLflow experiment the pipeline's runs are logged in. Not set in the config or overrides: "
+        "$MLFLOW_EXPERIMENT_NAME when set (MLflow's convention, as HF and TRL follow it), else this default; a value "
+        "set here wins over the variable.",
+    )
     register_model: bool = Field(True, description="Register the exported model in the MLflow model registry.")
     registered_model: str | None = Field(None, description="Registered model name; default grpoflow-<model name>.")
     champion_alias: str = Field(
@@ -400,6 +409,17 @@ class TrackingConfig(_Section):
         description="Timeout of one request of the background sender to an http(s) tracking server; it makes one "
         "try per request and backs off itself (1, 2, 4 ... 30 s) while the server does not answer.",
     )
+
+    @model_validator(mode="before")
+    @classmethod
+    def _experiment_from_env(cls, raw: Any) -> Any:
+        """An experiment the config does not name comes from $MLFLOW_EXPERIMENT_NAME, the variable MLflow's fluent
+        API, HF Trainer and TRL read; an explicit ``tracking.experiment`` wins. Resolved here, once, so run.json,
+        the logged config and every process of a launch (which reads the resolved config back) agree on it."""
+        env = os.environ.get(EXPERIMENT_ENV, "").strip()
+        if env and isinstance(raw, dict) and raw.get("experiment") is None:
+            return {**raw, "experiment": env}
+        return raw
 
 
 class PipelineConfig(_Section):

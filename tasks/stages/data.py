@@ -30,6 +30,7 @@ from typing import Any
 
 from datasets import Dataset
 from prefect import task
+from prefect.cache_policies import NO_CACHE
 
 from grpoflow.tasks.config import DataConfig, PipelineConfig, StorageConfig, resolve_eval_size
 from grpoflow.tasks.dataio.rows import FEATURES, columns, detect_format, generate_arithmetic, map_rows
@@ -227,6 +228,8 @@ SPEC = StageSpec(
 )
 
 
-@task(name="prepare-data")
+# no Prefect cache: the pipeline's stage keys decide what reruns (tasks/pipeline/fingerprint.py); hashing the
+# inputs (the stage table, the config) would only cost time
+@task(name="prepare-data", cache_policy=NO_CACHE)
 def data_task(stages: Pipeline, cfg: PipelineConfig, workspace_root: str, parent_run_id: str | None = None) -> dict:
     return run_stage(stages, SPEC, _data_stage, cfg, workspace_root, parent_run_id)

@@ -33,6 +33,7 @@ from collections.abc import Callable
 
 import torch
 from prefect import task
+from prefect.cache_policies import NO_CACHE
 
 from grpoflow.tasks.config import PipelineConfig
 from grpoflow.tasks.dataio.splits import load_split
@@ -319,7 +320,9 @@ def evaluate_and_log(
         compiled=compiled,
         compile_mode=mode,
     )
-    tracker.log_metrics({f"{label}/{k}": v for k, v in metrics.items()})
+    # a NaN here is a mean or spread over no rows (every row skipped, none formatted): undefined, not a diverging
+    # value, so no point (the tracker logs NaN as it is and warns)
+    tracker.log_metrics({f"{label}/{k}": None if v != v else v for k, v in metrics.items()})
     tracker.log_table(table, f"eval/completions_{label}.json")
     return metrics, [bool(c) for c in table["correct"]]
 
@@ -357,7 +360,9 @@ SPEC = StageSpec(
 )
 
 
-@task(name="evaluate")
+# no Prefect cache: the pipeline's stage keys decide what reruns (tasks/pipeline/fingerprint.py); hashing the
+# inputs (the stage table, the config) would only cost time
+@task(name="evaluate", cache_policy=NO_CACHE)
 def eval_task(
     stages: Pipeline,
     cfg: PipelineConfig,

@@ -29,6 +29,7 @@ import time
 from pathlib import Path
 
 from prefect import task
+from prefect.cache_policies import NO_CACHE
 
 from grpoflow.tasks.config import PipelineConfig
 from grpoflow.tasks.dataio.splits import load_split
@@ -205,7 +206,9 @@ SPEC = StageSpec(
 )
 
 
-@task(name="export")
+# no Prefect cache: the pipeline's stage keys decide what reruns (tasks/pipeline/fingerprint.py); hashing the
+# inputs (the stage table, the config) would only cost time
+@task(name="export", cache_policy=NO_CACHE)
 def export_task(
     stages: Pipeline,
     cfg: PipelineConfig,

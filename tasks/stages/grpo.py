@@ -19,6 +19,7 @@ import shutil
 import time
 
 from prefect import task
+from prefect.cache_policies import NO_CACHE
 
 from grpoflow.tasks.config import PipelineConfig
 from grpoflow.tasks.grpo.distributed import full_state_dict
@@ -224,7 +225,9 @@ SPEC = StageSpec(
 )
 
 
-@task(name="grpo")
+# no Prefect cache: the pipeline's stage keys decide what reruns (tasks/pipeline/fingerprint.py); hashing the
+# inputs (the stage table, the config) would only cost time
+@task(name="grpo", cache_policy=NO_CACHE)
 def grpo_task(
     stages: Pipeline, cfg: PipelineConfig, workspace_root: str, parent_run_id: str | None, init_model: str | None
 ) -> dict:

@@ -21,6 +21,7 @@ from typing import Any
 
 import torch
 from prefect import task
+from prefect.cache_policies import NO_CACHE
 
 from grpoflow.kernels.logprobs import label_nll
 from grpoflow.tasks.config import PipelineConfig
@@ -295,6 +296,8 @@ SPEC = StageSpec(
 )
 
 
-@task(name="sft")
+# no Prefect cache: the pipeline's stage keys decide what reruns (tasks/pipeline/fingerprint.py); hashing the
+# inputs (the stage table, the config) would only cost time
+@task(name="sft", cache_policy=NO_CACHE)
 def sft_task(stages: Pipeline, cfg: PipelineConfig, workspace_root: str, parent_run_id: str | None) -> dict:
     return run_stage(stages, SPEC, run_sft, cfg, workspace_root, parent_run_id)

@@ -90,7 +90,9 @@ class Journal:
 
     def append(self, op: dict[str, Any]) -> None:
         """Write one line and flush it (the sender reads it next); fsync waits for :meth:`sync`."""
-        line = (json.dumps(op, separators=(",", ":")) + "\n").encode()
+        # allow_nan: a NaN or infinite metric is written as NaN / Infinity / -Infinity, which json.loads reads back
+        # (JSON proper has no such numbers; this file is read only by this module), so it reaches MLflow as it was
+        line = (json.dumps(op, separators=(",", ":"), allow_nan=True) + "\n").encode()
         with self._lock:
             if self._fh is None:
                 self._fh = self._open()

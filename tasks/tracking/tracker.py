@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+import math
 import os
 import shutil
 import subprocess
@@ -98,6 +99,7 @@ class RunLogger:
         self.constant: dict[str, str] = {}  # metric name (or 'prefix/') -> why it cannot move: not logged
         self._params: dict[str, str] = {}
         self.skip: dict[str, int] = {}
+        self._non_finite: set[str] = set()  # metrics already warned about a NaN or infinite value
         self.flush_timeout_s = flush_timeout_s
         self.journal = self.sender = None
         if client is not None and journal is not None:
@@ -158,9 +160,19 @@ class RunLogger:
             return
         ts, step = int(time.time() * 1000), int(step or 0)
         keep = {k: v for k, v in metrics.items() if not (self.constant and omitted(k, self.constant))}
-        items = [
-            [k, float(v), ts, step] for k, v in keep.items() if v is not None and v == v and step > self.skip.get(k, -1)
-        ]
+        # None is a value that was not measured (a reward that skipped every row): no point. NaN and +-inf are
+        # measured values (a diverging loss): logged as they are, so the chart shows where the run went wrong
+        items = [[k, float(v), ts, step] for k, v in keep.items() if v is not None and step > self.skip.get(k, -1)]
+        for k, v, _, _ in items:
+            if not math.isfinite(v) and k not in self._non_finite:
+                self._non_finite.add(k)
+                log.warning(
+                    "run %s: metric %s is %s at step %d (logged as it is; warned once per metric)",
+                    self.run_id,
+                    k,
+                    v,
+                    step,
+                )
         for i in range(0, len(items), 1000):
             self._batch(metrics=items[i : i + 1000])
         if self.journal is not None:

@@ -53,3 +53,19 @@ def test_a_first_run_on_a_new_machine_prints_no_library_noise(tmp_path):
     assert "Saving the dataset" not in res.stderr, res.stderr[-3000:]
     assert (out / ".prefect" / "memo_store.toml").is_file()
     assert not (tmp_path / "home" / ".prefect").exists()
+
+
+def test_the_cli_forwards_grpoflow_logs_to_prefect_before_prefect_reads_its_settings(monkeypatch):
+    """PREFECT_LOGGING_EXTRA_LOGGERS is read once, when Prefect sets up logging on import: the CLI sets it (a user's
+    value wins) in :func:`cli._library_env`, and importing the CLI must not import Prefect before that runs."""
+    from grpoflow.flows.run_logs import FLOW_RUN_LOG_ENV
+
+    for key in FLOW_RUN_LOG_ENV:
+        monkeypatch.delenv(key, raising=False)
+    monkeypatch.setenv("PREFECT_LOGGING_TO_API_WHEN_MISSING_FLOW", "warn")
+    cli._library_env()
+    assert cli.os.environ["PREFECT_LOGGING_EXTRA_LOGGERS"] == "grpoflow"
+    assert cli.os.environ["PREFECT_LOGGING_TO_API_WHEN_MISSING_FLOW"] == "warn"  # the user's choice stays
+    code = "import sys, grpoflow.flows.cli; print(sorted(m for m in sys.modules if m.split('.')[0] == 'prefect'))"
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=os.environ)
+    assert res.returncode == 0 and res.stdout.strip() == "[]", res.stdout + res.stderr

@@ -18,6 +18,7 @@ import httpx
 import pytest
 from mlflow.tracking import MlflowClient
 
+from grpoflow.flows.run_logs import FLOW_RUN_LOG_ENV
 from tests.paths import MICRO, REPO
 
 PREFECT = [str(Path(sys.executable).with_name("prefect"))]
@@ -63,6 +64,8 @@ def prefect_env(tmp_path_factory):
         GRPOFLOW_PROGRESS="0",
     )
     env.pop("MLFLOW_TRACKING_URI", None)
+    for key in FLOW_RUN_LOG_ENV:  # the flow runs must get these from infra/prefect.yaml, not from this process
+        env.pop(key, None)
     log = open(root / "server.log", "w")
     cmd = [*PREFECT, "server", "start", "--host", "127.0.0.1", "--port", str(port)]
     proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
@@ -136,6 +139,18 @@ def run_logs(env: dict, flow_run_id: str) -> str:
     return "\n".join(entry["message"] for entry in logs)
 
 
+def wait_for_logger_line(env: dict, flow_run_id: str, logger: str, text: str, timeout: float = 60) -> list[str]:
+    """The messages of the flow run's logs by loggers under ``logger``, once one of them contains ``text``."""
+    body = {"logs": {"flow_run_id": {"any_": [flow_run_id]}}, "sort": "TIMESTAMP_ASC", "limit": 200}
+    deadline = time.time() + timeout
+    while True:
+        lines = [e["message"] for e in api(env, "POST", "/logs/filter", body) if e["name"].startswith(logger)]
+        if any(text in line for line in lines) or time.time() > deadline:
+            assert any(text in line for line in lines), lines[-20:]
+            return lines
+        time.sleep(1)
+
+
 def wait_for_log(env: dict, flow_run_id: str, text: str, timeout: float = 60) -> str:
     """The flow run's logs once they contain ``text`` (logs reach the API after the final state: shipped in the
     background until the flow-run process exits)."""
@@ -186,6 +201,8 @@ def test_deploy_pipeline_run_and_continuous_cycle(deployed, tmp_path):
     assert parent.info.status == "FINISHED" and parent.info.run_name == "deployed"
     assert parent.data.tags["prefect_flow_run_id"] == flow_run_id
     assert {"accuracy_before", "accuracy_after"} <= set(parent.data.metrics)
+    # grpoflow's own INFO lines reach the flow run's Prefect logs (infra/prefect.yaml's job env, flows/run_logs.py)
+    wait_for_logger_line(env, flow_run_id, "grpoflow.", "stage grpo: running")
     champion = client.get_model_version_by_alias("grpoflow-tiny", "champion")
 
     # 2. continuous: point grpo-continuous/local at a folder, drop a file, emit the event

@@ -208,7 +208,10 @@ def test_readme_tells_the_build_and_stack_commands(built_images):
         cmd = f"docker build -f {rel} -t {image} {context}"
         assert cmd in readme or cmd in infra_readme or cmd in operations, f"no README gives the build command `{cmd}`"
         assert f"-t {image}" in dockerfile.read_text(), f"{rel}: header comment should show its tag {image}"
-    assert "docker compose --env-file docker/.env -f docker/compose.yaml up -d" in readme
+    for profile in ("gpu", "cpu"):  # the GPU worker's reservation fails `up` without a GPU: a profile each
+        assert f"docker compose --env-file docker/.env -f docker/compose.yaml --profile {profile} up -d" in (
+            readme + operations
+        )
     assert "cp docker/.env.example docker/.env" in readme
     assert (
         "prefect work-pool create grpoflow-k8s-gpu --type kubernetes "

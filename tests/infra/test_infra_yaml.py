@@ -17,6 +17,7 @@ import yaml
 from infra_files import DOCKER, INFRA, REPO, env_placeholders, interpolate, parse_dockerfile
 
 from grpoflow.flows.operations import POOLS  # the pools `grpoflow deploy` creates, with their templates
+from grpoflow.flows.run_logs import FLOW_RUN_LOG_ENV
 
 EXTERNAL_IMAGE = re.compile(r"^(?:[a-z0-9.-]+(?::\d+)?/)?[a-z0-9._/-]+:(?=[^:]*\d)[A-Za-z0-9._-]+$")
 WORKER_SERVICES = ("worker", "worker-cpu")
@@ -83,6 +84,38 @@ def test_compose_services_have_what_compose_needs(compose):
         if "build" in svc:
             build = svc["build"]
             assert (DOCKER / build["context"] / build["dockerfile"]).is_file(), f"{name}: {build} has no Dockerfile"
+
+
+def requests_gpu(svc: dict) -> bool:
+    """A compose service that asks Docker for GPUs: device reservations, the nvidia runtime or ``gpus``."""
+    devices = (((svc.get("deploy") or {}).get("resources") or {}).get("reservations") or {}).get("devices") or []
+    return bool(
+        svc.get("gpus") or svc.get("runtime") == "nvidia"
+        or any(d.get("driver") == "nvidia" or "gpu" in (d.get("capabilities") or []) for d in devices)
+    )  # fmt: skip
+
+
+def started(compose: dict, *profiles: str) -> dict[str, dict]:
+    """The services `docker compose --profile P ... up -d` starts: those in no profile or in one of ``profiles``."""
+    return {n: s for n, s in compose["services"].items() if not s.get("profiles") or set(s["profiles"]) & set(profiles)}
+
+
+@pytest.mark.parametrize("profiles", [(), ("cpu",), ("gpu",), ("gpu", "docker")])
+def test_only_the_gpu_profile_needs_a_gpu_and_each_worker_profile_brings_a_worker(compose, profiles):
+    """`up -d` with the cpu profile (or none) must work on a machine without an NVIDIA GPU: none of the services it
+    starts reserves one; the gpu profile's process worker does. Every service started waits only on services the
+    same command starts (compose refuses a dependency outside the active profiles)."""
+    services = started(compose, *profiles)
+    gpu = sorted(name for name, svc in services.items() if requests_gpu(svc))
+    if "gpu" in profiles:
+        assert "worker" in gpu, f"profile gpu: the process worker reserves no GPU ({gpu})"
+    else:
+        assert gpu == [], f"profiles {profiles or '(none)'} start services that need a GPU: {gpu}"
+    workers = [n for n, svc in services.items() if "grpoflow-process" in (svc.get("entrypoint") or [])]
+    assert workers == ({"cpu": ["worker-cpu"], "gpu": ["worker"]}.get(profiles[0]) if profiles else []), workers
+    for name, svc in services.items():
+        missing = set(svc.get("depends_on") or {}) - set(services)
+        assert not missing, f"{name} (profiles {profiles}) depends on {missing}, which that command does not start"
 
 
 def test_every_dockerfile_is_built_by_compose(built_images):
@@ -364,6 +397,29 @@ def test_prefect_yaml_deployments_use_pools_and_images_that_exist(templates, bui
             check_image(image, built_images, f"deployment {dep.get('name')}")
 
 
+def test_every_flow_run_starts_with_grpoflow_logs_forwarded_to_prefect(templates, compose):
+    """Prefect reads PREFECT_LOGGING_EXTRA_LOGGERS as the flow-run process starts: each deployment's flow runs get
+    it from their job variables (process pool) or their pool template's env default (Docker, Kubernetes: a
+    deployment env there would replace the MLflow and S3 endpoints), the compose workers pass theirs on."""
+    doc = yaml.safe_load((INFRA / "prefect.yaml").read_text())
+    for dep in doc["deployments"]:
+        pool = dep["work_pool"]["name"]
+        _kind, template = POOLS[pool]
+        job_env = (dep["work_pool"].get("job_variables") or {}).get("env")
+        if template:
+            assert job_env is None, f"deployment {dep['name']}: an env job variable replaces {template}'s env"
+            env = templates[template]["variables"]["properties"]["env"]["default"]
+        else:
+            env = job_env or {}
+        missing = {k: v for k, v in FLOW_RUN_LOG_ENV.items() if env.get(k) != v}
+        assert not missing, f"deployment {dep['name']} ({pool}): its flow runs lack {missing}"
+    for name in WORKER_SERVICES:
+        env = compose["services"][name]["environment"]
+        assert {k: env.get(k) for k in FLOW_RUN_LOG_ENV} == FLOW_RUN_LOG_ENV, f"compose service {name}"
+    for var in FLOW_RUN_LOG_ENV:
+        assert library_reads(var), f"Prefect no longer reads {var}"
+
+
 # ---------------------------------------------------------------- Kubeflow Trainer TrainJob (distributed.launcher)
 
 
@@ -411,6 +467,8 @@ def test_trainjob_template_is_consistent_with_infra_and_the_config(k8s_docs, tem
     # the same endpoints, image and S3 Secret as the flow-run pods of the Kubernetes work pool
     pool = templates["kubernetes-gpu.json"]["variables"]["properties"]
     for var, value in pool["env"]["default"].items():
+        if var in FLOW_RUN_LOG_ENV:  # the flow run's Prefect logging: a TrainJob pod runs torchrun, no flow
+            continue
         assert env[var].get("value") == value, f"trainjob.yaml {var} differs from kubernetes-gpu.json"
     assert pool["image"]["default"] == trainer["image"]
     assert {r["secretKeyRef"]["name"] for r in (e.get("valueFrom") for e in env.values()) if r} == {

@@ -172,3 +172,25 @@ def test_generation_compile_takes_on_and_off_as_typed(tmp_path):
     assert load_config(str(f), []).generation.compile == "on"
     with pytest.raises(ConfigError, match="generation.compile"):
         load_config(None, ["generation.compile=sometimes"])
+
+
+def test_mlflow_experiment_name_names_the_experiment_unless_the_config_does(monkeypatch):
+    """MLflow's convention (fluent API, HF Trainer, TRL): $MLFLOW_EXPERIMENT_NAME names the experiment a config
+    leaves unset; an explicit tracking.experiment, in the file or an override, wins over it."""
+    monkeypatch.delenv("MLFLOW_EXPERIMENT_NAME", raising=False)
+    assert load_config(REPO / "configs" / "default.yaml").tracking.experiment == "grpoflow"  # the built-in default
+
+    monkeypatch.setenv("MLFLOW_EXPERIMENT_NAME", "from-env")
+    assert load_config(REPO / "configs" / "default.yaml").tracking.experiment == "from-env"
+    assert config_from_dict({}).tracking.experiment == "from-env"  # no tracking section at all
+    assert config_from_dict({"tracking": {"flush_timeout_s": 5}}).tracking.experiment == "from-env"
+    overridden = load_config(REPO / "configs" / "default.yaml", ["tracking.experiment=explicit"])
+    assert overridden.tracking.experiment == "explicit"
+    assert load_config(REPO / "configs" / "smollm2-135m.yaml").tracking.experiment == "grpoflow-smollm2"  # in file
+    # the resolved name travels with the config: a launch's worker reading it back keeps it whatever its env says
+    resolved = config_from_dict({}).to_dict()
+    monkeypatch.setenv("MLFLOW_EXPERIMENT_NAME", "other")
+    assert config_from_dict(resolved).tracking.experiment == "from-env"
+
+    monkeypatch.setenv("MLFLOW_EXPERIMENT_NAME", "  ")  # blank: unset
+    assert config_from_dict({}).tracking.experiment == "grpoflow"

@@ -160,6 +160,29 @@ def test_before_and_after_report_on_a_model_taught_one_answer(taught, tmp_path):
         assert im.size[0] >= 600 and im.size[1] >= 400
 
 
+def test_an_undefined_eval_metric_is_no_point_in_mlflow(taught, tmp_path, monkeypatch):
+    """The untrained model formats no answer: its accuracy_in_format is NaN, a ratio over no rows, which is not
+    logged (the tracker logs a NaN as a diverging value); the defined metrics are."""
+    from mlflow.tracking import MlflowClient
+
+    from grpoflow.tasks.config import config_from_dict
+    from grpoflow.tasks.stages.evaluate import evaluate_and_log
+    from grpoflow.tasks.tracking.tracker import start_pipeline_run, tracking_uri
+
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    tok, before, _ = taught
+    cfg = config_from_dict({"run": {"output_dir": str(tmp_path / "out"), "name": "r"}, "eval": {"pass_k": []}})
+    (tmp_path / "out").mkdir()
+    parent = start_pipeline_run(cfg)
+    funcs = resolve_reward_funcs(["correctness", "strict_format"])
+    sampling = SamplingParams.from_grpo(GRPOConfig(temperature=0.5, max_completion_length=24))
+    metrics, _ = evaluate_and_log(cfg, parent, before, tok, rows("7", "8"), funcs, sampling, "before")
+    assert math.isnan(metrics["accuracy_in_format"])
+    assert parent.end(True)
+    logged = MlflowClient(tracking_uri(cfg)).get_run(parent.run_id).data.metrics
+    assert logged["before/accuracy"] == 0.0 and "before/accuracy_in_format" not in logged
+
+
 # ------------------------------------------------------------------------------------------ config, tables
 def test_num_samples_must_cover_the_largest_k():
     from pydantic import ValidationError

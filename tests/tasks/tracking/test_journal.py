@@ -2,6 +2,7 @@
 stopped mid-run and started again on the same port and store. Logging never waits on the server; every point
 arrives once, in order; what a server that stays down misses is sent later by ``replay``."""
 
+import math
 import time
 from pathlib import Path
 
@@ -33,6 +34,16 @@ def test_backoff_and_grouping_keep_order_within_mlflow_limits():
     assert [op["op"] for _, op in grouped] == ["batch", "status", "batch"]
     assert [len(op["m"]) for _, op in grouped if op["op"] == "batch"] == [400, 800]
     assert grouped[-1][0] == 3  # the offset after the last merged line
+
+
+def test_non_finite_metric_values_round_trip_through_the_journal(tmp_path):
+    """NaN and +-inf (a diverging loss) are written so that the sender reads back the same floats."""
+    journal = Journal(tmp_path / JOURNAL_DIR, "run-x")
+    journal.append({"op": "batch", "m": [["a", float("nan"), 0, 1], ["b", float("inf"), 0, 1], ["c", -math.inf, 0, 1]]})
+    journal.close()
+    [(_, op)] = Journal(tmp_path / JOURNAL_DIR, "run-x").pending()
+    values = [v for _, v, _, _ in op["m"]]
+    assert math.isnan(values[0]) and values[1] == math.inf and values[2] == -math.inf
 
 
 def test_sqlite_store_gets_everything_once_in_order(tmp_path):

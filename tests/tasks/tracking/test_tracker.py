@@ -6,6 +6,8 @@ logger, and omitted constant metrics. The journal's own delivery and outages: te
 from __future__ import annotations
 
 import json
+import math
+import sys
 
 import pytest
 import yaml
@@ -65,6 +67,17 @@ def test_an_s3_output_dir_keeps_the_sqlite_store_and_artifacts_in_its_local_mirr
     assert client.get_experiment(exp).artifact_location == (mirror / "mlartifacts").as_uri()
     assert experiment_id(client, cfg) == exp  # found by name, not created twice
     assert (mirror / "mlflow.db").is_file()
+
+
+def test_the_parent_run_lands_in_the_experiment_mlflow_experiment_name_names(tmp_path, monkeypatch):
+    """MLflow's convention: a config without tracking.experiment logs to $MLFLOW_EXPERIMENT_NAME's experiment."""
+    monkeypatch.setenv("MLFLOW_EXPERIMENT_NAME", "named-by-env")
+    cfg = _cfg(tmp_path)
+    (tmp_path / "out").mkdir()
+    parent = start_pipeline_run(cfg)
+    assert parent.end(True)
+    client = MlflowClient(tracking_uri(cfg))
+    assert client.get_experiment(client.get_run(parent.run_id).info.experiment_id).name == "named-by-env"
 
 
 def test_flatten_joins_nested_keys_with_dots():
@@ -161,7 +174,7 @@ def test_params_metrics_tags_and_artifacts_arrive_once_the_logger_ends(pipeline,
     single.write_text('{"step": 1}\n')
     with stage_run(cfg, parent.run_id, PIPELINE["sft"], root) as stage:
         stage.log_params({"sft": {"epochs": 2, "lr": 1e-4}})
-        stage.log_metrics({"loss": 2.0, "skipped_none": None, "skipped_nan": float("nan")}, step=1)
+        stage.log_metrics({"loss": 2.0, "skipped_none": None}, step=1)
         stage.log_metrics({"loss": 1.0}, step=2)
         stage.set_tags({"result": "ok", "dropped": None})
         stage.log_dict({"x": 1}, "summary.yaml")
@@ -173,7 +186,7 @@ def test_params_metrics_tags_and_artifacts_arrive_once_the_logger_ends(pipeline,
     run = client.get_run(stage.run_id)
     assert run.data.params == {"sft.epochs": "2", "sft.lr": "0.0001"}
     assert [(m.step, m.value) for m in client.get_metric_history(stage.run_id, "loss")] == [(1, 2.0), (2, 1.0)]
-    assert set(run.data.metrics) == {"loss"}  # None and NaN are not points
+    assert set(run.data.metrics) == {"loss"}  # None is not a point
     assert run.data.tags["result"] == "ok" and "dropped" not in run.data.tags
     paths = {a.path for a in client.list_artifacts(stage.run_id)}
     assert {"summary.yaml", "notes", "tables", "plots", "history.jsonl"} <= paths
@@ -251,3 +264,28 @@ def test_pipeline_and_stage_runs_on_a_server(mlflow_server, tmp_path):
         f"{mlflow_server.rstrip('/')}/#/experiments/{exp}/runs/{stage.run_id}?workflowType=machine_learning"
     )
     assert unsent(root) == 0
+
+
+def test_non_finite_metrics_reach_the_server_and_warn_once_per_metric(mlflow_server, tmp_path, caplog):
+    """A diverging run's NaN and infinite points are logged, through the journal and the sender's REST path, as
+    MLflow stores them (NaN as NaN, +-inf as the largest float its SQL store holds); None is still no point. The
+    first non-finite value of each metric is warned about, once."""
+    cfg = _cfg(tmp_path, tracking={"uri": mlflow_server, "experiment": "non-finite"})
+    parent = start_pipeline_run(cfg)
+    with caplog.at_level("WARNING", logger="grpoflow.tasks.tracking.tracker"):
+        parent.log_metrics({"loss": 1.0, "kl": 0.1, "skipped": None}, step=1)
+        parent.log_metrics({"loss": float("nan"), "kl": float("inf")}, step=2)
+        parent.log_metrics({"loss": float("nan"), "kl": float("-inf")}, step=3)
+        parent.log_metrics({"loss": 0.5, "kl": 0.2}, step=4)
+    assert parent.flush(60)
+    client = MlflowClient(mlflow_server)
+    loss = [(m.step, m.value) for m in client.get_metric_history(parent.run_id, "loss")]
+    assert [step for step, _ in loss] == [1, 2, 3, 4] and loss[0][1] == 1.0 and loss[3][1] == 0.5
+    assert math.isnan(loss[1][1]) and math.isnan(loss[2][1])
+    kl = {m.step: m.value for m in client.get_metric_history(parent.run_id, "kl")}
+    assert kl[2] >= sys.float_info.max and kl[3] <= -sys.float_info.max and kl[4] == 0.2
+    assert "skipped" not in client.get_run(parent.run_id).data.metrics
+    warned = [r.getMessage() for r in caplog.records if "logged as it is" in r.getMessage()]
+    assert len(warned) == 2 and any("metric loss is nan at step 2" in w for w in warned)
+    assert any("metric kl is inf at step 2" in w for w in warned)
+    assert parent.end(True)
