@@ -15,7 +15,8 @@ the same math, chosen by ``impl``:
   (LoRA): the forward keeps J = W_y - E_p[W] [N, D] (and the entropy's J_H with ``entropy_grad``) and the
   backward is dH = (g J + g_H J_H) / T, a row scale: ~4NVD FLOPs in all for logp instead of 6NVD;
 - ``"reference"``: :func:`token_logprobs_reference`, materialized logits + log_softmax (tests, benchmarks);
-- ``"auto"`` (default): chunked for CPU tensors; for CUDA tensors the faster of triton and chunked at the call's
+- ``"auto"`` (default): chunked for CPU tensors, and for any tensors when triton is not installed (it is a Linux-only
+  dependency); for CUDA tensors the faster of triton and chunked at the call's
   shape, from a table of measured shapes (kernels/auto_table.py: the table the GPU check writes when
   ``GRPOFLOW_AUTO_TABLE`` names it, else the default shipped, which picks triton everywhere until a device measured
   one). The table keys on (N, D, V, compute dtype, frozen or trainable head) and on the pass: a no-grad forward
@@ -33,6 +34,9 @@ logp and entropy are float32; gradients take their input's dtype. The GRPO confi
 """
 
 from __future__ import annotations
+
+import functools
+import importlib.util
 
 import torch
 
@@ -83,7 +87,16 @@ def token_logprobs(
         logp, ent = ChunkedDtypeTokenLogProbs.apply(h, weight, bias, y, *args)
     else:
         # Imported on first use: triton reads TRITON_INTERPRET when the kernels are defined.
-        from grpoflow.kernels.triton_logprobs import TritonTokenLogProbs
+        try:
+            from grpoflow.kernels.triton_logprobs import TritonTokenLogProbs
+        except ImportError as e:
+            if e.name is None or e.name.partition(".")[0] != "triton":
+                raise
+            raise ImportError(
+                "impl='triton' needs the triton package, which is not installed (pyproject installs it on Linux "
+                "only); use impl='chunked' or 'auto' (grpo.logprob_impl: chunked or auto)",
+                name="triton",
+            ) from e
 
         b = None if bias is None else bias.contiguous()
         args = (temperature, compute_entropy, dtype or hidden.dtype, entropy_grad)
@@ -91,16 +104,32 @@ def token_logprobs(
     return logp.reshape(shape), None if ent is None else ent.reshape(shape)
 
 
+@functools.cache
+def triton_available() -> bool:
+    """Whether the triton package can be found (without importing it: importing triton reads TRITON_INTERPRET).
+    pyproject.toml installs triton on Linux only; elsewhere ``auto`` runs the chunked path."""
+    try:
+        return importlib.util.find_spec("triton") is not None
+    except (ImportError, ValueError):
+        return False
+
+
 def auto_impl(hidden: torch.Tensor, weight: torch.Tensor, dtype: torch.dtype) -> str:
-    """What ``impl="auto"`` runs for hidden [N, D] and weight [V, D] computing in ``dtype``: chunked off CUDA;
-    on CUDA the table's choice (kernels/auto_table.py) for this shape, dtype, head (trainable when the weight
-    needs a gradient) and pass (forward + backward when autograd will differentiate the result)."""
-    if not hidden.is_cuda:
-        return "chunked"
+    """What ``impl="auto"`` runs for hidden [N, D] and weight [V, D] computing in ``dtype``: chunked off CUDA or
+    without triton; on CUDA the table's choice (kernels/auto_table.py) for this shape, dtype, head (trainable when
+    the weight needs a gradient) and pass (forward + backward when autograd will differentiate the result)."""
+    grad = torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad)
     n, d = hidden.shape
     head = "trainable" if weight.requires_grad else "frozen"
-    grad = torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad)
-    return choose(n, d, weight.shape[0], str(dtype).removeprefix("torch."), head, "fwd_bwd" if grad else "fwd")
+    return route(hidden.is_cuda, triton_available(), n, d, weight.shape[0], dtype, head, "fwd_bwd" if grad else "fwd")
+
+
+def route(cuda: bool, has_triton: bool, n: int, d: int, v: int, dtype: torch.dtype, head: str, mode: str) -> str:
+    """``auto``'s decision from plain facts (so it is testable without a GPU): "chunked" off CUDA (``cuda``
+    false) or when triton is not installed (``has_triton`` false), else the table's choice for the shape."""
+    if not cuda or not has_triton:
+        return "chunked"
+    return choose(n, d, v, str(dtype).removeprefix("torch."), head, mode)
 
 
 def label_nll(

