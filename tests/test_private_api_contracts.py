@@ -142,13 +142,15 @@ def check_mlflow_system_metrics() -> None:
 
 
 def check_mlflow_dataset_entity() -> None:
-    import pandas as pd
-    from mlflow.data.pandas_dataset import PandasDataset, from_pandas
+    import datasets
+    from mlflow.data.huggingface_dataset import HuggingFaceDataset, from_huggingface
     from mlflow.entities import Dataset
 
-    expect_attrs(PandasDataset, "_to_mlflow_entity")
-    entity = from_pandas(pd.DataFrame({"a": [1.0]}), name="contract")._to_mlflow_entity()
+    expect_attrs(HuggingFaceDataset, "_to_mlflow_entity")
+    ds = datasets.Dataset.from_dict({"a": [1.0]})
+    entity = from_huggingface(ds, source="contract", name="contract", digest="0123abcd")._to_mlflow_entity()
     assert isinstance(entity, Dataset), f"_to_mlflow_entity() returned {type(entity).__name__}, not entities.Dataset"
+    assert entity.digest == "0123abcd", f"_to_mlflow_entity() dropped the digest passed (got {entity.digest!r})"
 
 
 def check_transformers_cache_layers() -> None:
@@ -417,8 +419,8 @@ CONTRACTS = [
         check_mlflow_system_metrics, ("_shutdown_event", "_run_id", "_logging_step"),
     ),
     Contract(
-        "mlflow", "Dataset._to_mlflow_entity", ("tasks/tracking/entities.py",),
-        "PandasDataset._to_mlflow_entity() returns the mlflow.entities.Dataset that DatasetInput takes",
+        "mlflow", "Dataset._to_mlflow_entity", ("tasks/tracking/dataset_inputs.py",),
+        "HuggingFaceDataset._to_mlflow_entity() returns the mlflow.entities.Dataset that DatasetInput takes",
         check_mlflow_dataset_entity, ("_to_mlflow_entity",),
     ),
     Contract(
