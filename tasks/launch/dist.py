@@ -122,7 +122,8 @@ def process_group(backend: str = "auto", timeout_s: float = 300.0, device_type: 
     try:
         comm = Comm(rank=rank, world=world, local_rank=local_rank, device=device)
         yield comm
-        comm.barrier()
+        if dist.is_initialized():  # vLLM's teardown may have destroyed the default group already
+            comm.barrier()
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
