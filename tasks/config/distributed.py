@@ -3,7 +3,7 @@
 ``nproc_per_node: 1`` (the default) is today's single process: nothing is launched, no process group exists.
 With more, the GRPO stage runs ``torchrun --standalone --nproc_per_node=N -m grpoflow.tasks.stages.grpo_worker``
 (or, with ``nnodes > 1``, torchrun's rendezvous settings below) and every process trains its share of each
-generation round as in TRL, where the world size is ``num_processes`` (README "Distributed").
+generation round as in TRL, where the world size is ``num_processes`` (docs/distributed.md).
 
 ``launcher: trainjob`` runs the same torchrun command on ``nnodes`` Kubernetes pods instead: the stage creates a
 Kubeflow Trainer ``TrainJob`` (runtime ``torch-distributed``, which sets the PET_* variables torchrun reads) from

@@ -48,7 +48,8 @@ class RunConfig(_Section):
     torch_threads: int | None = Field(
         None,
         ge=1,
-        description="CPU threads for torch (torch.set_num_threads); None keeps torch's default. Small models on "
+        description="CPU threads for torch (torch.set_num_threads) in every stage; None keeps torch's default. "
+        "In the stage keys: another count sums in another order, so it trains other weights. Small models on "
         "a few shared cores run faster on 1: their ops are too small to split, and threads spin when cores are busy.",
     )
 
@@ -224,10 +225,12 @@ class GenerationConfig(_Section):
 
     backend: Literal["auto", "vllm", "transformers"] = Field(
         "auto",
-        description="auto: vLLM when it imports and supports the model, else transformers generate; "
-        "vllm: the co-located vLLM engine (fails if unavailable); transformers: model.generate.",
+        description="auto: vLLM when it imports and supports the model, else the transformers backend; "
+        "vllm: the co-located vLLM engine (fails if unavailable); transformers: grpoflow's own KV-cached decode "
+        "loop over the training model's forward (not model.generate), optionally a compiled static-shape step "
+        "(generation.compile).",
     )
-    batch_size: int = Field(64, ge=1, description="Sequences per transformers generate call.")
+    batch_size: int = Field(64, ge=1, description="Sequences per decoding chunk of the transformers backend.")
     merge_lora: bool = Field(
         True,
         description="transformers backend: generate with LoRA merged on the side (W + scale*B@A, one matmul per "

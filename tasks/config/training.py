@@ -66,7 +66,7 @@ ScaleRewards = Literal["group", "batch", "none"]
 
 
 class CodeRewardConfig(_Section):
-    """Limits of the ``code_tests`` reward's sandbox (README "Code reward"), per program run."""
+    """Limits of the ``code_tests`` reward's sandbox (docs/rewards.md, "Code reward"), per program run."""
 
     timeout_s: float = Field(5.0, gt=0, le=600, description="Wall-clock limit; the process group is killed.")
     cpu_s: int = Field(5, ge=1, le=600, description="RLIMIT_CPU seconds (SIGXCPU, then SIGKILL 1 s later).")
@@ -227,9 +227,10 @@ class GRPOConfig(OptimizerFields):
         "kernels.token_logprobs): triton (the Triton kernels, CUDA only), chunked (chunked torch: cuBLAS GEMMs in "
         "the compute dtype on CUDA, the float32 CPU path on CPU), auto (on CUDA the faster of the two at the call's "
         "shape, from the table of kernels/auto_table.py: the file GRPOFLOW_AUTO_TABLE names, which "
-        "benchmarks/gpu_check.py writes, else the default, triton everywhere; chunked off CUDA). "
+        "benchmarks/gpu_check.py writes, else the default, triton everywhere; chunked off CUDA, and chunked "
+        "wherever the triton package is not installed: macOS, Windows, a Linux install without it). "
         "Under autocast on CUDA both run with the autocast dtype's operands and float32 accumulation. triton on a "
-        "CPU device is refused when the GRPO trainer starts.",
+        "CPU device, or without the triton package, is refused when the GRPO trainer starts.",
     )
     use_bias_correction_kl: bool = Field(
         True, description="Multiply the KL term by the importance ratio (unbiased off-policy); used when beta > 0."

@@ -12,7 +12,7 @@ has one rule in :data:`TRL_KEYS`:
 
 A ``trl:`` key and one of our own keys that land on the same setting with different values is an error that
 names both; so are two ``trl:`` keys that disagree (e.g. ``vllm_importance_sampling_cap`` and ``..._clip_max``).
-Keys absent from the ``trl:`` section keep grpoflow's defaults (README: where they differ from TRL's).
+Keys absent from the ``trl:`` section keep grpoflow's defaults (docs/trl.md: where they differ from TRL's).
 Imports nothing from TRL: the table is plain data, and a test checks it against ``dataclasses.fields``.
 """
 
@@ -34,7 +34,7 @@ class TRLKeyWarning(UserWarning):
 @dataclass(frozen=True)
 class Rule:
     kind: str  # "maps" | "warned" | "only"
-    what: str  # the README's words: the target key, or why it is warned/refused
+    what: str  # the table's words (docs/configuration.md, `trl`): the target key, or why it is warned/refused
     apply: Callable[[Any], dict[str, Any]]  # value -> {dotted target: value}; raises ValueError to refuse
 
 
@@ -500,7 +500,7 @@ def merge_trl_section(raw: dict[str, Any]) -> tuple[dict[str, Any], dict[str, st
 
 
 def markdown_table() -> str:
-    """The README's table, one row per key (kept in sync by tests/tasks/config/test_trl_keys.py)."""
+    """docs/configuration.md's `trl` table, one row per key (kept in sync by tests/tasks/config/test_trl_keys.py)."""
     rows = ["| TRL key | here |", "|---|---|"]
     for key, rule in TRL_KEYS.items():
         rows.append(f"| `{key}` | {rule.kind}: {rule.what} |")

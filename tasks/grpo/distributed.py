@@ -1,6 +1,6 @@
 """GRPO over several processes: TRL's batch layout, the gathered round statistics, and the wrapped root module.
 
-The layout (TRL GRPOTrainer, where num_processes is the world size W; docs/grpo.md, README "Distributed"):
+The layout (TRL GRPOTrainer, where num_processes is the world size W; docs/grpo.md, docs/distributed.md):
 
     a round holds generation_batch_size = per_device_train_batch_size * W * steps_per_generation completions
     of unique_prompts = generation_batch_size / num_generations prompts, prompt-major, the same prompts in

@@ -153,7 +153,8 @@ def train_dtypes(cfg: ModelConfig, use_lora: bool) -> tuple[torch.dtype | None, 
     """(weights dtype, autocast dtype) of a model being trained; None: as configured / no autocast.
 
     LoRA: the frozen base in ``model.dtype`` (bf16 halves its memory) and the adapters in float32 (peft casts
-    them up, its autocast_adapter_dtype default): the trained weights keep full precision, no autocast.
+    them up, its autocast_adapter_dtype default): the trained weights keep full precision. Its passes' autocast
+    (bf16 over a bf16 base) is :func:`compute_dtype`'s, not this function's.
     Full fine-tuning with bfloat16: float32 master weights (AdamW's updates of bf16 weights round away) and
     the forward passes under torch.autocast to bfloat16, as transformers' Trainer does with bf16=True.
     float32: neither. (float16 is refused by the config: it needs a loss scaler.)"""

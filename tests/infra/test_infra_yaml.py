@@ -479,7 +479,7 @@ def test_trainjob_template_is_consistent_with_infra_and_the_config(k8s_docs, tem
 @pytest.mark.parametrize("n", [1, 2, 8])
 def test_kubernetes_pool_gpu_count_reaches_the_container(templates, n):
     """One node, N GPUs: `job_variables: {gpu_count: N}` puts N nvidia.com/gpu in the flow-run container's limits
-    and requests, where `distributed.nproc_per_node=N` then runs one process per GPU (README, Distributed)."""
+    and requests, where `distributed.nproc_per_node=N` then runs one process per GPU (docs/distributed.md)."""
     template = templates["kubernetes-gpu.json"]
     var = template["variables"]["properties"]["gpu_count"]
     assert var["type"] == "integer" and var["minimum"] == 1
