@@ -9,8 +9,9 @@ terminal condition into ``status.conditions``: type Complete or Failed, status "
 and message (FailedJobs: "jobset failed due to one or more job failures", AllJobsCompleted, DeadlineExceeded...).
 
 Pure, tested here: :func:`load_template`, :func:`render`, :func:`trainjob_name`, :func:`job_state`,
-:func:`failed_pods`, :func:`failure_message`, :func:`tracking_env_problem`, :func:`wait` (the poll loop over a status reader). Needs a cluster
-(not run here): :class:`KubeTrainJobs`, the ``kubernetes`` client calls (create, read, delete, pod logs).
+:func:`failed_pods`, :func:`failure_message`, :func:`tracking_env_problem`, :func:`wait` (the poll loop over a
+status reader). Needs a cluster (not run here): :class:`KubeTrainJobs`, the ``kubernetes`` client calls (create,
+read, delete, pod logs).
 """
 
 from __future__ import annotations
