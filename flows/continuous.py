@@ -36,18 +36,13 @@ from grpoflow.flows.run_logs import show_grpoflow_info
 from grpoflow.tasks.config import PipelineConfig, StorageConfig
 from grpoflow.tasks.ops.datasource import DataFile, Ledger, list_source, state_location
 from grpoflow.tasks.storage.lock import workspace_lock
-from grpoflow.tasks.storage.s3 import is_s3_uri, join_uri, local_path
-from grpoflow.tasks.storage.store import open_store
+from grpoflow.tasks.storage.s3 import is_s3_uri, local_path
+from grpoflow.tasks.storage.store import join_location, open_store
 
 # grpoflow.flows.pipeline (torch, transformers) and grpoflow.tasks.ops.continuous (mlflow) are imported where used:
 # `prefect deploy` imports this module, and a cycle with no new data should start in seconds
 
 LEDGER = "ledger.json"
-
-
-def join_location(base: str, *parts: str) -> str:
-    """``base``/``parts`` for a local folder or an s3:// URI."""
-    return join_uri(base, *parts) if is_s3_uri(base) else str(Path(base, *parts))
 
 
 # no Prefect cache: the ledger says which files are new, the registry which model is champion; a cached

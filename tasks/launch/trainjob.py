@@ -9,8 +9,9 @@ terminal condition into ``status.conditions``: type Complete or Failed, status "
 and message (FailedJobs: "jobset failed due to one or more job failures", AllJobsCompleted, DeadlineExceeded...).
 
 Pure, tested here: :func:`load_template`, :func:`render`, :func:`trainjob_name`, :func:`job_state`,
-:func:`failed_pods`, :func:`failure_message`, :func:`wait` (the poll loop over a status reader). Needs a cluster
-(not run here): :class:`KubeTrainJobs`, the ``kubernetes`` client calls (create, read, delete, pod logs).
+:func:`failed_pods`, :func:`failure_message`, :func:`tracking_env_problem`, :func:`wait` (the poll loop over a
+status reader). Needs a cluster (not run here): :class:`KubeTrainJobs`, the ``kubernetes`` client calls (create,
+read, delete, pod logs).
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from pathlib import Path
 import yaml
 
 from grpoflow.tasks.config import DistributedConfig
+from grpoflow.tasks.config.secrets import MASK, redact
 
 log = logging.getLogger(__name__)
 
@@ -88,6 +90,33 @@ def render(template: dict, d: DistributedConfig, name: str, command: list[str]) 
             if d.gpus_per_node:
                 amounts[GPU] = d.gpus_per_node
     return job
+
+
+def tracking_env_problem(template: dict, written_uri: str) -> str | None:
+    """Why the pods of ``template`` could not log to the stage's MLflow run, or None when they can.
+
+    The workers take the tracking URI from the launch spec (``written_uri``); when it carries credentials the spec
+    holds it redacted (``***`` in place of the secret) and each worker needs the real URI in its own
+    $MLFLOW_TRACKING_URI (tasks/config/secrets.py ``unredact``). The template then must set that variable in
+    ``spec.trainer.env``, from a Secret (``valueFrom``, not checkable here) or as a value whose redaction is the
+    spec's. A URI without credentials needs nothing from the pods' environment."""
+    if MASK not in written_uri:
+        return None
+    env = {e.get("name"): e for e in (template["spec"]["trainer"].get("env") or [])}
+    entry = env.get("MLFLOW_TRACKING_URI")
+    if entry is None:
+        return (
+            f"the tracking URI {written_uri} carries credentials, which the launch spec does not hold; set "
+            f"MLFLOW_TRACKING_URI in spec.trainer.env from a Secret (valueFrom.secretKeyRef) for the pods to log"
+        )
+    if "valueFrom" in entry:
+        return None
+    if redact(str(entry.get("value") or "")) != written_uri:
+        return (
+            f"spec.trainer.env sets MLFLOW_TRACKING_URI to {redact(str(entry.get('value') or ''))!r}, but the "
+            f"stage's MLflow run is on {written_uri}; the pods would not reach it (set the same URI, from a Secret)"
+        )
+    return None
 
 
 @dataclass(frozen=True)

@@ -19,11 +19,13 @@ from pathlib import Path
 from grpoflow.tasks.config import PipelineConfig
 from grpoflow.tasks.launch.torchrun import failure, rank_errors, torchrun_command
 from grpoflow.tasks.launch.trainjob import (
+    KEY,
     JobState,
     KubeTrainJobs,
     failure_message,
     load_template,
     render,
+    tracking_env_problem,
     trainjob_name,
     wait,
 )
@@ -68,6 +70,8 @@ def prepare_trainjob(cfg: PipelineConfig, ws: Workspace, tracker: RunLogger, ini
             f"distributed.launcher=trainjob: the TrainJob's pods log to MLflow through a server; the tracking URI "
             f"is {spec['tracking_uri']!r} (set tracking.uri or MLFLOW_TRACKING_URI to http://...)"
         )
+    if spec["run_id"] and (problem := tracking_env_problem(template, str(spec["tracking_uri"]))):
+        raise ValueError(f"{KEY}: {t.template!r}: {problem}")
     start = Path(spec["init_model"])
     if start.exists() and not start.resolve().is_relative_to(ws.root):
         raise ValueError(

@@ -96,11 +96,11 @@ def write_atomic(path: str | Path, data: bytes) -> Path:
     return path
 
 
-def join_location(location: str | Path, name: str) -> str:
-    """<location>/<name> for a folder or an s3:// prefix."""
+def join_location(location: str | Path, *names: str) -> str:
+    """<location>/<names...> for a folder (made absolute) or an s3:// prefix."""
     if s3.is_s3_uri(str(location)):
-        return s3.join_uri(str(location), name)
-    return str(Path(location).resolve() / name)
+        return s3.join_uri(str(location), *names)
+    return str(Path(location).resolve().joinpath(*names))
 
 
 def _join(*parts: str) -> str:

@@ -20,6 +20,7 @@ from grpoflow.tasks.launch.trainjob import (
     job_state,
     load_template,
     render,
+    tracking_env_problem,
     trainjob_name,
     wait,
 )
@@ -311,3 +312,34 @@ def test_wait_retries_a_failing_read_then_gives_up():
 
     with pytest.raises(ConnectionRefusedError):
         wait(down, 100, 1, clock=lambda: now[0], sleep=lambda s: None, max_read_errors=3)
+
+
+def test_pods_get_the_real_tracking_uri_or_the_launch_fails_first(monkeypatch):
+    """A tracking URI with credentials reaches the launch spec redacted: the template must give the pods the real
+    one (from a Secret, or the same value); a URI without credentials needs nothing from the pods' environment."""
+    doc = yaml.safe_load(TEMPLATE.read_text())  # sets MLFLOW_TRACKING_URI=http://mlflow:5000 as a value
+    assert tracking_env_problem(doc, "http://mlflow:5000") is None
+    assert tracking_env_problem(doc, "http://elsewhere:5000") is None  # the spec carries it whole
+    problem = tracking_env_problem(doc, "https://***@mlflow.example.com")
+    assert "sets MLFLOW_TRACKING_URI to 'http://mlflow:5000'" in problem and "https://***@mlflow.example.com" in problem
+    env = doc["spec"]["trainer"]["env"]
+    uri = next(e for e in env if e["name"] == "MLFLOW_TRACKING_URI")
+    uri["value"] = "https://tok@mlflow.example.com"
+    assert tracking_env_problem(doc, "https://***@mlflow.example.com") is None
+    uri.pop("value")
+    uri["valueFrom"] = {"secretKeyRef": {"name": "mlflow", "key": "uri"}}
+    assert tracking_env_problem(doc, "https://***@mlflow.example.com") is None
+    env.remove(uri)
+    assert "set MLFLOW_TRACKING_URI in spec.trainer.env from a Secret" in tracking_env_problem(
+        doc, "https://***@mlflow.example.com"
+    )
+
+
+def test_a_worker_without_the_real_uri_says_where_to_set_it(monkeypatch, tmp_path):
+    from grpoflow.tasks.launch.dist import Comm
+    from grpoflow.tasks.stages.grpo_worker import rank_tracker
+
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    spec = {"run_id": "r1", "tracking_uri": "https://***@mlflow.example.com"}
+    with pytest.raises(ValueError, match=r"needs the real URI in \$MLFLOW_TRACKING_URI"):
+        rank_tracker(None, spec, Comm(), None)
