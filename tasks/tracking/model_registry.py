@@ -10,8 +10,10 @@ the model's name; the champion alias loads with ``mlflow.pyfunc.load_model("mode
 adapter applied (a peft ``PeftModel``) goes to ``mlflow.transformers.save_model``, which saves the adapter under
 ``peft/`` and, for the base,
 
-- a hub id (``Qwen/Qwen2.5-0.5B-Instruct``): records the repo and its commit, and loads the base from the hub
-  (the registered version holds the adapter and tokenizer only);
+- a hub id (``Qwen/Qwen2.5-0.5B-Instruct``): records the repo and the commit whose weights the adapter was applied
+  to (resolved from the hub, or from the local hub cache offline), and loads the base and its tokenizer from the hub
+  at that commit (the registered version holds the adapter only; tasks/tracking/hub_base.py says why grpoflow
+  writes this reference rather than MLflow, and why the exported tokenizer must be the base's);
 - a local folder (the tiny default model, an SFT checkpoint in the workspace): saves the base weights in the
   model, copied from the checkpoint (:func:`replace_base_weights` says why MLflow's own copy is not used); MLflow
   cannot name a local base any other way that another machine could load (its ``base_model_path`` option
@@ -31,6 +33,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from mlflow.tracking import MlflowClient
+
+from grpoflow.tasks.tracking.hub_base import check_same_tokenizer, hub_commit, hub_snapshot, reference_hub_base
 
 log = logging.getLogger(__name__)
 REQUIREMENTS = ("mlflow", "transformers", "torch", "tokenizers", "safetensors")
@@ -63,10 +67,16 @@ def signature(max_new_tokens: int):
 
 
 def save_transformers_model(
-    transformers_model, path: Path, example_prompt: str, max_new_tokens: int, requirements: list[str]
+    transformers_model,
+    path: Path,
+    example_prompt: str,
+    max_new_tokens: int,
+    requirements: list[str],
+    base_model_path: Path | None = None,
 ) -> None:
     """``mlflow.transformers.save_model`` of ``transformers_model`` (a checkpoint folder, or {"model", "tokenizer"})
-    at ``path`` as a greedy text-generation model that answers with the completion only."""
+    at ``path`` as a greedy text-generation model that answers with the completion only; ``base_model_path``: a
+    PEFT model's base folder, referenced rather than saved."""
     import mlflow.transformers
 
     mlflow.transformers.save_model(
@@ -77,6 +87,7 @@ def save_transformers_model(
         signature=signature(max_new_tokens),
         input_example=[example_prompt],
         model_config={"return_full_text": False, "max_new_tokens": max_new_tokens, "do_sample": False},
+        base_model_path=None if base_model_path is None else str(base_model_path),
     )
 
 
@@ -108,15 +119,24 @@ def log_adapter_model(
 
     if not (Path(adapter_dir) / "adapter_config.json").is_file():
         raise FileNotFoundError(f"registry: no adapter_config.json in the exported adapter folder {adapter_dir}")
-    base = AutoModelForCausalLM.from_pretrained(base_model, dtype="auto")
+    local = Path(base_model).is_dir()
+    commit = None if local else hub_commit(base_model)
+    base = AutoModelForCausalLM.from_pretrained(base_model, revision=commit, dtype="auto")
     model = PeftModel.from_pretrained(base, adapter_dir).eval()
     tokenizer = AutoTokenizer.from_pretrained(adapter_dir)
+    if commit is not None:
+        check_same_tokenizer(tokenizer, base_model, commit, adapter_dir)
 
     def save(path: Path) -> None:
         reqs = pip_requirements() + pip_requirements(("peft",))
-        save_transformers_model({"model": model, "tokenizer": tokenizer}, path, example_prompt, max_new_tokens, reqs)
-        if Path(base_model).is_dir():
+        components = {"model": model, "tokenizer": tokenizer}
+        if local:
+            save_transformers_model(components, path, example_prompt, max_new_tokens, reqs)
             replace_base_weights(path, Path(base_model))
+        else:
+            snapshot = hub_snapshot(base_model, commit)
+            save_transformers_model(components, path, example_prompt, max_new_tokens, reqs, snapshot)
+            reference_hub_base(path, base_model, commit)
 
     return _log_model(client, run_id, name, save)
 

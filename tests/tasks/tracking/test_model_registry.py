@@ -1,14 +1,21 @@
 """Registered exports load from the registry (a real `mlflow server`): an adapter-only export is registered as
 MLflow's transformers flavour with its peft adapter, and ``models:/NAME/VERSION`` gives the same logits and the
 same greedy answer as the merged export of the same adapter, with the workspace (base, adapter, merged folders)
-gone."""
+gone. An adapter on a hub base (a hub cache written here, the hub offline) registers the repo and commit, no base
+weights, and loads to the base-plus-adapter's logits and answer."""
 
+import hashlib
+import os
 import shutil
+from pathlib import Path
 
+import huggingface_hub.constants
+import mlflow.artifacts
 import mlflow.pyfunc
 import mlflow.transformers
 import pytest
 import torch
+import yaml
 from mlflow.tracking import MlflowClient
 from peft import PeftModel
 from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -32,6 +39,7 @@ SETTINGS = [
     "eval.max_new_tokens=12",
     f"tracking.registered_model={NAME}",
 ]
+HUB_REPO = "grpoflow-test/tiny-base"  # the tiny base as a hub repo, in a hub cache the test writes
 PROMPT = "<|im_start|>user\nWhat is 7 + 5?<|im_end|>\n<|im_start|>assistant\n"
 
 
@@ -41,21 +49,67 @@ def logits(model, tokenizer, prompt: str) -> torch.Tensor:
         return model(input_ids=ids).logits[0].float()
 
 
+def write_hub_cache(cache: Path, repo_id: str, files: Path) -> str:
+    """The files of the folder ``files`` as the hub model ``repo_id`` in a hub cache at ``cache``, laid out as
+    huggingface_hub downloads them: blobs named by content hash, the commit's snapshot of links to them, and
+    refs/main naming the commit. Returns the commit: 40 hex digits (a hash of the files), as a git commit id is."""
+    repo = cache / ("models--" + repo_id.replace("/", "--"))
+    names = sorted(f.name for f in files.iterdir() if f.is_file())
+    commit = hashlib.sha1(b"".join(n.encode() + (files / n).read_bytes() for n in names)).hexdigest()
+    snapshot = repo / "snapshots" / commit
+    snapshot.mkdir(parents=True)
+    (repo / "blobs").mkdir()
+    for name in names:
+        data = (files / name).read_bytes()
+        blob = repo / "blobs" / hashlib.sha256(data).hexdigest()
+        blob.write_bytes(data)
+        (snapshot / name).symlink_to(os.path.relpath(blob, snapshot))
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text(commit)
+    return commit
+
+
+def offline_hub(monkeypatch, cache: Path) -> None:
+    """The hub is ``cache`` and out of reach: the environment a process started here would see, and the values
+    huggingface_hub read from it when it was imported (before this test), which its functions consult."""
+    env = {"HF_HOME": cache.parent, "HF_HUB_CACHE": cache, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
+    for var, value in env.items():
+        monkeypatch.setenv(var, str(value))
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(cache))
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
+
+
+def greedy_answer(model, tokenizer, prompt: str, max_new_tokens: int) -> str:
+    ids = tokenizer(prompt, return_tensors="pt").input_ids
+    with torch.no_grad():
+        out = model.generate(input_ids=ids, max_new_tokens=max_new_tokens, do_sample=False)
+    return tokenizer.decode(out[0, ids.shape[1] :], skip_special_tokens=True)
+
+
+def trained_adapter(cfg, base: str, out: Path) -> Path:
+    """A LoRA adapter on ``base`` with non-zero updates, as GRPO leaves them (it changes the logits), saved with the
+    tokenizer at ``out``. Seeded (peft draws lora_A from torch's global generator): the same adapter whichever
+    test ran before, one whose greedy answer on PROMPT is not whitespace alone (the tiny base is untrained: its
+    answers are noise, for most seeds newlines, which the pyfunc's strip leaves empty)."""
+    torch.manual_seed(5)
+    model = add_lora(load_causal_lm(base, cfg.model), cfg.model.lora)
+    gen = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.copy_(0.05 * torch.randn(p.shape, generator=gen))
+    model.save_pretrained(out)
+    load_tokenizer(base, cfg.model).save_pretrained(out)
+    return out
+
+
 def test_adapter_export_registers_a_model_that_loads_and_matches_the_merged_one(mlflow_server, tmp_path, monkeypatch):
     monkeypatch.setenv("MLFLOW_TRACKING_URI", mlflow_server)  # what models:/ URIs resolve against
     cfg = load_config(MICRO, SETTINGS)
     ws = Workspace(tmp_path / "ws")
     prepare_data(cfg, ws)
     base = base_model_path(cfg, ws)
-    model = add_lora(load_causal_lm(base, cfg.model), cfg.model.lora)
-    gen = torch.Generator().manual_seed(0)
-    with torch.no_grad():  # non-zero updates, as GRPO leaves: the adapter changes the logits
-        for name, p in model.named_parameters():
-            if "lora_B" in name:
-                p.copy_(0.05 * torch.randn(p.shape, generator=gen))
-    trained = tmp_path / "trained-adapter"
-    model.save_pretrained(trained)
-    load_tokenizer(base, cfg.model).save_pretrained(trained)
+    trained = trained_adapter(cfg, base, tmp_path / "trained-adapter")
     ex = run_export(cfg, ws, RunLogger.disabled(), base, str(trained), True)
     assert ex["base_model"] == base and "adapter_path" in ex and "merged_path" in ex
 
@@ -94,3 +148,66 @@ def test_an_adapter_folder_without_its_config_is_refused_by_name(mlflow_server, 
     run = client.create_run(client.create_experiment("adapter-refused")).info.run_id
     with pytest.raises(FileNotFoundError, match=f"adapter_config.json in the exported adapter folder {tmp_path}"):
         log_adapter_model(client, run, str(tmp_path), "missing-base", NAME, "q", 4)
+
+
+def test_an_adapter_on_a_hub_base_registers_the_repo_and_commit_and_loads_offline(mlflow_server, tmp_path, monkeypatch):
+    """The hub-id path with no hub: the tiny base is written into a hub cache as ``HUB_REPO`` and the hub is
+    offline. The registered model names the repo and the cache's commit, holds no base weights, and loads (base and
+    tokenizer from the cache) to the logits and greedy answer of the base with the adapter applied by peft."""
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", mlflow_server)
+    name = f"{NAME}-hub"
+    cfg = load_config(MICRO, [*SETTINGS, f"tracking.registered_model={name}"])
+    ws = Workspace(tmp_path / "ws")
+    prepare_data(cfg, ws)
+    base = base_model_path(cfg, ws)
+    adapter = trained_adapter(cfg, base, tmp_path / "trained-adapter")
+    cache = tmp_path / "hf" / "hub"
+    commit = write_hub_cache(cache, HUB_REPO, Path(base))
+    offline_hub(monkeypatch, cache)
+
+    tokenizer = AutoTokenizer.from_pretrained(HUB_REPO)
+    hub_base = AutoModelForCausalLM.from_pretrained(HUB_REPO)
+    base_logits = logits(hub_base, tokenizer, PROMPT)
+    direct = PeftModel.from_pretrained(hub_base, adapter).eval()
+    direct_logits = logits(direct, tokenizer, PROMPT)
+    assert (direct_logits - base_logits).abs().max() > 1e-2  # the adapter is not a no-op
+    direct_answer = greedy_answer(direct, tokenizer, PROMPT, cfg.eval.max_new_tokens)
+
+    client = MlflowClient(mlflow_server)
+    exp = client.create_experiment("adapter-hub-registry-test")
+    parent, run = (client.create_run(exp).info.run_id for _ in range(2))
+    export = {"adapter_path": str(adapter), "base_model": HUB_REPO, "mlflow_run_id": run}
+    grown = Path(shutil.copytree(adapter, tmp_path / "adapter-with-a-new-token"))
+    grown_tokenizer = AutoTokenizer.from_pretrained(grown)
+    grown_tokenizer.add_tokens(["<tool>"])
+    grown_tokenizer.save_pretrained(grown)
+    with pytest.raises(ValueError, match=f"tokenizer in {grown} has a vocabulary other than {HUB_REPO}@{commit}"):
+        log_adapter_model(client, run, str(grown), HUB_REPO, name, PROMPT, 4)  # it would load the hub's tokenizer
+    reg = register_pipeline_model(client, cfg, parent, export, None, None)
+    shutil.rmtree(tmp_path / "ws")  # the base folder the cache was written from: only the hub cache holds it now
+    shutil.rmtree(adapter)
+
+    uri = f"models:/{name}/{reg.version}"
+    saved = Path(mlflow.artifacts.download_artifacts(uri, dst_path=str(tmp_path / "registered")))
+    flavour = yaml.safe_load((saved / "MLmodel").read_text())["flavors"]["transformers"]
+    assert (flavour["source_model_name"], flavour["source_model_revision"]) == (HUB_REPO, commit)
+    assert (flavour["tokenizer_name"], flavour["tokenizer_revision"]) == (HUB_REPO, commit)
+    assert "model_binary" not in flavour and "local_base_model_path" not in flavour
+    files = sorted(str(f.relative_to(saved)) for f in saved.rglob("*") if f.is_file())
+    assert [f for f in files if f.endswith(".safetensors")] == ["peft/adapter_model.safetensors"], files
+    assert not (saved / "model").exists()  # no base weights: the base is the hub's, at the commit
+
+    components = mlflow.transformers.load_model(uri, return_type="components")
+    assert isinstance(components["model"], PeftModel)
+    torch.testing.assert_close(logits(components["model"], components["tokenizer"], PROMPT), direct_logits)
+    answer = mlflow.pyfunc.load_model(uri).predict([PROMPT])
+    assert direct_answer.strip() and answer == [direct_answer.strip()]  # mlflow strips the pipeline's answer
+
+
+def test_a_hub_base_neither_reachable_nor_cached_is_refused_by_name(mlflow_server, tmp_path, monkeypatch):
+    offline_hub(monkeypatch, tmp_path / "hf" / "hub")
+    client = MlflowClient(mlflow_server)
+    run = client.create_run(client.create_experiment("adapter-hub-refused")).info.run_id
+    (tmp_path / "adapter_config.json").write_text("{}")
+    with pytest.raises(FileNotFoundError, match="base model grpoflow-test/not-cached is neither a local folder"):
+        log_adapter_model(client, run, str(tmp_path), "grpoflow-test/not-cached", NAME, "q", 4)
