@@ -50,7 +50,8 @@ class RunConfig(_Section):
         ge=1,
         description="CPU threads for torch (torch.set_num_threads) in every stage; None keeps torch's default. "
         "In the stage keys: another count sums in another order, so it trains other weights. Small models on "
-        "a few shared cores run faster on 1: their ops are too small to split, and threads spin when cores are busy.",
+        "a few shared cores can run faster on 1: their ops are too small to split, and threads spin when cores "
+        "are busy.",
     )
 
     @field_validator("name")
@@ -76,7 +77,8 @@ class ArithmeticConfig(_Section):
     non_negative_subtraction: bool = Field(
         False,
         description="Only subtraction questions whose answer is not negative (a >= b). SmolLM2-135M after SFT gets "
-        "a - b with a < b right in 3% of its samples (pass@8 0.19): too rare a reward for GRPO to learn from quickly.",
+        'a - b with a < b right in 3% of its samples (pass@8 0.19; benchmarks/RESULTS.md, "Learning on the real '
+        'model", 2026-12-03 18:15): too rare a reward for GRPO to learn from quickly.',
     )
     reasoning: Literal["direct", "steps", "mixed"] = Field(
         "direct",
@@ -246,8 +248,9 @@ class GenerationConfig(_Section):
         "auto",
         description="transformers backend: decode with a torch.compile'd static-shape step "
         "(tasks/generation/static_decode.py; on CUDA with CUDA graphs). auto: on for CUDA, off on CPU, where "
-        "compiling (5-50 s per sampling setting and shape bucket) costs more than it saves in a default run "
-        "(docs/generation.md). Keyed: compiled kernels sum in another order, so log-probs differ in the last bits.",
+        "compiling (3-39 s a graph on the 2-core CPU host of benchmarks/RESULTS.md, cached to cold) costs more "
+        "than it saves in a default run (docs/generation.md). Keyed: compiled kernels sum in another order, so "
+        "log-probs differ in the last bits.",
     )
 
     @field_validator("compile", mode="before")
