@@ -1,5 +1,6 @@
 """Readers for the container and infrastructure checks (tests/infra): Dockerfile parsing, compose-style env
-interpolation, and the repo's paths (the work pools are flows/operations.py's POOLS). Everything here reads files."""
+interpolation, the services a compose profile starts and which of them reserve a GPU, and the repo's paths (the
+work pools are flows/operations.py's POOLS). Everything here reads files or parsed dicts; nothing runs Docker."""
 
 from __future__ import annotations
 
@@ -76,3 +77,17 @@ def interpolate(value: str, env: dict[str, str]) -> str:
         return rest[2:] if rest.startswith(":-") else ""
 
     return re.sub(r"(?<!\$)\$\{([A-Za-z_][A-Za-z0-9_]*)([^}]*)\}", sub, value).replace("$$", "$")
+
+
+def requests_gpu(svc: dict) -> bool:
+    """A compose service that asks Docker for GPUs: device reservations, the nvidia runtime or ``gpus``."""
+    devices = (((svc.get("deploy") or {}).get("resources") or {}).get("reservations") or {}).get("devices") or []
+    return bool(
+        svc.get("gpus") or svc.get("runtime") == "nvidia"
+        or any(d.get("driver") == "nvidia" or "gpu" in (d.get("capabilities") or []) for d in devices)
+    )  # fmt: skip
+
+
+def started(compose: dict, *profiles: str) -> dict[str, dict]:
+    """The services `docker compose --profile P ... up -d` starts: those in no profile or in one of ``profiles``."""
+    return {n: s for n, s in compose["services"].items() if not s.get("profiles") or set(s["profiles"]) & set(profiles)}

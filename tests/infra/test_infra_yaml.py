@@ -14,7 +14,16 @@ from urllib.parse import urlparse
 
 import pytest
 import yaml
-from infra_files import DOCKER, INFRA, REPO, env_placeholders, interpolate, parse_dockerfile
+from infra_files import (
+    DOCKER,
+    INFRA,
+    REPO,
+    env_placeholders,
+    interpolate,
+    parse_dockerfile,
+    requests_gpu,
+    started,
+)
 
 from grpoflow.flows.operations import POOLS  # the pools `grpoflow deploy` creates, with their templates
 from grpoflow.flows.run_logs import FLOW_RUN_LOG_ENV
@@ -84,20 +93,6 @@ def test_compose_services_have_what_compose_needs(compose):
         if "build" in svc:
             build = svc["build"]
             assert (DOCKER / build["context"] / build["dockerfile"]).is_file(), f"{name}: {build} has no Dockerfile"
-
-
-def requests_gpu(svc: dict) -> bool:
-    """A compose service that asks Docker for GPUs: device reservations, the nvidia runtime or ``gpus``."""
-    devices = (((svc.get("deploy") or {}).get("resources") or {}).get("reservations") or {}).get("devices") or []
-    return bool(
-        svc.get("gpus") or svc.get("runtime") == "nvidia"
-        or any(d.get("driver") == "nvidia" or "gpu" in (d.get("capabilities") or []) for d in devices)
-    )  # fmt: skip
-
-
-def started(compose: dict, *profiles: str) -> dict[str, dict]:
-    """The services `docker compose --profile P ... up -d` starts: those in no profile or in one of ``profiles``."""
-    return {n: s for n, s in compose["services"].items() if not s.get("profiles") or set(s["profiles"]) & set(profiles)}
 
 
 @pytest.mark.parametrize("profiles", [(), ("cpu",), ("gpu",), ("gpu", "docker")])
