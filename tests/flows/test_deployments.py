@@ -113,9 +113,15 @@ def deployed(prefect_env, tmp_path_factory):
 
 
 def api(env: dict, method: str, path: str, body: dict | None = None):
-    r = httpx.request(method, env["PREFECT_API_URL"] + path, json=body, timeout=30)
+    """One Prefect API call, retried on 429/502/503 as Prefect's own client does (its server answers 503 while its
+    SQLite database is busy, seen under a loaded machine); the JSON body of the answer, None when it has none."""
+    for attempt in range(6):
+        r = httpx.request(method, env["PREFECT_API_URL"] + path, json=body, timeout=30)
+        if r.status_code not in (429, 502, 503) or attempt == 5:
+            break
+        time.sleep(0.5 * 2**attempt)
     r.raise_for_status()
-    return r.json()
+    return r.json() if r.content else None
 
 
 def wait_for(env: dict, flow_run_id: str, timeout: float = 600) -> dict:
@@ -405,7 +411,7 @@ def test_a_redeploy_keeps_the_parameters_unless_reset(prefect_env, tmp_path):
     # parameters changed through the API (as the UI does), then a plain redeploy of everything
     dep = api(env, "GET", f"/deployments/name/{CONTINUOUS}")
     edited = {**params, "overrides": ["data.eval_source=/data/heldout.jsonl", "grpo.max_steps=5"]}
-    httpx.patch(f"{env['PREFECT_API_URL']}/deployments/{dep['id']}", json={"parameters": edited}).raise_for_status()
+    api(env, "PATCH", f"/deployments/{dep['id']}", {"parameters": edited})
     out = run([*GRPOFLOW, "deploy"], env)
     after = api(env, "GET", f"/deployments/name/{CONTINUOUS}")
     assert after["parameters"] == edited and after["id"] == dep["id"]
