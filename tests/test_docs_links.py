@@ -12,6 +12,7 @@ found where it is cited, not by a reader following the link.
 
 from __future__ import annotations
 
+import functools
 import re
 import subprocess
 from collections import Counter
@@ -39,10 +40,11 @@ def shown(path: Path) -> str:
     return path.relative_to(REPO).as_posix() if path.is_relative_to(REPO) else str(path)
 
 
-def markdown_files() -> list[Path]:
-    """The tracked Markdown files, tests/ aside."""
+@functools.cache
+def markdown_files() -> tuple[Path, ...]:
+    """The tracked Markdown files, tests/ aside (listed once: every bare-name mention looks them up)."""
     out = subprocess.run(["git", "ls-files", "*.md"], cwd=REPO, capture_output=True, text=True, check=True)
-    return [REPO / name for name in out.stdout.split() if not name.startswith("tests/")]
+    return tuple(REPO / name for name in out.stdout.split() if not name.startswith("tests/"))
 
 
 def prose_lines(path: Path) -> list[tuple[int, str]]:
@@ -67,15 +69,17 @@ def slug(heading: str) -> str:
     return text.replace(" ", "-")
 
 
-def heading_texts(path: Path) -> list[str]:
-    """A Markdown file's ATX headings' texts, in order, outside fenced code."""
+@functools.cache
+def heading_texts(path: Path) -> tuple[str, ...]:
+    """A Markdown file's ATX headings' texts, in order, outside fenced code (read once per file: every link into
+    it asks)."""
     texts, fenced = [], False
     for line in path.read_text(encoding="utf-8").splitlines():
         if FENCE.match(line):
             fenced = not fenced
         elif not fenced and (m := ATX_HEADING.match(line)):
             texts.append(m.group(2))
-    return texts
+    return tuple(texts)
 
 
 def anchors(path: Path) -> set[str]:

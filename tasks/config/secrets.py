@@ -51,6 +51,19 @@ def unredact(written: str | None, *candidates: str | None, env: str = "MLFLOW_TR
     return written
 
 
+def real_uri(written: str, *candidates: str | None, who: str, also: str = "") -> str:
+    """:func:`unredact` of ``written`` for a caller that must connect: a ValueError naming ``who`` and where the real
+    URI goes (``$MLFLOW_TRACKING_URI``, then ``also``) when no candidate holds it, instead of a connection attempt
+    to a URI with ``***`` in it."""
+    uri = unredact(written, *candidates)
+    if MASK in uri:
+        raise ValueError(
+            f"{written}: its credentials were redacted where it was written; {who} needs the real URI in "
+            f"$MLFLOW_TRACKING_URI{also}"
+        )
+    return uri
+
+
 def without_userinfo(uri: str) -> str:
     """``uri`` without its ``user[:password]@`` (urllib would take it for part of the host name); for a probe that
     needs no login: any HTTP answer, 401 included, tells that the server is there."""

@@ -111,9 +111,10 @@ def tracking_env_problem(template: dict, written_uri: str) -> str | None:
         )
     if "valueFrom" in entry:
         return None
-    if redact(str(entry.get("value") or "")) != written_uri:
+    value = redact(str(entry.get("value") or ""))
+    if value != written_uri:
         return (
-            f"spec.trainer.env sets MLFLOW_TRACKING_URI to {redact(str(entry.get('value') or ''))!r}, but the "
+            f"spec.trainer.env sets MLFLOW_TRACKING_URI to {value!r}, but the "
             f"stage's MLflow run is on {written_uri}; the pods would not reach it (set the same URI, from a Secret)"
         )
     return None

@@ -21,7 +21,7 @@ from typing import Any
 
 from mlflow.tracking import MlflowClient
 
-from grpoflow.tasks.config.secrets import unredact
+from grpoflow.tasks.config.secrets import real_uri
 from grpoflow.tasks.config.storage import StorageConfig
 from grpoflow.tasks.storage.s3 import is_s3_uri
 from grpoflow.tasks.storage.store import open_store
@@ -37,7 +37,8 @@ def resolve_run(ref: str, tracking_uri: str | None, storage: StorageConfig | Non
         if text is None:
             raise ValueError(f"{ref}: no run.json; not a run workspace (<output_dir>/<run name>)")
         data = json.loads(text)
-        return unredact(data["tracking_uri"], tracking_uri), data["mlflow_run_id"]
+        uri = real_uri(data["tracking_uri"], tracking_uri, who="grpoflow compare", also=" or --tracking-uri")
+        return uri, data["mlflow_run_id"]
     if ref.startswith((".", "~")) or "/" in ref or "\\" in ref:  # a path, never a run id: it does not exist
         raise ValueError(f"{ref}: no such run workspace folder (looked at {path.expanduser().absolute()})")
     if tracking_uri is None:

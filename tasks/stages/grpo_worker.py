@@ -27,7 +27,7 @@ from pathlib import Path
 import torch
 
 from grpoflow.tasks.config import config_from_json
-from grpoflow.tasks.config.secrets import MASK, unredact
+from grpoflow.tasks.config.secrets import real_uri
 from grpoflow.tasks.launch.dist import launched_world_size, process_group
 from grpoflow.tasks.launch.torchrun import write_rank_error
 from grpoflow.tasks.model.device import resolve_device
@@ -143,13 +143,8 @@ def rank_tracker(cfg, spec: dict, comm, ws: Workspace) -> RunLogger:
     if comm.is_main and spec["run_id"]:
         from mlflow.tracking import MlflowClient
 
-        uri = unredact(spec["tracking_uri"])
-        if MASK in uri:  # the launcher had credentials in its URI; this process's environment lacks the real one
-            raise ValueError(
-                f"the stage's MLflow run is on {uri} (credentials redacted in the launch spec); this process needs "
-                f"the real URI in $MLFLOW_TRACKING_URI (for a TrainJob: spec.trainer.env of its template)"
-            )
-        client = MlflowClient(uri)
+        also = " (for a TrainJob: spec.trainer.env of its template)"
+        client = MlflowClient(real_uri(spec["tracking_uri"], who="this GRPO process", also=also))
         return logger_for(cfg, client, spec["run_id"], ws.root, f"{spec['run_id']}.rank0")
     return RunLogger.disabled()
 

@@ -11,6 +11,8 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[2]
 DOCKER = REPO / "docker"
 INFRA = REPO / "infra"
+# the `--profile` sets the READMEs give: none, the CPU worker, the GPU worker, the GPU worker with the Docker pool
+COMPOSE_PROFILES = [(), ("cpu",), ("gpu",), ("gpu", "docker")]
 
 
 @dataclass(frozen=True)

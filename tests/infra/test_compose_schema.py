@@ -21,7 +21,7 @@ from importlib.util import find_spec
 
 import pytest
 import yaml
-from infra_files import DOCKER, REPO, requests_gpu, started
+from infra_files import COMPOSE_PROFILES, DOCKER, REPO, requests_gpu, started
 from jsonschema.exceptions import ValidationError
 from jsonschema.protocols import Validator
 from jsonschema.validators import validator_for
@@ -29,7 +29,6 @@ from jsonschema.validators import validator_for
 FIXTURES = REPO / "tests" / "fixtures"
 SCHEMA = FIXTURES / "compose-spec.schema.json"
 SCHEMA_LICENSE = FIXTURES / "COMPOSE-SPEC-LICENSE"
-PROFILES = [(), ("cpu",), ("gpu",), ("gpu", "docker")]
 
 
 @pytest.fixture(scope="module")
@@ -67,11 +66,12 @@ def schema_errors(validator: Validator, doc: dict) -> list[str]:
 def test_the_vendored_schema_is_the_one_its_license_file_names(schema):
     """The schema file is the Compose Specification's, unedited: its sha256 is the digest the license file records
     for the upstream copy (a local edit to loosen the schema fails here)."""
-    recorded = re.search(r"sha256 ([0-9a-f]{64})", SCHEMA_LICENSE.read_text())
+    license_text = SCHEMA_LICENSE.read_text()
+    recorded = re.search(r"sha256 ([0-9a-f]{64})", license_text)
     assert recorded, f"{SCHEMA_LICENSE}: no sha256 of the vendored schema"
     assert hashlib.sha256(SCHEMA.read_bytes()).hexdigest() == recorded.group(1), f"{SCHEMA} differs from upstream"
     assert schema["title"] == "Compose Specification"
-    assert "Apache License" in SCHEMA_LICENSE.read_text() and "Version 2.0" in SCHEMA_LICENSE.read_text()
+    assert "Apache License" in license_text and "Version 2.0" in license_text
 
 
 def test_compose_file_is_valid_under_the_compose_spec(compose, validator):
@@ -138,7 +138,7 @@ needs_podman_compose = pytest.mark.skipif(
 
 
 @needs_podman_compose
-@pytest.mark.parametrize("profiles", PROFILES)
+@pytest.mark.parametrize("profiles", COMPOSE_PROFILES)
 def test_podman_compose_resolves_each_profile_as_the_tests_assume(compose, validator, profiles):
     """podman-compose keeps the services ``started`` predicts for the profiles; of those, only the gpu profile's
     process worker reserves a GPU (so `--profile cpu up -d` works on a machine without one); and the resolved file

@@ -15,6 +15,7 @@ from urllib.parse import urlparse
 import pytest
 import yaml
 from infra_files import (
+    COMPOSE_PROFILES,
     DOCKER,
     INFRA,
     REPO,
@@ -95,7 +96,7 @@ def test_compose_services_have_what_compose_needs(compose):
             assert (DOCKER / build["context"] / build["dockerfile"]).is_file(), f"{name}: {build} has no Dockerfile"
 
 
-@pytest.mark.parametrize("profiles", [(), ("cpu",), ("gpu",), ("gpu", "docker")])
+@pytest.mark.parametrize("profiles", COMPOSE_PROFILES)
 def test_only_the_gpu_profile_needs_a_gpu_and_each_worker_profile_brings_a_worker(compose, profiles):
     """`up -d` with the cpu profile (or none) must work on a machine without an NVIDIA GPU: none of the services it
     starts reserves one; the gpu profile's process worker does. Every service started waits only on services the

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from grpoflow.tasks.config import ConfigError, config_from_dict
-from grpoflow.tasks.config.secrets import redact, unredact, uri_credentials, without_userinfo
+from grpoflow.tasks.config.secrets import real_uri, redact, unredact, uri_credentials, without_userinfo
 
 
 @pytest.mark.parametrize(
@@ -46,3 +46,14 @@ def test_the_config_refuses_any_credential_in_a_uri_without_echoing_it(uri):
     with pytest.raises(ConfigError, match=r"tracking.uri: holds .* in the URI") as info:
         config_from_dict({"tracking": {"uri": uri}})
     assert "sekrit" not in str(info.value) and "***" in str(info.value)
+
+
+def test_real_uri_refuses_a_still_redacted_uri_naming_who_and_where(monkeypatch):
+    real = "https://alice:s3cret@mlflow.example.com/"
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    with pytest.raises(ValueError, match=r"grpoflow compare needs the real URI in \$MLFLOW_TRACKING_URI or --x"):
+        real_uri(redact(real), None, who="grpoflow compare", also=" or --x")
+    assert real_uri(redact(real), real, who="w") == real
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", real)
+    assert real_uri(redact(real), who="w") == real
+    assert real_uri("http://plain:5000", who="w") == "http://plain:5000"

@@ -9,7 +9,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from grpoflow.tasks.config import load_config
-from grpoflow.tasks.model.loading import add_lora, load_causal_lm, load_tokenizer
+from grpoflow.tasks.model.loading import load_causal_lm
 from grpoflow.tasks.model.verify import (
     EPS,
     agreement_until_divergence,
@@ -23,6 +23,7 @@ from grpoflow.tasks.stages.export import run_export
 from grpoflow.tasks.stages.sft import run_sft
 from grpoflow.tasks.storage.workspace import Workspace
 from grpoflow.tasks.tracking.tracker import RunLogger
+from tests.adapters import save_trained_adapter
 from tests.paths import MICRO
 
 FAST = ["export.gguf=[]", "export.adapter=false", "grpo.max_completion_length=24"]
@@ -64,15 +65,7 @@ def trained_adapter(tmp_path):
     ws = Workspace(tmp_path / "ws")
     prepare_data(cfg, ws)
     base = base_model_path(cfg, ws)
-    model = add_lora(load_causal_lm(base, cfg.model), cfg.model.lora)
-    gen = torch.Generator().manual_seed(0)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "lora_B" in name:
-                p.copy_(0.05 * torch.randn(p.shape, generator=gen))
-    adapter = tmp_path / "adapter"
-    model.save_pretrained(adapter)
-    load_tokenizer(base, cfg.model).save_pretrained(adapter)  # GRPO saves it beside its adapter
+    adapter = save_trained_adapter(cfg, base, tmp_path / "adapter")
     return cfg, ws, base, str(adapter)
 
 

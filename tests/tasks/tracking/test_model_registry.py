@@ -21,7 +21,6 @@ from peft import PeftModel
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from grpoflow.tasks.config import load_config
-from grpoflow.tasks.model.loading import add_lora, load_causal_lm, load_tokenizer
 from grpoflow.tasks.stages.common import base_model_path
 from grpoflow.tasks.stages.data import prepare_data
 from grpoflow.tasks.stages.export import run_export
@@ -29,6 +28,7 @@ from grpoflow.tasks.storage.workspace import Workspace
 from grpoflow.tasks.tracking.model_registry import log_adapter_model
 from grpoflow.tasks.tracking.registry import register_pipeline_model
 from grpoflow.tasks.tracking.tracker import RunLogger
+from tests.adapters import save_trained_adapter
 from tests.paths import MICRO
 
 NAME = "grpoflow-adapter-registry-test"
@@ -91,16 +91,7 @@ def trained_adapter(cfg, base: str, out: Path) -> Path:
     tokenizer at ``out``. Seeded (peft draws lora_A from torch's global generator): the same adapter whichever
     test ran before, one whose greedy answer on PROMPT is not whitespace alone (the tiny base is untrained: its
     answers are noise, for most seeds newlines, which the pyfunc's strip leaves empty)."""
-    torch.manual_seed(5)
-    model = add_lora(load_causal_lm(base, cfg.model), cfg.model.lora)
-    gen = torch.Generator().manual_seed(0)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "lora_B" in name:
-                p.copy_(0.05 * torch.randn(p.shape, generator=gen))
-    model.save_pretrained(out)
-    load_tokenizer(base, cfg.model).save_pretrained(out)
-    return out
+    return save_trained_adapter(cfg, base, out, init_seed=5)
 
 
 def test_adapter_export_registers_a_model_that_loads_and_matches_the_merged_one(mlflow_server, tmp_path, monkeypatch):
