@@ -44,12 +44,17 @@ that need more time than is left, are recorded as "skipped" with the reason. Sec
    above the inputs, from one separate call. The summary gives the time ratios per shape and which of triton and
    chunked is faster; from those the run writes the table impl "auto" reads (kernels/auto_table.py) to
    auto_table.json beside --out, and prints the path and the line that installs it (GRPOFLOW_AUTO_TABLE=path).
-4. grpo_second_gpu: section 2's training cases on cuda:1 when there is one, without torch.cuda.set_device (the
+4. kernel_fold: the online-softmax fold of one logit tile (kernels/fold.py; [1024, 8192] and [512, 16384]
+   float32 tiles, e written in bf16), fused (kernels/triton_fold.py, what impl "chunked" runs on CUDA between its
+   GEMMs) against the torch ops it replaces: both times, the fused fold's GB/s at 6 bytes a tile element (its
+   one read and one write) and the torch/fused ratio, after checking the two agree. These settle the byte count
+   docs/kernel-roofline.md gives the chunked path.
+5. grpo_second_gpu: section 2's training cases on cuda:1 when there is one, without torch.cuda.set_device (the
    current device stays cuda:0); records the current device before and after. Last but one: a launch on the
    wrong device can leave the CUDA context unusable.
-5. reference_timing: the naive float32 reference at the timing shapes, where memory allows (free memory read
+6. reference_timing: the naive float32 reference at the timing shapes, where memory allows (free memory read
    after torch.cuda.empty_cache: the allocator's cached blocks count as used otherwise).
-6. peers: TRL's Triton log-softmax over materialized logits and Liger's fused linear GRPO loss
+7. peers: TRL's Triton log-softmax over materialized logits and Liger's fused linear GRPO loss
    (LigerFusedLinearGRPOLoss(beta=0.0, use_ref_model=False, compiled=False): use_ref_model=True asserts without
    reference inputs), timed like section 3 at its first two shapes; skipped with the reason when missing.
 
@@ -209,6 +214,13 @@ def summary(report: dict) -> list[str]:
                 flags = [f for f in flags if f is not None]
                 if flags:
                     lines.append(f"      {impl}: bitwise repeatable in {sum(flags)}/{len(flags)} cases")
+        if name == "kernel_fold":
+            for cname, c in sec.get("cases", {}).items():
+                if c["status"] == "passed":
+                    lines.append(
+                        f"      {cname}: fused {c['fused_ms']:.3f} ms ({c['fused_gb_per_s']:.0f} GB/s), torch ops "
+                        f"{c['torch_ms']:.3f} ms: {c['torch_over_fused']:.1f}x"
+                    )
         if name.startswith("grpo"):
             for cname, c in sec.get("cases", {}).items():
                 if c["status"] in ("passed", "failed") and "steps" in c:
@@ -392,6 +404,7 @@ def build_sections(device, small: bool, repeats: int) -> dict[str, Callable[[], 
         "kernel_correctness": kernels(lambda: k.correctness_cases(device, small)),
         "grpo": grpo(False),
         "kernel_timing": kernels(lambda: k.timing_cases(device, small, repeats)),
+        "kernel_fold": kernels(lambda: k.fold_cases(device, small, repeats)),
         "grpo_second_gpu": grpo(True),
         "reference_timing": kernels(lambda: k.reference_timing_cases(device, small, repeats)),
         "peers": kernels(lambda: k.peer_cases(device, small, repeats)),

@@ -393,6 +393,51 @@ def timing_cases(device: torch.device, small: bool, repeats: int, impls=TIMED) -
     return cases
 
 
+FOLD_TILES = ((1024, 8192), (512, 16384))  # the chunked path's [rows, vocabulary] tiles (row_chunk 1024 by default)
+
+
+def fold_case(rows: int, cols: int, device: torch.device, repeats: int) -> dict:
+    """One tile's online-softmax fold (kernels/fold.py, as a frozen head's forward runs it: e written in bf16,
+    with the entropy's sums), fused (the Triton fold: one read of the float32 tile, e written once) against the
+    torch fold's ops; the fused fold's results against the torch fold's, and its bytes per second (6 bytes per
+    tile element: the 4 read and the 2 written), which docs/kernel-roofline.md's byte count of the chunked path
+    uses."""
+    import os
+
+    from grpoflow.kernels.fold import fold_tile, new_state
+
+    if device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+        raise Skip("the Triton fold on CPU needs TRITON_INTERPRET=1")
+    g = torch.Generator(device=device).manual_seed(0)
+    u = torch.randn(rows, cols, device=device, generator=g) * 4
+    y = torch.randint(0, cols, (rows,), device=device, generator=g)
+    bf16 = torch.bfloat16
+
+    def run(fused: bool):
+        state = new_state(rows, True, device)
+        return fold_tile(u.clone(), None, 1.0, y, state, bf16, False, fused=fused), state
+
+    (got, st_f), (want, st_t) = run(True), run(False)
+    err = max((a - b).abs().max().item() for a, b in zip((st_f.s, st_f.c, st_f.z_y), (st_t.s, st_t.c, st_t.z_y)))
+    e_err = (got.e.float() - want.e.float()).abs().max().item()
+    out = {"rows": rows, "cols": cols, "max_state_err": err, "max_e_err": e_err}
+    if err > 1e-3 * cols or e_err > 1e-2:
+        raise AssertionError(f"fused fold differs from the torch fold: state {err:.3g}, e {e_err:.3g}")
+    fused = measure(lambda: run(True), device, repeats)
+    plain = measure(lambda: run(False), device, repeats)
+    clone_ms = measure(lambda: u.clone(), device, repeats)["ms"]  # both runs clone the tile first: taken out
+    out.update(fused_ms=fused["ms"], torch_ms=plain["ms"], clone_ms=clone_ms, timer=fused["timer"])
+    fold_ms = max(fused["ms"] - clone_ms, 1e-6)
+    out["fused_gb_per_s"] = 6 * rows * cols / fold_ms / 1e6
+    out["torch_over_fused"] = (plain["ms"] - clone_ms) / fold_ms
+    return out
+
+
+def fold_cases(device: torch.device, small: bool, repeats: int) -> list[Case]:
+    tiles = ((16, 300), (8, 64)) if small else FOLD_TILES
+    return [Case(f"fold/{r}x{c}", lambda a=(r, c, device, repeats): fold_case(*a), est_s=3.0) for r, c in tiles]
+
+
 def reference_timing_cases(device: torch.device, small: bool, repeats: int) -> list[Case]:
     """The naive float32 reference at the timing shapes, after everything else (it materializes [N, V] float32
     logits: 10 GB at N=16384), where memory allows."""

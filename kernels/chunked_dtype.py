@@ -1,11 +1,13 @@
 """Per-token log-probs in chunked torch with 16-bit GEMMs: impl "chunked" on CUDA (cuBLAS, no Triton).
 
-Same math as kernels/triton_logprobs.py, in plain torch ops with a compute dtype (kernels/precision.py),
-so that it runs (and is tested) on CPU tensors too; on CUDA its GEMMs are bf16/fp16 cuBLAS calls with
-float32 accumulation, where the CPU path (kernels/chunked_logprobs.py) computes everything in float32.
+Same math as kernels/triton_logprobs.py, in torch GEMMs with a compute dtype (kernels/precision.py), so that it
+runs (and is tested) on CPU tensors too; on CUDA its GEMMs are bf16/fp16 cuBLAS calls with float32 accumulation,
+where the CPU path (kernels/chunked_logprobs.py) computes everything in float32. Between the GEMMs each tile goes
+through the online-softmax fold of kernels/fold.py: one Triton kernel on CUDA (kernels/triton_fold.py: the tile
+read once), plain torch ops elsewhere.
 
     forward, per [rows, vocabulary] tile:  z = (H_c W_c^T + b) / T in float32 (GEMM in the compute dtype),
-        m' = max(m, max_v z),  s = s e^(m - m') + sum_v e^(z - m'),  ez likewise with e z,  z_y picked
+        m' = max(m, max_v z),  s = s e^(m - m') + sum_v e^(z - m'),  c likewise with e (z - m'),  z_y picked
     backward, per chunk of rows, per vocabulary tile:  G = (1/T)[g onehot(y) - p (g + g_H (z - lse + H))] in
         the compute dtype (kernels/logit_grad.py; g_H, the entropy's upstream gradient, is 0 without it);
         dH[rows] += G W_c (float32 accumulator [rows, D]),  dW[cols] += G^T H_c (float32 [V, D]),  db[cols] += sum_n G
@@ -22,6 +24,7 @@ from __future__ import annotations
 
 import torch
 
+from grpoflow.kernels.fold import MAX_FUSED_COLS, FoldState, fold_tile, fused_fold_available, new_state
 from grpoflow.kernels.logit_grad import logit_grad
 from grpoflow.kernels.precision import addmm_fp32, mm_fp32
 
@@ -34,6 +37,16 @@ def _tile_logits(h: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, inv_t
     return z.mul_(inv_t)
 
 
+def _rows_of(state: FoldState, rows: slice) -> FoldState:
+    """The fold state of ``rows``: views, updated in place by the fold."""
+    return FoldState(*(None if t is None else t[rows] for t in state))
+
+
+def _max_cols(vocab_chunk: int, fused: bool) -> int:
+    """The vocabulary tile width: the fused fold holds a row of the tile in registers (at most MAX_FUSED_COLS)."""
+    return min(vocab_chunk, MAX_FUSED_COLS) if fused else vocab_chunk
+
+
 def chunked_dtype_forward(
     hidden: torch.Tensor,
     weight: torch.Tensor,
@@ -44,32 +57,27 @@ def chunked_dtype_forward(
     dtype: torch.dtype,
     row_chunk: int,
     vocab_chunk: int,
+    fused: bool | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """logp, lse, entropy (or None), float32 [N]."""
+    """logp, lse, entropy (or None), float32 [N]: per [row_chunk, vocab_chunk] tile a GEMM into float32, then the
+    online-softmax fold of kernels/fold.py (``fused``: the Triton fold, one read of the tile; default on CUDA).
+
+        lse = m + log s,   logp = z_y - lse,   entropy = log s - c / s   (c = sum_v e^(z - m) (z - m))"""
     n, v = hidden.shape[0], weight.shape[0]
-    m = torch.full((n,), float("-inf"), device=hidden.device)
-    s, z_y, ez = torch.zeros(n, device=hidden.device), torch.zeros(n, device=hidden.device), None
-    ez = torch.zeros(n, device=hidden.device) if entropy else None
+    fused = fused_fold_available(hidden) if fused is None else fused
+    vocab_chunk = _max_cols(vocab_chunk, fused)
+    state = new_state(n, entropy, hidden.device)
     for c0 in range(0, v, vocab_chunk):
         c1 = min(c0 + vocab_chunk, v)
         w = weight[c0:c1].to(dtype)
         b = None if bias is None else bias[c0:c1]
         for r0 in range(0, n, row_chunk):
             rows = slice(r0, min(r0 + row_chunk, n))
-            z = _tile_logits(hidden[rows].to(dtype), w, b, inv_t)
-            m_new = torch.maximum(m[rows], z.amax(1))
-            r = torch.exp(m[rows] - m_new)
-            e = torch.exp(z - m_new[:, None])
-            s[rows] = s[rows] * r + e.sum(1)
-            if ez is not None:
-                ez[rows] = ez[rows] * r + (e * z).sum(1)
-            m[rows] = m_new
-            local = y[rows] - c0
-            inside = (local >= 0) & (local < c1 - c0)
-            picked = z.gather(1, local.clamp(0, c1 - c0 - 1)[:, None]).squeeze(1)
-            z_y[rows] = torch.where(inside, picked, z_y[rows])
-    lse = m + torch.log(s)
-    return z_y - lse, lse, None if ez is None else lse - ez / s
+            u = mm_fp32(hidden[rows].to(dtype), w.t())
+            fold_tile(u, b, inv_t, y[rows] - c0, _rows_of(state, rows), None, fused=fused)
+    log_s = torch.log(state.s)
+    lse = state.m + log_s
+    return state.z_y - lse, lse, None if state.c is None else log_s - state.c / state.s
 
 
 def frozen_head_forward(
@@ -83,6 +91,7 @@ def frozen_head_forward(
     dtype: torch.dtype,
     row_chunk: int,
     vocab_chunk: int,
+    fused: bool | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor | None]:
     """logp, lse, entropy (or None) float32 [N], and J, J_H (or None) in hidden's dtype [N, D]: the forward of a
     frozen head (W and b without gradient, H with), whose backward is then a row scale, no GEMM:
@@ -90,15 +99,17 @@ def frozen_head_forward(
         dH = (g / T) J + (g_H / T) J_H,    J = W_y - E_p[W],    J_H = -(E_p[(z - m) W] - E_p[z - m] E_p[W])
 
     (J_H = -sum_v p_v (z_v - lse + H) W_v, kernels/logit_grad.py's entropy term times W; only with ``keep_jh``).
-    Per chunk of rows, per vocabulary tile: z = H_c W_c^T (GEMM 1), then with the running max m and
-    e = exp(z - m): s, a = sum e W_c (GEMM 2, [rows, D], float32 accumulator), and with ``keep_jh``
-    b = sum e (z - m) W_c (GEMM 3), rescaled when m grows (a' = r a, b' = r (b - (m' - m) a), r = e^(m - m')).
-    Cost: 4NVD FLOPs for logp (6NVD with J_H) and no backward GEMM, where recomputing the logits in the backward
-    costs 6NVD (2NVD forward, 2NVD logits again, 2NVD for G W). Tiles are [row_chunk, vocab_chunk]: nothing of
-    size [N, V] exists."""
+    Per chunk of rows, per vocabulary tile: u = H_c W_c^T (GEMM 1, float32), the fold of kernels/fold.py (running
+    m, s, c, z_y; e = exp(z - m) in the compute dtype; ``fused``: the Triton fold, default on CUDA), then
+    a = r a + e W_c (GEMM 2, [rows, D], float32 accumulator) and with ``keep_jh`` b = r (b - δ a) + e (z - m) W_c
+    (GEMM 3). Cost: 4NVD FLOPs for logp (6NVD with J_H) and no backward GEMM, where recomputing the logits in the
+    backward costs 6NVD (2NVD forward, 2NVD logits again, 2NVD for G W). Tiles are [row_chunk, vocab_chunk]:
+    nothing of size [N, V] exists."""
     n, d = hidden.shape
     v = weight.shape[0]
     dev = hidden.device
+    fused = fused_fold_available(hidden) if fused is None else fused
+    vocab_chunk = _max_cols(vocab_chunk, fused)
     logp, lse = torch.empty(n, device=dev), torch.empty(n, device=dev)
     ent = torch.empty(n, device=dev) if entropy or keep_jh else None
     j = torch.empty_like(hidden)
@@ -107,43 +118,29 @@ def frozen_head_forward(
         rows = slice(r0, min(r0 + row_chunk, n))
         h, yr = hidden[rows].to(dtype), y[rows]
         k = h.shape[0]
-        m = torch.full((k,), float("-inf"), device=dev)
-        s, z_y, c = torch.zeros(k, device=dev), torch.zeros(k, device=dev), torch.zeros(k, device=dev)
+        state = new_state(k, ent is not None, dev)
         a = torch.zeros(k, d, device=dev)
         b = torch.zeros(k, d, device=dev) if keep_jh else None
         for c0 in range(0, v, vocab_chunk):
             c1 = min(c0 + vocab_chunk, v)
             w = weight[c0:c1].to(dtype)
-            z = _tile_logits(h, w, None if bias is None else bias[c0:c1], inv_t)
-            m_new = torch.maximum(m, z.amax(1))
-            r = torch.exp(m - m_new)  # 0 on the first tile
-            shift = torch.where(torch.isfinite(m), m_new - m, 0.0)
-            zm = z.sub_(m_new[:, None])  # z - m' (z is not needed after this)
-            local = yr - c0
-            inside = (local >= 0) & (local < c1 - c0)
-            picked = zm.gather(1, local.clamp(0, c1 - c0 - 1)[:, None]).squeeze(1) + m_new
-            z_y = torch.where(inside, picked, z_y)
-            e = torch.exp(zm)
-            if ent is not None:
-                ezm = zm.mul_(e)  # e (z - m)
-                if b is not None:
-                    b.addcmul_(a, shift[:, None], value=-1.0).mul_(r[:, None])
-                    addmm_fp32(b, ezm.to(dtype), w)
-                c = r * (c - shift * s) + ezm.sum(1)  # sum e (z - m)
-            a.mul_(r[:, None])
-            addmm_fp32(a, e.to(dtype), w)
-            s = s * r + e.sum(1)
-            m = m_new
-        log_s = torch.log(s)
-        lse[rows] = m + log_s
-        logp[rows] = z_y - lse[rows]
-        mean_zm = c / s  # E_p[z - m]
+            u = mm_fp32(h, w.t())
+            f = fold_tile(u, None if bias is None else bias[c0:c1], inv_t, yr - c0, state, dtype, keep_jh, fused)
+            if b is not None:
+                b.addcmul_(a, f.shift[:, None], value=-1.0).mul_(f.r[:, None])
+                addmm_fp32(b, f.ezm, w)
+            a.mul_(f.r[:, None])
+            addmm_fp32(a, f.e, w)
+        log_s = torch.log(state.s)
+        lse[rows] = state.m + log_s
+        logp[rows] = state.z_y - lse[rows]
         if ent is not None:
+            mean_zm = state.c / state.s  # E_p[z - m]
             ent[rows] = log_s - mean_zm  # lse - E_p[z]
-        mean_w = a.div_(s[:, None])  # E_p[W]
+        mean_w = a.div_(state.s[:, None])  # E_p[W]
         j[rows] = weight[yr].to(dtype).float() - mean_w  # W_y as the GEMMs saw it
         if jh is not None:
-            jh[rows] = torch.addcmul(b.div_(s[:, None]), mean_zm[:, None], mean_w, value=-1.0).neg_()
+            jh[rows] = torch.addcmul(b.div_(state.s[:, None]), mean_zm[:, None], mean_w, value=-1.0).neg_()
     return logp, lse, ent, j, jh
 
 

@@ -35,14 +35,12 @@ logp and entropy are float32; gradients take their input's dtype. The GRPO confi
 
 from __future__ import annotations
 
-import functools
-import importlib.util
-
 import torch
 
 from grpoflow.kernels.auto_table import choose
 from grpoflow.kernels.chunked_dtype import ChunkedDtypeTokenLogProbs
 from grpoflow.kernels.chunked_logprobs import ChunkedTokenLogProbs
+from grpoflow.kernels.fold import triton_available
 from grpoflow.kernels.precision import active_autocast_dtype, kernel_dtype
 
 IMPLS = ("auto", "triton", "chunked", "reference")
@@ -102,16 +100,6 @@ def token_logprobs(
         args = (temperature, compute_entropy, dtype or hidden.dtype, entropy_grad)
         logp, ent = TritonTokenLogProbs.apply(h.contiguous(), weight.contiguous(), b, y.contiguous(), *args)
     return logp.reshape(shape), None if ent is None else ent.reshape(shape)
-
-
-@functools.cache
-def triton_available() -> bool:
-    """Whether the triton package can be found (without importing it: importing triton reads TRITON_INTERPRET).
-    pyproject.toml installs triton on Linux only; elsewhere ``auto`` runs the chunked path."""
-    try:
-        return importlib.util.find_spec("triton") is not None
-    except (ImportError, ValueError):
-        return False
 
 
 def auto_impl(hidden: torch.Tensor, weight: torch.Tensor, dtype: torch.dtype) -> str:

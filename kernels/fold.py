@@ -1,0 +1,130 @@
+"""The online-softmax fold of one logit tile: what the chunked 16-bit path (kernels/chunked_dtype.py) does with each
+[rows, vocabulary chunk] tile of raw logits between its GEMMs.
+
+Per row, with the running state (m, s, c, z_y) over the vocabulary tiles seen so far and this tile's raw GEMM
+output u = h W_c^T (float32):
+
+    z  = (u + b_c) / T
+    m' = max(m, max_v z),   r = e^(m - m'),   δ = m' - m  (0 while m = -inf: the first tile)
+    e  = e^(z - m')                                        (the next GEMM's operand, in the compute dtype)
+    s' = r s + sum_v e                                     (sum of e^(z - m) over every tile so far)
+    c' = r (c - δ s) + sum_v e (z - m')                    (sum of e^(z - m) (z - m); only with the entropy)
+    z_y' = z_y of this tile when the target falls in it, else z_y
+
+so that at the end lse = m + log s, logp = z_y - lse and the entropy lse - E_p[z] = log s - c / s. The caller
+rescales its [rows, D] accumulators with r (and δ) before adding e W_c.
+
+Two implementations with these semantics: :func:`fold_tile_torch` (plain torch: CPU tensors, and anywhere
+without triton) and kernels/triton_fold.py (CUDA, and CPU under TRITON_INTERPRET=1 in tests), which reads the
+tile once and writes e once: 4 + 2 bytes per tile element (4 + 4 with the entropy's e (z - m')), where the torch
+ops read and write the float32 tile about ten times (docs/kernel-roofline.md counts both). :func:`fold_tile`
+picks: the Triton fold for CUDA tensors when triton is installed, else the torch one.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+from typing import NamedTuple
+
+import torch
+
+MAX_FUSED_COLS = 16384  # the Triton fold holds one row of the tile in registers: at most this many columns
+
+
+class FoldState(NamedTuple):
+    """The running per-row sums of the fold, float32 [rows] each (views into the caller's [N] vectors are fine:
+    they are updated in place). ``c`` is None when no entropy is wanted."""
+
+    m: torch.Tensor
+    s: torch.Tensor
+    c: torch.Tensor | None
+    z_y: torch.Tensor
+
+
+class Folded(NamedTuple):
+    """What one tile's fold returns: r and δ float32 [rows]; e and e (z - m') in the requested dtype [rows, cols]
+    (None unless asked for)."""
+
+    r: torch.Tensor
+    shift: torch.Tensor
+    e: torch.Tensor | None
+    ezm: torch.Tensor | None
+
+
+def new_state(rows: int, entropy: bool, device: torch.device) -> FoldState:
+    """The state before the first tile: m = -inf, s = c = z_y = 0."""
+    zeros = lambda: torch.zeros(rows, device=device)  # noqa: E731
+    return FoldState(torch.full((rows,), float("-inf"), device=device), zeros(), zeros() if entropy else None, zeros())
+
+
+def fold_tile_torch(
+    u: torch.Tensor,
+    bias: torch.Tensor | None,
+    inv_t: float,
+    y_local: torch.Tensor,
+    state: FoldState,
+    e_dtype: torch.dtype | None,
+    want_ezm: bool = False,
+) -> Folded:
+    """The fold (module docstring) in torch ops; ``u`` (float32 [rows, cols]) is overwritten. ``y_local`` [rows]:
+    each row's target minus the tile's first column (outside [0, cols) when the target is in another tile).
+    ``e_dtype`` None: e is not returned (a forward without gradients needs only the sums)."""
+    m, s, c, z_y = state
+    if bias is not None:
+        u += bias.float()
+    z = u.mul_(inv_t)
+    cols = z.shape[1]
+    inside = (y_local >= 0) & (y_local < cols)
+    picked = z.gather(1, y_local.clamp(0, cols - 1)[:, None]).squeeze(1)
+    z_y.copy_(torch.where(inside, picked, z_y))
+    m_new = torch.maximum(m, z.amax(1))
+    r = torch.exp(m - m_new)  # 0 on the first tile
+    shift = torch.where(torch.isfinite(m), m_new - m, 0.0)
+    zm = z.sub_(m_new[:, None])
+    e = torch.exp(zm)
+    ezm = None
+    if c is not None:
+        ezm = zm.mul_(e)  # e (z - m'), in place: z is not needed after this
+        c.copy_(r * (c - shift * s) + ezm.sum(1))
+    s.copy_(s * r + e.sum(1))
+    m.copy_(m_new)
+    e_out = None if e_dtype is None else e.to(e_dtype)
+    ezm_out = ezm.to(e_dtype) if want_ezm and ezm is not None and e_dtype is not None else None
+    return Folded(r, shift, e_out, ezm_out)
+
+
+@functools.cache
+def triton_available() -> bool:
+    """Whether the triton package can be found (without importing it: importing triton reads TRITON_INTERPRET).
+    pyproject.toml installs triton on Linux only; elsewhere ``auto`` runs the chunked path, with the torch fold."""
+    try:
+        return importlib.util.find_spec("triton") is not None
+    except (ImportError, ValueError):
+        return False
+
+
+def fused_fold_available(u: torch.Tensor) -> bool:
+    """Whether :func:`fold_tile` takes the Triton fold for this tile: CUDA tensors with triton installed."""
+    return u.is_cuda and triton_available()
+
+
+def fold_tile(
+    u: torch.Tensor,
+    bias: torch.Tensor | None,
+    inv_t: float,
+    y_local: torch.Tensor,
+    state: FoldState,
+    e_dtype: torch.dtype | None,
+    want_ezm: bool = False,
+    fused: bool | None = None,
+) -> Folded:
+    """One tile's fold (module docstring): the Triton fold when ``fused`` (default: :func:`fused_fold_available`),
+    else :func:`fold_tile_torch`. Both update ``state`` in place and return the same things."""
+    if fused is None:
+        fused = fused_fold_available(u)
+    if fused:
+        from grpoflow.kernels.triton_fold import fold_tile_triton  # imports triton: only on this route
+
+        return fold_tile_triton(u, bias, inv_t, y_local, state, e_dtype, want_ezm)
+    return fold_tile_torch(u, bias, inv_t, y_local, state, e_dtype, want_ezm)

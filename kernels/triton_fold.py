@@ -1,0 +1,98 @@
+"""The online-softmax fold of one logit tile (kernels/fold.py has the math) as one Triton kernel: the tile's
+float32 logits are read once and e (and e (z - m')) written once in the next GEMM's dtype.
+
+One program per row. The row's columns (at most kernels/fold.py's MAX_FUSED_COLS) are loaded into registers in
+one piece, so the row max, e, the sums and the target's logit come from that single read; the per-row state
+(m, s, c, z_y) is read and written in place, r and δ written for the caller's accumulators. Pointer offsets of a
+row times a stride are int64. Under TRITON_INTERPRET=1 (tests on CPU) the same kernel runs on CPU tensors.
+Launched on its tensors' device (kernels/launch.py).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from grpoflow.kernels.fold import MAX_FUSED_COLS, Folded, FoldState
+from grpoflow.kernels.launch import launch
+
+
+@triton.jit
+def _fold_kernel(
+    U, B, Y, M, S, C, ZY, R, SHIFT, E, EZM, cols, stride_u, stride_e, inv_t,
+    HAS_BIAS: tl.constexpr, ENTROPY: tl.constexpr, WRITE_E: tl.constexpr, WRITE_EZM: tl.constexpr,
+    BLOCK: tl.constexpr,
+):  # fmt: skip
+    """Row ``program_id``: z = (u + b) / T, then m', r, δ, e, s', c', z_y' of kernels/fold.py, one read of u."""
+    row = tl.program_id(0).to(tl.int64)
+    offs = tl.arange(0, BLOCK)
+    ok = offs < cols
+    z = tl.load(U + row * stride_u + offs, mask=ok, other=0.0)
+    if HAS_BIAS:
+        z += tl.load(B + offs, mask=ok, other=0.0).to(tl.float32)
+    z = z * inv_t
+    m = tl.load(M + row)
+    s = tl.load(S + row)
+    m_new = tl.maximum(m, tl.max(tl.where(ok, z, float("-inf")), axis=0))
+    r = tl.exp(m - m_new)  # 0 on the first tile (m = -inf)
+    shift = tl.where(m > float("-inf"), m_new - m, 0.0)
+    zm = z - m_new
+    e = tl.where(ok, tl.exp(zm), 0.0)
+    t = tl.load(Y + row)
+    z_t = tl.sum(tl.where(ok & (offs == t), z, 0.0), axis=0)
+    inside = (t >= 0) & (t < cols)
+    tl.store(ZY + row, tl.where(inside, z_t, tl.load(ZY + row)))
+    if ENTROPY:
+        ezm = tl.where(ok, e * zm, 0.0)
+        c = tl.load(C + row)
+        tl.store(C + row, r * (c - shift * s) + tl.sum(ezm, axis=0))
+        if WRITE_EZM:
+            tl.store(EZM + row * stride_e + offs, ezm.to(EZM.dtype.element_ty), mask=ok)
+    if WRITE_E:
+        tl.store(E + row * stride_e + offs, e.to(E.dtype.element_ty), mask=ok)
+    tl.store(S + row, s * r + tl.sum(e, axis=0))
+    tl.store(M + row, m_new)
+    tl.store(R + row, r)
+    tl.store(SHIFT + row, shift)
+
+
+def _warps(block: int) -> int:
+    """Warps per program: one row of ``block`` float32 values spread at about 32 per thread."""
+    return max(1, min(16, block // (32 * 32)))
+
+
+def fold_tile_triton(
+    u: torch.Tensor,
+    bias: torch.Tensor | None,
+    inv_t: float,
+    y_local: torch.Tensor,
+    state: FoldState,
+    e_dtype: torch.dtype | None,
+    want_ezm: bool = False,
+) -> Folded:
+    """kernels/fold.py's fold_tile_torch, fused: same arguments, same in-place state update, same results (``u`` is
+    left as it was)."""
+    rows, cols = u.shape
+    if cols > MAX_FUSED_COLS:
+        raise ValueError(f"the fused fold takes at most {MAX_FUSED_COLS} columns a tile, got {cols}")
+    if u.dtype != torch.float32 or u.stride(1) != 1:
+        raise ValueError(f"the fused fold takes a row-major float32 tile, got {u.dtype} with strides {u.stride()}")
+    for name, vec in zip(("m", "s", "z_y"), (state.m, state.s, state.z_y)):
+        if vec.dtype != torch.float32 or not vec.is_contiguous():
+            raise ValueError(f"fold state {name} must be a contiguous float32 vector")
+    entropy = state.c is not None
+    r, shift = torch.empty(rows, device=u.device), torch.empty(rows, device=u.device)
+    write_e = e_dtype is not None
+    write_ezm = write_e and want_ezm and entropy
+    e = torch.empty(rows, cols, device=u.device, dtype=e_dtype) if write_e else None
+    ezm = torch.empty(rows, cols, device=u.device, dtype=e_dtype) if write_ezm else None
+    y = y_local.contiguous()
+    block = triton.next_power_of_2(cols)
+    args = (
+        u, bias if bias is not None else u, y, state.m, state.s, state.c if entropy else state.s, state.z_y, r, shift,
+        e if write_e else u, ezm if write_ezm else u, cols, u.stride(0), cols, inv_t,
+    )  # fmt: skip
+    meta = dict(HAS_BIAS=bias is not None, ENTROPY=entropy, WRITE_E=write_e, WRITE_EZM=write_ezm, BLOCK=block)
+    launch(_fold_kernel, (rows,), u.device, *args, num_warps=_warps(block), **meta)
+    return Folded(r, shift, e, ezm)

@@ -1,0 +1,133 @@
+"""The online-softmax fold of one logit tile (kernels/fold.py): the Triton fold (kernels/triton_fold.py, the route
+the 16-bit chunked path takes on CUDA) against the torch fold, tile after tile, and the chunked path's forwards
+through it against the float32 reference, every dtype. Then what the fusion is for: between a tile's GEMMs no
+torch op touches the [rows, cols] tile (the kernel reads it once and writes e once), where the torch fold runs
+about ten ops over it."""
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from grpoflow.kernels.chunked_dtype import chunked_dtype_forward, frozen_head_forward
+from grpoflow.kernels.fold import FoldState, fold_tile, fold_tile_torch, new_state
+from grpoflow.kernels.logprobs import token_logprobs_reference
+from tests.kernels.test_logprob_precision import TOL
+from tests.kernels.test_logprobs import make_inputs
+
+pytestmark = pytest.mark.triton_interpret
+ROWS, COLS = 16, 64  # ragged tiles at N=70, V=300
+
+
+def tiles(seed, rows=5, cols=(48, 37, 64)):
+    """Raw logit tiles of growing scale (so the running max grows and the rescale matters), targets spread over
+    all tiles (and one row's target in none), a bias per tile."""
+    g = torch.Generator().manual_seed(seed)
+    us = [torch.randn(rows, c, generator=g) * (2.0 + 3 * i) for i, c in enumerate(cols)]
+    bs = [torch.randn(c, generator=g) for c in cols]
+    y = torch.randint(0, sum(cols), (rows,), generator=g)
+    y[-1] = sum(cols) + 5
+    return us, bs, y, cols
+
+
+def copy_state(state: FoldState) -> FoldState:
+    return FoldState(*(None if t is None else t.clone() for t in state))
+
+
+@pytest.mark.parametrize("e_dtype", [None, torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("entropy", [False, True])
+@pytest.mark.parametrize("bias", [False, True])
+def test_triton_fold_matches_the_torch_fold_tile_after_tile(e_dtype, entropy, bias):
+    us, bs, y, cols = tiles(1)
+    fused = new_state(5, entropy, torch.device("cpu"))
+    plain = copy_state(fused)
+    c0 = 0
+    for u, b, c in zip(us, bs, cols):
+        args = (None if not bias else b, 0.7, y - c0)
+        got = fold_tile(u.clone(), *args, fused, e_dtype, True, fused=True)
+        want = fold_tile_torch(u.clone(), *args, plain, e_dtype, True)
+        for name, a, w in zip(("r", "shift", "e", "ezm"), got, want):
+            if name == "ezm" and not entropy or e_dtype is None and name in ("e", "ezm"):
+                assert a is None and w is None, name
+                continue
+            assert a.dtype == w.dtype, name
+            tol = {"atol": 1e-6, "rtol": 1e-5} if a.dtype == torch.float32 else {}
+            torch.testing.assert_close(a, w, **tol, msg=name)
+        for name, a, w in zip(FoldState._fields, fused, plain):
+            if w is None:
+                assert a is None
+                continue
+            torch.testing.assert_close(a, w, atol=1e-5, rtol=1e-5, msg=name)
+        c0 += c
+    assert torch.isfinite(fused.s).all() and (fused.z_y[:-1] != 0).all() and (fused.z_y[-1] == 0)
+
+
+def test_triton_fold_refuses_a_tile_wider_than_a_row_of_registers():
+    from grpoflow.kernels.fold import MAX_FUSED_COLS
+    from grpoflow.kernels.triton_fold import fold_tile_triton
+
+    u = torch.zeros(1, MAX_FUSED_COLS + 1)
+    with pytest.raises(ValueError, match=f"at most {MAX_FUSED_COLS} columns"):
+        fold_tile_triton(u, None, 1.0, torch.zeros(1, dtype=torch.long), new_state(1, False, u.device), None)
+
+
+@pytest.mark.parametrize("dtype", list(TOL))
+@pytest.mark.parametrize("bias", [False, True])
+def test_forwards_through_the_triton_fold_match_the_reference(dtype, bias):
+    """chunked_dtype_forward (no-grad passes, trainable head) and frozen_head_forward (with J and J_H) with
+    ``fused=True``: logp, entropy and J/J_H against the float32 reference and the torch fold."""
+    h, w, b, y, up = make_inputs(70, 80, 300, bias=bias, dtype=dtype)
+    h = h.detach()
+    rlogp, rent = token_logprobs_reference(h.float(), w.float(), y, 0.7, None if b is None else b.float())
+    tol = TOL[dtype]
+    logp, lse, ent = chunked_dtype_forward(h, w, b, y, 1 / 0.7, True, dtype, ROWS, COLS, fused=True)
+    torch.testing.assert_close(logp, rlogp, atol=tol["atol"], rtol=tol["rtol"])
+    torch.testing.assert_close(ent, rent, atol=tol["atol"], rtol=tol["rtol"])
+    got = frozen_head_forward(h, w, b, y, 1 / 0.7, True, True, dtype, ROWS, COLS, fused=True)
+    want = frozen_head_forward(h, w, b, y, 1 / 0.7, True, True, dtype, ROWS, COLS, fused=False)
+    torch.testing.assert_close(got[0], rlogp, atol=tol["atol"], rtol=tol["rtol"])
+    torch.testing.assert_close(got[2], rent, atol=tol["atol"], rtol=tol["rtol"])
+    for name, a, e in zip(("J", "J_H"), got[3:], want[3:]):
+        assert a.dtype == dtype, name
+        torch.testing.assert_close(a.float(), e.float(), atol=tol["grad_atol"], rtol=tol["rtol"], msg=name)
+
+
+# Ops that allocate or alias and move no data (the interpreter's launch wraps each argument in new_empty + set_).
+NO_DATA = {"empty", "empty_strided", "new_empty", "set_", "detach", "alias", "view", "_to_copy_no_data"}
+
+
+class TileTouches(TorchDispatchMode):
+    """Names of the torch ops that read or write a tensor with exactly ``numel`` elements (a whole tile)."""
+
+    def __init__(self, numel):
+        super().__init__()
+        self.numel, self.ops = numel, []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        flat = [*args, *(kwargs or {}).values(), *(out if isinstance(out, tuple | list) else (out,))]
+        name = func.overloadpacket.__name__
+        if name not in NO_DATA and any(isinstance(t, torch.Tensor) and t.numel() == self.numel for t in flat):
+            self.ops.append(name)
+        return out
+
+
+@pytest.mark.parametrize("pass_", ["no_grad", "frozen", "frozen_jh"])
+def test_only_the_gemms_touch_the_tile_when_the_fold_is_fused(pass_):
+    """One row chunk of 16 x one vocabulary tile of 64 (D = 80, so no [rows, D] tensor has the tile's size). Fused,
+    the torch ops over the tile are the GEMM that writes it and, for a frozen head, the GEMMs that read e (and
+    e (z - m)); the torch fold adds its ten elementwise passes and reductions on top (4 bytes read and written per
+    element each, where the fused fold reads 4 and writes 2 once: docs/kernel-roofline.md)."""
+    h, w, b, y, _ = make_inputs(16, 80, 64, bias=True)
+    h = h.detach()
+    counts = {}
+    for fused in (True, False):
+        with TileTouches(16 * 64) as seen:
+            if pass_ == "no_grad":
+                chunked_dtype_forward(h, w, b, y, 1 / 0.7, True, torch.float32, 16, 64, fused=fused)
+            else:
+                keep_jh = pass_ == "frozen_jh"
+                frozen_head_forward(h, w, b, y, 1 / 0.7, True, keep_jh, torch.float32, 16, 64, fused=fused)
+        counts[fused] = seen.ops
+    gemms = {"no_grad": ["mm"], "frozen": ["mm", "addmm_"], "frozen_jh": ["mm", "addmm_", "addmm_"]}[pass_]
+    assert sorted(counts[True]) == sorted(gemms), (counts[True], counts[False])
+    assert len(counts[False]) >= len(gemms) + 9, counts[False]
