@@ -44,11 +44,12 @@ that need more time than is left, are recorded as "skipped" with the reason. Sec
    above the inputs, from one separate call. The summary gives the time ratios per shape and which of triton and
    chunked is faster; from those the run writes the table impl "auto" reads (kernels/auto_table.py) to
    auto_table.json beside --out, and prints the path and the line that installs it (GRPOFLOW_AUTO_TABLE=path).
-4. kernel_fold: the online-softmax fold of one logit tile (kernels/fold.py; [1024, 8192] and [512, 16384]
-   float32 tiles, e written in bf16), fused (kernels/triton_fold.py, what impl "chunked" runs on CUDA between its
-   GEMMs) against the torch ops it replaces: both times, the fused fold's GB/s at 6 bytes a tile element (its
-   one read and one write) and the torch/fused ratio, after checking the two agree. These settle the byte count
-   docs/kernel-roofline.md gives the chunked path.
+4. kernel_tiles: what impl "chunked" does on CUDA between its GEMMs, per [1024, 8192] and [1024, 16384] float32
+   logit tile (kernels/tiles.py): the forward's online-softmax fold ("fold/...", e written in bf16) and the
+   backward's gradient ("grad/...", G in bf16), each fused (kernels/triton_tiles.py: one read of the tile, one
+   16-bit write) against the torch ops it replaces: results compared, both times, the fused kernel's GB/s at 6
+   bytes a tile element and the torch/fused ratio. They settle the byte count docs/kernel-roofline.md gives the
+   chunked path.
 5. grpo_second_gpu: section 2's training cases on cuda:1 when there is one, without torch.cuda.set_device (the
    current device stays cuda:0); records the current device before and after. Last but one: a launch on the
    wrong device can leave the CUDA context unusable.
@@ -214,7 +215,7 @@ def summary(report: dict) -> list[str]:
                 flags = [f for f in flags if f is not None]
                 if flags:
                     lines.append(f"      {impl}: bitwise repeatable in {sum(flags)}/{len(flags)} cases")
-        if name == "kernel_fold":
+        if name == "kernel_tiles":
             for cname, c in sec.get("cases", {}).items():
                 if c["status"] == "passed":
                     lines.append(
@@ -404,7 +405,7 @@ def build_sections(device, small: bool, repeats: int) -> dict[str, Callable[[], 
         "kernel_correctness": kernels(lambda: k.correctness_cases(device, small)),
         "grpo": grpo(False),
         "kernel_timing": kernels(lambda: k.timing_cases(device, small, repeats)),
-        "kernel_fold": kernels(lambda: k.fold_cases(device, small, repeats)),
+        "kernel_tiles": kernels(lambda: k.tile_cases(device, small, repeats)),
         "grpo_second_gpu": grpo(True),
         "reference_timing": kernels(lambda: k.reference_timing_cases(device, small, repeats)),
         "peers": kernels(lambda: k.peer_cases(device, small, repeats)),

@@ -393,49 +393,84 @@ def timing_cases(device: torch.device, small: bool, repeats: int, impls=TIMED) -
     return cases
 
 
-FOLD_TILES = ((1024, 8192), (512, 16384))  # the chunked path's [rows, vocabulary] tiles (row_chunk 1024 by default)
+TILES = ((1024, 8192), (1024, 16384))  # the chunked path's [rows, vocabulary] tiles (16384: its CUDA default)
 
 
-def fold_case(rows: int, cols: int, device: torch.device, repeats: int) -> dict:
-    """One tile's online-softmax fold (kernels/fold.py, as a frozen head's forward runs it: e written in bf16,
-    with the entropy's sums), fused (the Triton fold: one read of the float32 tile, e written once) against the
-    torch fold's ops; the fused fold's results against the torch fold's, and its bytes per second (6 bytes per
-    tile element: the 4 read and the 2 written), which docs/kernel-roofline.md's byte count of the chunked path
-    uses."""
+def _fused_against_torch(run, rows: int, cols: int, bytes_per_elem: int, device, repeats: int) -> dict:
+    """Times ``run(fused)`` both ways; each call clones the tile first, which is timed alone and taken out."""
+    u = run.tile
+    fused = measure(lambda: run(True), device, repeats)
+    plain = measure(lambda: run(False), device, repeats)
+    clone_ms = measure(lambda: u.clone(), device, repeats)["ms"]
+    fused_ms = max(fused["ms"] - clone_ms, 1e-6)
+    return {
+        "rows": rows, "cols": cols, "fused_ms": fused_ms, "torch_ms": plain["ms"] - clone_ms, "clone_ms": clone_ms,
+        "fused_gb_per_s": bytes_per_elem * rows * cols / fused_ms / 1e6,
+        "torch_over_fused": (plain["ms"] - clone_ms) / fused_ms, "timer": fused["timer"],
+    }  # fmt: skip
+
+
+def _tile(rows: int, cols: int, device: torch.device):
     import os
 
-    from grpoflow.kernels.fold import fold_tile, new_state
-
     if device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
-        raise Skip("the Triton fold on CPU needs TRITON_INTERPRET=1")
+        raise Skip("the Triton tile kernels on CPU need TRITON_INTERPRET=1")
     g = torch.Generator(device=device).manual_seed(0)
     u = torch.randn(rows, cols, device=device, generator=g) * 4
     y = torch.randint(0, cols, (rows,), device=device, generator=g)
-    bf16 = torch.bfloat16
+    return u, y
+
+
+def fold_case(rows: int, cols: int, device: torch.device, repeats: int) -> dict:
+    """One tile's online-softmax fold (kernels/tiles.py, as a frozen head's forward runs it: e written in bf16,
+    with the entropy's sums), fused (kernels/triton_tiles.py: one read of the float32 tile, e written once)
+    against the torch ops it replaces: results compared, both timed, and the fused fold's bytes per second at 6
+    bytes a tile element (4 read, 2 written), the figure docs/kernel-roofline.md's byte count of the chunked path
+    assumes runs at HBM speed."""
+    from grpoflow.kernels.tiles import fold_tile, new_state
+
+    u, y = _tile(rows, cols, device)
 
     def run(fused: bool):
         state = new_state(rows, True, device)
-        return fold_tile(u.clone(), None, 1.0, y, state, bf16, False, fused=fused), state
+        return fold_tile(u.clone(), None, 1.0, y, state, torch.bfloat16, False, fused=fused), state
 
+    run.tile = u
     (got, st_f), (want, st_t) = run(True), run(False)
     err = max((a - b).abs().max().item() for a, b in zip((st_f.s, st_f.c, st_f.z_y), (st_t.s, st_t.c, st_t.z_y)))
     e_err = (got.e.float() - want.e.float()).abs().max().item()
-    out = {"rows": rows, "cols": cols, "max_state_err": err, "max_e_err": e_err}
     if err > 1e-3 * cols or e_err > 1e-2:
         raise AssertionError(f"fused fold differs from the torch fold: state {err:.3g}, e {e_err:.3g}")
-    fused = measure(lambda: run(True), device, repeats)
-    plain = measure(lambda: run(False), device, repeats)
-    clone_ms = measure(lambda: u.clone(), device, repeats)["ms"]  # both runs clone the tile first: taken out
-    out.update(fused_ms=fused["ms"], torch_ms=plain["ms"], clone_ms=clone_ms, timer=fused["timer"])
-    fold_ms = max(fused["ms"] - clone_ms, 1e-6)
-    out["fused_gb_per_s"] = 6 * rows * cols / fold_ms / 1e6
-    out["torch_over_fused"] = (plain["ms"] - clone_ms) / fold_ms
-    return out
+    return {"max_state_err": err, "max_err": e_err, **_fused_against_torch(run, rows, cols, 6, device, repeats)}
 
 
-def fold_cases(device: torch.device, small: bool, repeats: int) -> list[Case]:
-    tiles = ((16, 300), (8, 64)) if small else FOLD_TILES
-    return [Case(f"fold/{r}x{c}", lambda a=(r, c, device, repeats): fold_case(*a), est_s=3.0) for r, c in tiles]
+def grad_case(rows: int, cols: int, device: torch.device, repeats: int) -> dict:
+    """One tile's gradient G (kernels/tiles.py grad_tile, with the entropy's term, G in bf16), fused against the
+    torch ops, as :func:`fold_case` (6 bytes a tile element)."""
+    from grpoflow.kernels.tiles import grad_tile
+
+    u, y = _tile(rows, cols, device)
+    lse = torch.logsumexp(u, 1) + 1.0
+    g_t, ent, ge_t = (torch.randn(rows, device=device) for _ in range(3))
+
+    def run(fused: bool):
+        return grad_tile(u.clone(), None, 1.0, lse, y, g_t, ent.abs(), ge_t, torch.bfloat16, fused=fused)
+
+    run.tile = u
+    err = (run(True).float() - run(False).float()).abs().max().item()
+    if err > 1e-2:
+        raise AssertionError(f"fused gradient differs from the torch one by {err:.3g}")
+    return {"max_err": err, **_fused_against_torch(run, rows, cols, 6, device, repeats)}
+
+
+def tile_cases(device: torch.device, small: bool, repeats: int) -> list[Case]:
+    """The fold and the gradient at each of TILES (toy tiles with --small)."""
+    tiles = ((16, 300), (8, 64)) if small else TILES
+    return [
+        Case(f"{kind}/{r}x{c}", lambda f=fn, a=(r, c, device, repeats): f(*a), est_s=3.0)
+        for kind, fn in (("fold", fold_case), ("grad", grad_case))
+        for r, c in tiles
+    ]
 
 
 def reference_timing_cases(device: torch.device, small: bool, repeats: int) -> list[Case]:

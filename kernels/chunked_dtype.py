@@ -3,7 +3,7 @@
 Same math as kernels/triton_logprobs.py, in torch GEMMs with a compute dtype (kernels/precision.py), so that it
 runs (and is tested) on CPU tensors too; on CUDA its GEMMs are bf16/fp16 cuBLAS calls with float32 accumulation,
 where the CPU path (kernels/chunked_logprobs.py) computes everything in float32. Between the GEMMs each tile goes
-through the online-softmax fold of kernels/fold.py: one Triton kernel on CUDA (kernels/triton_fold.py: the tile
+through the online-softmax fold of kernels/tiles.py: one Triton kernel on CUDA (kernels/triton_tiles.py: the tile
 read once), plain torch ops elsewhere.
 
     forward, per [rows, vocabulary] tile:  z = (H_c W_c^T + b) / T in float32 (GEMM in the compute dtype),
@@ -24,17 +24,8 @@ from __future__ import annotations
 
 import torch
 
-from grpoflow.kernels.fold import MAX_FUSED_COLS, FoldState, fold_tile, fused_fold_available, new_state
-from grpoflow.kernels.logit_grad import logit_grad
 from grpoflow.kernels.precision import addmm_fp32, mm_fp32
-
-
-def _tile_logits(h: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, inv_t: float) -> torch.Tensor:
-    """z = (h w^T + b) / T in float32, from a GEMM of h's dtype with a float32 result."""
-    z = mm_fp32(h, w.t())
-    if b is not None:
-        z += b.float()
-    return z.mul_(inv_t)
+from grpoflow.kernels.tiles import MAX_FUSED_COLS, FoldState, fold_tile, fused_available, grad_tile, new_state
 
 
 def _rows_of(state: FoldState, rows: slice) -> FoldState:
@@ -60,11 +51,11 @@ def chunked_dtype_forward(
     fused: bool | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """logp, lse, entropy (or None), float32 [N]: per [row_chunk, vocab_chunk] tile a GEMM into float32, then the
-    online-softmax fold of kernels/fold.py (``fused``: the Triton fold, one read of the tile; default on CUDA).
+    online-softmax fold of kernels/tiles.py (``fused``: the Triton fold, one read of the tile; default on CUDA).
 
         lse = m + log s,   logp = z_y - lse,   entropy = log s - c / s   (c = sum_v e^(z - m) (z - m))"""
     n, v = hidden.shape[0], weight.shape[0]
-    fused = fused_fold_available(hidden) if fused is None else fused
+    fused = fused_available(hidden) if fused is None else fused
     vocab_chunk = _max_cols(vocab_chunk, fused)
     state = new_state(n, entropy, hidden.device)
     for c0 in range(0, v, vocab_chunk):
@@ -99,7 +90,7 @@ def frozen_head_forward(
         dH = (g / T) J + (g_H / T) J_H,    J = W_y - E_p[W],    J_H = -(E_p[(z - m) W] - E_p[z - m] E_p[W])
 
     (J_H = -sum_v p_v (z_v - lse + H) W_v, kernels/logit_grad.py's entropy term times W; only with ``keep_jh``).
-    Per chunk of rows, per vocabulary tile: u = H_c W_c^T (GEMM 1, float32), the fold of kernels/fold.py (running
+    Per chunk of rows, per vocabulary tile: u = H_c W_c^T (GEMM 1, float32), the fold of kernels/tiles.py (running
     m, s, c, z_y; e = exp(z - m) in the compute dtype; ``fused``: the Triton fold, default on CUDA), then
     a = r a + e W_c (GEMM 2, [rows, D], float32 accumulator) and with ``keep_jh`` b = r (b - δ a) + e (z - m) W_c
     (GEMM 3). Cost: 4NVD FLOPs for logp (6NVD with J_H) and no backward GEMM, where recomputing the logits in the
@@ -108,7 +99,7 @@ def frozen_head_forward(
     n, d = hidden.shape
     v = weight.shape[0]
     dev = hidden.device
-    fused = fused_fold_available(hidden) if fused is None else fused
+    fused = fused_available(hidden) if fused is None else fused
     vocab_chunk = _max_cols(vocab_chunk, fused)
     logp, lse = torch.empty(n, device=dev), torch.empty(n, device=dev)
     ent = torch.empty(n, device=dev) if entropy or keep_jh else None
@@ -158,10 +149,14 @@ def chunked_dtype_backward(
     vocab_chunk: int,
     ent: torch.Tensor | None = None,
     ge_t: torch.Tensor | None = None,
+    fused: bool | None = None,
 ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
     """dH (hidden's dtype), dW and db (float32) for upstream g_t = g / T; ``need`` = (dH, dW, db) wanted.
 
-    With ``ent`` (H [N]) and ``ge_t`` (its upstream gradient over T [N]) the entropy's gradient is added."""
+    With ``ent`` (H [N]) and ``ge_t`` (its upstream gradient over T [N]) the entropy's gradient is added. Per tile:
+    u = H_c W_c^T (GEMM, float32), G in the compute dtype (kernels/tiles.py grad_tile; ``fused``: the Triton
+    route, one read of u, default on CUDA), then the GEMMs dH += G W_c and dW += G^T H_c."""
+    fused = fused_available(hidden) if fused is None else fused
     n, d = hidden.shape
     v = weight.shape[0]
     dh = torch.empty_like(hidden) if need[0] else None
@@ -174,10 +169,11 @@ def chunked_dtype_backward(
         for c0 in range(0, v, vocab_chunk):
             c1 = min(c0 + vocab_chunk, v)
             w = weight[c0:c1].to(dtype)
-            z = _tile_logits(h, w, None if bias is None else bias[c0:c1], inv_t)
+            u = mm_fp32(h, w.t())
             ent_r = None if ent is None else ent[rows]
             ge_r = None if ge_t is None else ge_t[rows]
-            grad = logit_grad(z, lse[rows], y[rows] - c0, g_t[rows], ent_r, ge_r).to(dtype)
+            b = None if bias is None else bias[c0:c1]
+            grad = grad_tile(u, b, inv_t, lse[rows], y[rows] - c0, g_t[rows], ent_r, ge_r, dtype, fused)
             if dh_acc is not None:
                 addmm_fp32(dh_acc, grad, w)
             if dw is not None:

@@ -40,10 +40,12 @@ import torch
 from grpoflow.kernels.auto_table import choose
 from grpoflow.kernels.chunked_dtype import ChunkedDtypeTokenLogProbs
 from grpoflow.kernels.chunked_logprobs import ChunkedTokenLogProbs
-from grpoflow.kernels.fold import triton_available
 from grpoflow.kernels.precision import active_autocast_dtype, kernel_dtype
+from grpoflow.kernels.tiles import MAX_FUSED_COLS, triton_available
 
 IMPLS = ("auto", "triton", "chunked", "reference")
+CPU_VOCAB_CHUNK = 8192  # the CPU path's vocabulary tile (benchmarks/bench_logprob_chunks.py)
+DTYPE_VOCAB_CHUNK = MAX_FUSED_COLS  # the 16-bit path's: the widest tile the fused fold takes
 
 
 def token_logprobs(
@@ -56,13 +58,16 @@ def token_logprobs(
     compute_entropy: bool = False,
     impl: str = "auto",
     chunk_size: int = 1024,
-    vocab_chunk_size: int = 8192,
+    vocab_chunk_size: int | None = None,
     entropy_grad: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """log p(targets) [..] and optionally entropy [..] for hidden [.., D], weight [V, D], targets [..] in [0, V).
 
     ``chunk_size`` (rows) and ``vocab_chunk_size`` size the tiles of the chunked paths; the Triton kernel
-    has its own block sizes. ``entropy_grad`` implies ``compute_entropy`` and makes the entropy differentiable.
+    has its own block sizes. ``vocab_chunk_size`` None: 8192 on the CPU path (CPU_VOCAB_CHUNK); 16384 on the 16-bit
+    path (DTYPE_VOCAB_CHUNK, the widest tile kernels/triton_tiles.py folds: its [rows, D] accumulators are rescaled
+    once per tile, 16 D / vocab_chunk_size bytes per logit, docs/kernel-roofline.md).
+    ``entropy_grad`` implies ``compute_entropy`` and makes the entropy differentiable.
     """
     if impl not in IMPLS:
         raise ValueError(f"impl={impl!r}: expected one of {IMPLS}")
@@ -77,11 +82,12 @@ def token_logprobs(
         ent = ent if entropy_grad else ent.detach() if compute_entropy else None
     elif impl == "chunked" and dtype is None:  # CPU: the float32 path, unchanged
         keep_j = torch.is_grad_enabled() and hidden.requires_grad
-        args = (temperature, compute_entropy, keep_j, chunk_size, vocab_chunk_size, entropy_grad)
+        args = (temperature, compute_entropy, keep_j, chunk_size, vocab_chunk_size or CPU_VOCAB_CHUNK, entropy_grad)
         logp, ent = ChunkedTokenLogProbs.apply(h, weight, bias, y, *args)
     elif impl == "chunked":
         keep_j = torch.is_grad_enabled() and hidden.requires_grad
-        args = (temperature, compute_entropy, dtype, chunk_size, vocab_chunk_size, entropy_grad, keep_j)
+        vocab_chunk = vocab_chunk_size or DTYPE_VOCAB_CHUNK
+        args = (temperature, compute_entropy, dtype, chunk_size, vocab_chunk, entropy_grad, keep_j)
         logp, ent = ChunkedDtypeTokenLogProbs.apply(h, weight, bias, y, *args)
     else:
         # Imported on first use: triton reads TRITON_INTERPRET when the kernels are defined.

@@ -1,7 +1,8 @@
-"""The online-softmax fold of one logit tile: what the chunked 16-bit path (kernels/chunked_dtype.py) does with each
-[rows, vocabulary chunk] tile of raw logits between its GEMMs.
+"""What the chunked 16-bit path (kernels/chunked_dtype.py) does with each [rows, vocabulary chunk] tile of raw
+logits between its GEMMs: the forward's online-softmax fold (:func:`fold_tile`) and the backward's gradient
+(:func:`grad_tile`).
 
-Per row, with the running state (m, s, c, z_y) over the vocabulary tiles seen so far and this tile's raw GEMM
+The fold. Per row, with the running state (m, s, c, z_y) over the vocabulary tiles seen so far and this tile's raw GEMM
 output u = h W_c^T (float32):
 
     z  = (u + b_c) / T
@@ -14,11 +15,17 @@ output u = h W_c^T (float32):
 so that at the end lse = m + log s, logp = z_y - lse and the entropy lse - E_p[z] = log s - c / s. The caller
 rescales its [rows, D] accumulators with r (and δ) before adding e W_c.
 
-Two implementations with these semantics: :func:`fold_tile_torch` (plain torch: CPU tensors, and anywhere
-without triton) and kernels/triton_fold.py (CUDA, and CPU under TRITON_INTERPRET=1 in tests), which reads the
-tile once and writes e once: 4 + 2 bytes per tile element (4 + 4 with the entropy's e (z - m')), where the torch
-ops read and write the float32 tile about ten times (docs/kernel-roofline.md counts both). :func:`fold_tile`
-picks: the Triton fold for CUDA tensors when triton is installed, else the torch one.
+The gradient. Per tile, with the rows' lse and entropy H over the whole vocabulary (from the forward) and the
+upstream g_t = g / T, g_H / T (kernels/logit_grad.py has the derivation):
+
+    G = (1/T)[g onehot(y) - p (g + g_H (z - lse + H))],   p = e^(z - lse)   (in the compute dtype)
+
+Each has two implementations with the same semantics: plain torch (:func:`fold_tile_torch`, :func:`grad_tile_torch`:
+CPU tensors, and anywhere without triton) and kernels/triton_tiles.py (CUDA, and CPU under TRITON_INTERPRET=1 in
+tests), which reads the float32 tile once and writes its 16-bit result once: 4 + 2 bytes per tile element (4 + 4
+for the fold with the entropy's e (z - m')), where the torch ops read and write the float32 tile about ten times
+(docs/kernel-roofline.md counts both). :func:`fold_tile` and :func:`grad_tile` pick the Triton route for CUDA
+tensors when triton is installed (:func:`fused_available`), else the torch one.
 """
 
 from __future__ import annotations
@@ -28,6 +35,8 @@ import importlib.util
 from typing import NamedTuple
 
 import torch
+
+from grpoflow.kernels.logit_grad import logit_grad
 
 MAX_FUSED_COLS = 16384  # the Triton fold holds one row of the tile in registers: at most this many columns
 
@@ -104,8 +113,9 @@ def triton_available() -> bool:
         return False
 
 
-def fused_fold_available(u: torch.Tensor) -> bool:
-    """Whether :func:`fold_tile` takes the Triton fold for this tile: CUDA tensors with triton installed."""
+def fused_available(u: torch.Tensor) -> bool:
+    """Whether :func:`fold_tile` and :func:`grad_tile` take the Triton route for this tile: CUDA tensors with triton
+    installed."""
     return u.is_cuda and triton_available()
 
 
@@ -119,12 +129,53 @@ def fold_tile(
     want_ezm: bool = False,
     fused: bool | None = None,
 ) -> Folded:
-    """One tile's fold (module docstring): the Triton fold when ``fused`` (default: :func:`fused_fold_available`),
+    """One tile's fold (module docstring): the Triton fold when ``fused`` (default: :func:`fused_available`),
     else :func:`fold_tile_torch`. Both update ``state`` in place and return the same things."""
     if fused is None:
-        fused = fused_fold_available(u)
+        fused = fused_available(u)
     if fused:
-        from grpoflow.kernels.triton_fold import fold_tile_triton  # imports triton: only on this route
+        from grpoflow.kernels.triton_tiles import fold_tile_triton  # imports triton: only on this route
 
         return fold_tile_triton(u, bias, inv_t, y_local, state, e_dtype, want_ezm)
     return fold_tile_torch(u, bias, inv_t, y_local, state, e_dtype, want_ezm)
+
+
+def grad_tile_torch(
+    u: torch.Tensor,
+    bias: torch.Tensor | None,
+    inv_t: float,
+    lse: torch.Tensor,
+    y_local: torch.Tensor,
+    g_t: torch.Tensor,
+    ent: torch.Tensor | None,
+    ge_t: torch.Tensor | None,
+    out_dtype: torch.dtype,
+) -> torch.Tensor:
+    """G of the module docstring in torch ops (kernels/logit_grad.py), in ``out_dtype``; ``u`` (the raw float32
+    tile) is overwritten."""
+    if bias is not None:
+        u += bias.float()
+    return logit_grad(u.mul_(inv_t), lse, y_local, g_t, ent, ge_t).to(out_dtype)
+
+
+def grad_tile(
+    u: torch.Tensor,
+    bias: torch.Tensor | None,
+    inv_t: float,
+    lse: torch.Tensor,
+    y_local: torch.Tensor,
+    g_t: torch.Tensor,
+    ent: torch.Tensor | None,
+    ge_t: torch.Tensor | None,
+    out_dtype: torch.dtype,
+    fused: bool | None = None,
+) -> torch.Tensor:
+    """One tile's G [rows, cols] in ``out_dtype`` (module docstring): the Triton route when ``fused`` (default:
+    :func:`fused_available`), else :func:`grad_tile_torch`. ``ent`` and ``ge_t`` both given: the entropy's term."""
+    if fused is None:
+        fused = fused_available(u)
+    if fused:
+        from grpoflow.kernels.triton_tiles import grad_tile_triton
+
+        return grad_tile_triton(u, bias, inv_t, lse, y_local, g_t, ent, ge_t, out_dtype)
+    return grad_tile_torch(u, bias, inv_t, lse, y_local, g_t, ent, ge_t, out_dtype)

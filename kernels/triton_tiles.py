@@ -1,11 +1,13 @@
-"""The online-softmax fold of one logit tile (kernels/fold.py has the math) as one Triton kernel: the tile's
-float32 logits are read once and e (and e (z - m')) written once in the next GEMM's dtype.
+"""kernels/tiles.py's two tile operations as Triton kernels, each reading the float32 tile once and writing its
+16-bit result once: the forward's online-softmax fold (e, and e (z - m'), in the next GEMM's dtype) and the
+backward's gradient G.
 
-One program per row. The row's columns (at most kernels/fold.py's MAX_FUSED_COLS) are loaded into registers in
-one piece, so the row max, e, the sums and the target's logit come from that single read; the per-row state
-(m, s, c, z_y) is read and written in place, r and δ written for the caller's accumulators. Pointer offsets of a
-row times a stride are int64. Under TRITON_INTERPRET=1 (tests on CPU) the same kernel runs on CPU tensors.
-Launched on its tensors' device (kernels/launch.py).
+The fold: one program per row. The row's columns (at most kernels/tiles.py's MAX_FUSED_COLS) are loaded into
+registers in one piece, so the row max, e, the sums and the target's logit come from that single read; the
+per-row state (m, s, c, z_y) is read and written in place, r and δ written for the caller's accumulators.
+The gradient: elementwise, programs of (row, GRAD_BLOCK columns). Pointer offsets of a row times a stride are
+int64. Under TRITON_INTERPRET=1 (tests on CPU) the same kernels run on CPU tensors. Launched on their tensors'
+device (kernels/launch.py).
 """
 
 from __future__ import annotations
@@ -14,8 +16,8 @@ import torch
 import triton
 import triton.language as tl
 
-from grpoflow.kernels.fold import MAX_FUSED_COLS, Folded, FoldState
 from grpoflow.kernels.launch import launch
+from grpoflow.kernels.tiles import MAX_FUSED_COLS, Folded, FoldState
 
 
 @triton.jit
@@ -24,7 +26,7 @@ def _fold_kernel(
     HAS_BIAS: tl.constexpr, ENTROPY: tl.constexpr, WRITE_E: tl.constexpr, WRITE_EZM: tl.constexpr,
     BLOCK: tl.constexpr,
 ):  # fmt: skip
-    """Row ``program_id``: z = (u + b) / T, then m', r, δ, e, s', c', z_y' of kernels/fold.py, one read of u."""
+    """Row ``program_id``: z = (u + b) / T, then m', r, δ, e, s', c', z_y' of kernels/tiles.py, one read of u."""
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK)
     ok = offs < cols
@@ -71,7 +73,7 @@ def fold_tile_triton(
     e_dtype: torch.dtype | None,
     want_ezm: bool = False,
 ) -> Folded:
-    """kernels/fold.py's fold_tile_torch, fused: same arguments, same in-place state update, same results (``u`` is
+    """kernels/tiles.py's fold_tile_torch, fused: same arguments, same in-place state update, same results (``u`` is
     left as it was)."""
     rows, cols = u.shape
     if cols > MAX_FUSED_COLS:
@@ -96,3 +98,53 @@ def fold_tile_triton(
     meta = dict(HAS_BIAS=bias is not None, ENTROPY=entropy, WRITE_E=write_e, WRITE_EZM=write_ezm, BLOCK=block)
     launch(_fold_kernel, (rows,), u.device, *args, num_warps=_warps(block), **meta)
     return Folded(r, shift, e, ezm)
+
+
+GRAD_BLOCK = 1024  # columns per program of the gradient kernel
+
+
+@triton.jit
+def _grad_kernel(
+    U, B, LSE, Y, G_T, ENT, GE_T, G, cols, stride_u, stride_g, inv_t,
+    HAS_BIAS: tl.constexpr, ENT_GRAD: tl.constexpr, BLOCK: tl.constexpr,
+):  # fmt: skip
+    """Program (row, column block): G = (1/T)[g onehot(y) - p (g + g_H (z - lse + H))], p = e^(z - lse)."""
+    row = tl.program_id(0).to(tl.int64)
+    offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    ok = offs < cols
+    z = tl.load(U + row * stride_u + offs, mask=ok, other=0.0)
+    if HAS_BIAS:
+        z += tl.load(B + offs, mask=ok, other=0.0).to(tl.float32)
+    log_p = z * inv_t - tl.load(LSE + row)
+    g_t = tl.load(G_T + row)
+    coef = g_t
+    if ENT_GRAD:
+        coef = g_t + tl.load(GE_T + row) * (log_p + tl.load(ENT + row))
+    grad = -(tl.exp(log_p) * coef) + tl.where(offs == tl.load(Y + row), g_t, 0.0)
+    tl.store(G + row * stride_g + offs, grad.to(G.dtype.element_ty), mask=ok)
+
+
+def grad_tile_triton(
+    u: torch.Tensor,
+    bias: torch.Tensor | None,
+    inv_t: float,
+    lse: torch.Tensor,
+    y_local: torch.Tensor,
+    g_t: torch.Tensor,
+    ent: torch.Tensor | None,
+    ge_t: torch.Tensor | None,
+    out_dtype: torch.dtype,
+) -> torch.Tensor:
+    """kernels/tiles.py's grad_tile_torch, fused: same arguments and result (``u`` is left as it was)."""
+    rows, cols = u.shape
+    if u.dtype != torch.float32 or u.stride(1) != 1:
+        raise ValueError(f"the fused gradient takes a row-major float32 tile, got {u.dtype} with strides {u.stride()}")
+    ent_grad = ent is not None and ge_t is not None
+    g = torch.empty(rows, cols, device=u.device, dtype=out_dtype)
+    vecs = [t.contiguous() for t in (lse, y_local, g_t)]
+    ent_args = (ent.contiguous(), ge_t.contiguous()) if ent_grad else (vecs[0], vecs[0])
+    args = (u, bias if bias is not None else u, *vecs, *ent_args, g, cols, u.stride(0), cols, inv_t)
+    grid = (rows, triton.cdiv(cols, GRAD_BLOCK))
+    meta = dict(HAS_BIAS=bias is not None, ENT_GRAD=ent_grad, BLOCK=GRAD_BLOCK)
+    launch(_grad_kernel, grid, u.device, *args, num_warps=4, **meta)
+    return g
