@@ -457,9 +457,10 @@ def grad_case(rows: int, cols: int, device: torch.device, repeats: int) -> dict:
         return grad_tile(u.clone(), None, 1.0, lse, y, g_t, ent.abs(), ge_t, torch.bfloat16, fused=fused)
 
     run.tile = u
-    err = (run(True).float() - run(False).float()).abs().max().item()
-    if err > 1e-2:
-        raise AssertionError(f"fused gradient differs from the torch one by {err:.3g}")
+    got, want = run(True).float(), run(False).float()
+    err = ((got - want).abs().max() / want.abs().max()).item()  # bf16: one rounding step apart is 2^-8 of a value
+    if err > 2**-7:
+        raise AssertionError(f"fused gradient differs from the torch one by {err:.3g} of its largest entry")
     return {"max_err": err, **_fused_against_torch(run, rows, cols, 6, device, repeats)}
 
 

@@ -126,7 +126,7 @@ def test_gpu_check_cpu_mode_from_the_bare_tree(tmp_path):
     assert tiles["status"] == "passed", tiles
     assert set(tiles["cases"]) == {f"{k}/{t}" for k in ("fold", "grad") for t in ("16x300", "8x64")}, tiles
     for c in tiles["cases"].values():
-        assert c["max_err"] < 1e-2 and c.get("max_state_err", 0) < 1e-3, c
+        assert c["max_err"] <= 2**-7 and c.get("max_state_err", 0) < 1e-3, c  # within one bf16 step
         assert c["fused_ms"] > 0 and c["torch_ms"] > 0 and c["fused_gb_per_s"] > 0 and c["torch_over_fused"] > 0, c
 
     assert report["sections"]["grpo_second_gpu"]["status"] == "skipped"
