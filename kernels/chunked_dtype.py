@@ -25,7 +25,15 @@ from __future__ import annotations
 import torch
 
 from grpoflow.kernels.precision import addmm_fp32, mm_fp32
-from grpoflow.kernels.tiles import MAX_FUSED_COLS, FoldState, fold_tile, fused_available, grad_tile, new_state
+from grpoflow.kernels.tiles import (
+    MAX_FUSED_COLS,
+    Accumulators,
+    FoldState,
+    fold_tile,
+    fused_available,
+    grad_tile,
+    new_state,
+)
 
 
 def _rows_of(state: FoldState, rows: slice) -> FoldState:
@@ -116,11 +124,10 @@ def frozen_head_forward(
             c1 = min(c0 + vocab_chunk, v)
             w = weight[c0:c1].to(dtype)
             u = mm_fp32(h, w.t())
-            f = fold_tile(u, None if bias is None else bias[c0:c1], inv_t, yr - c0, state, dtype, keep_jh, fused)
+            b_c = None if bias is None else bias[c0:c1]
+            f = fold_tile(u, b_c, inv_t, yr - c0, state, dtype, keep_jh, Accumulators(a, b), fused)  # rescales a, b
             if b is not None:
-                b.addcmul_(a, f.shift[:, None], value=-1.0).mul_(f.r[:, None])
                 addmm_fp32(b, f.ezm, w)
-            a.mul_(f.r[:, None])
             addmm_fp32(a, f.e, w)
         log_s = torch.log(state.s)
         lse[rows] = state.m + log_s

@@ -12,8 +12,14 @@ output u = h W_c^T (float32):
     c' = r (c - δ s) + sum_v e (z - m')                    (sum of e^(z - m) (z - m); only with the entropy)
     z_y' = z_y of this tile when the target falls in it, else z_y
 
-so that at the end lse = m + log s, logp = z_y - lse and the entropy lse - E_p[z] = log s - c / s. The caller
-rescales its [rows, D] accumulators with r (and δ) before adding e W_c.
+so that at the end lse = m + log s, logp = z_y - lse and the entropy lse - E_p[z] = log s - c / s. A frozen head's
+forward also keeps [rows, D] accumulators of e W (a) and e (z - m) W (b): the fold rescales them to the new max,
+
+    a' = r a,   b' = r (b - δ a)                           (before the caller adds this tile's e W_c, e (z - m') W_c)
+
+which changes nothing in a row whose max did not grow (r = 1, δ = 0): the Triton route skips those rows, so the
+[rows, D] accumulators are read and written only for rows whose running max grew in this tile (a few tiles of a
+row's whole vocabulary), where the torch route rescales every row every tile.
 
 The gradient. Per tile, with the rows' lse and entropy H over the whole vocabulary (from the forward) and the
 upstream g_t = g / T, g_H / T (kernels/logit_grad.py has the derivation):
@@ -51,6 +57,13 @@ class FoldState(NamedTuple):
     z_y: torch.Tensor
 
 
+class Accumulators(NamedTuple):
+    """A frozen head's float32 [rows, D] sums: a = sum_v e_v W_v and b = sum_v e_v (z_v - m) W_v (or None)."""
+
+    a: torch.Tensor
+    b: torch.Tensor | None
+
+
 class Folded(NamedTuple):
     """What one tile's fold returns: r and δ float32 [rows]; e and e (z - m') in the requested dtype [rows, cols]
     (None unless asked for)."""
@@ -75,10 +88,12 @@ def fold_tile_torch(
     state: FoldState,
     e_dtype: torch.dtype | None,
     want_ezm: bool = False,
+    acc: Accumulators | None = None,
 ) -> Folded:
     """The fold (module docstring) in torch ops; ``u`` (float32 [rows, cols]) is overwritten. ``y_local`` [rows]:
     each row's target minus the tile's first column (outside [0, cols) when the target is in another tile).
-    ``e_dtype`` None: e is not returned (a forward without gradients needs only the sums)."""
+    ``e_dtype`` None: e is not returned (a forward without gradients needs only the sums). ``acc``: rescaled in
+    place to the new max."""
     m, s, c, z_y = state
     if bias is not None:
         u += bias.float()
@@ -98,6 +113,10 @@ def fold_tile_torch(
         c.copy_(r * (c - shift * s) + ezm.sum(1))
     s.copy_(s * r + e.sum(1))
     m.copy_(m_new)
+    if acc is not None:
+        if acc.b is not None:
+            acc.b.addcmul_(acc.a, shift[:, None], value=-1.0).mul_(r[:, None])
+        acc.a.mul_(r[:, None])
     e_out = None if e_dtype is None else e.to(e_dtype)
     ezm_out = ezm.to(e_dtype) if want_ezm and ezm is not None and e_dtype is not None else None
     return Folded(r, shift, e_out, ezm_out)
@@ -127,17 +146,18 @@ def fold_tile(
     state: FoldState,
     e_dtype: torch.dtype | None,
     want_ezm: bool = False,
+    acc: Accumulators | None = None,
     fused: bool | None = None,
 ) -> Folded:
     """One tile's fold (module docstring): the Triton fold when ``fused`` (default: :func:`fused_available`),
-    else :func:`fold_tile_torch`. Both update ``state`` in place and return the same things."""
+    else :func:`fold_tile_torch`. Both update ``state`` (and rescale ``acc``) in place and return the same things."""
     if fused is None:
         fused = fused_available(u)
     if fused:
         from grpoflow.kernels.triton_tiles import fold_tile_triton  # imports triton: only on this route
 
-        return fold_tile_triton(u, bias, inv_t, y_local, state, e_dtype, want_ezm)
-    return fold_tile_torch(u, bias, inv_t, y_local, state, e_dtype, want_ezm)
+        return fold_tile_triton(u, bias, inv_t, y_local, state, e_dtype, want_ezm, acc)
+    return fold_tile_torch(u, bias, inv_t, y_local, state, e_dtype, want_ezm, acc)
 
 
 def grad_tile_torch(

@@ -17,16 +17,18 @@ import triton
 import triton.language as tl
 
 from grpoflow.kernels.launch import launch
-from grpoflow.kernels.tiles import MAX_FUSED_COLS, Folded, FoldState
+from grpoflow.kernels.tiles import MAX_FUSED_COLS, Accumulators, Folded, FoldState
 
 
 @triton.jit
 def _fold_kernel(
-    U, B, Y, M, S, C, ZY, R, SHIFT, E, EZM, cols, stride_u, stride_e, inv_t,
+    U, B, Y, M, S, C, ZY, R, SHIFT, E, EZM, A, BACC, cols, D, stride_u, stride_e, stride_acc, inv_t,
     HAS_BIAS: tl.constexpr, ENTROPY: tl.constexpr, WRITE_E: tl.constexpr, WRITE_EZM: tl.constexpr,
-    BLOCK: tl.constexpr,
+    RESCALE: tl.constexpr, RESCALE_B: tl.constexpr, BLOCK: tl.constexpr, BLOCK_D: tl.constexpr,
 ):  # fmt: skip
-    """Row ``program_id``: z = (u + b) / T, then m', r, δ, e, s', c', z_y' of kernels/tiles.py, one read of u."""
+    """Row ``program_id``: z = (u + b) / T, then m', r, δ, e, s', c', z_y' of kernels/tiles.py, one read of u; with
+    RESCALE the row's accumulators a' = r a (and b' = r (b - δ a)), only when its max grew (r < 1 after a first
+    tile: a row whose max stayed is neither read nor written)."""
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK)
     ok = offs < cols
@@ -57,6 +59,19 @@ def _fold_kernel(
     tl.store(M + row, m_new)
     tl.store(R + row, r)
     tl.store(SHIFT + row, shift)
+    if RESCALE:
+        if (r < 1.0) & (m > float("-inf")):  # on the first tile the accumulators are still zero
+            for d0 in range(0, D, BLOCK_D):
+                d = d0 + tl.arange(0, BLOCK_D)
+                d_ok = d < D
+                a = tl.load(A + row * stride_acc + d, mask=d_ok, other=0.0)
+                if RESCALE_B:
+                    b = tl.load(BACC + row * stride_acc + d, mask=d_ok, other=0.0)
+                    tl.store(BACC + row * stride_acc + d, r * (b - shift * a), mask=d_ok)
+                tl.store(A + row * stride_acc + d, r * a, mask=d_ok)
+
+
+ACC_BLOCK = 1024  # accumulator columns a fold program rescales per step
 
 
 def _warps(block: int) -> int:
@@ -72,9 +87,10 @@ def fold_tile_triton(
     state: FoldState,
     e_dtype: torch.dtype | None,
     want_ezm: bool = False,
+    acc: Accumulators | None = None,
 ) -> Folded:
-    """kernels/tiles.py's fold_tile_torch, fused: same arguments, same in-place state update, same results (``u`` is
-    left as it was)."""
+    """kernels/tiles.py's fold_tile_torch, fused: same arguments, same in-place state (and accumulator) update, same
+    results (``u`` is left as it was)."""
     rows, cols = u.shape
     if cols > MAX_FUSED_COLS:
         raise ValueError(f"the fused fold takes at most {MAX_FUSED_COLS} columns a tile, got {cols}")
@@ -91,11 +107,18 @@ def fold_tile_triton(
     ezm = torch.empty(rows, cols, device=u.device, dtype=e_dtype) if write_ezm else None
     y = y_local.contiguous()
     block = triton.next_power_of_2(cols)
+    a = b = u  # unused pointers without accumulators
+    if acc is not None:
+        a, b = acc.a, acc.b if acc.b is not None else acc.a
+        if any(t.dtype != torch.float32 or t.stride() != (a.shape[1], 1) or t.shape != a.shape for t in (a, b)):
+            raise ValueError("the fused fold's accumulators must be contiguous float32 [rows, D] tensors")
+    d = a.shape[1] if acc is not None else 0
     args = (
         u, bias if bias is not None else u, y, state.m, state.s, state.c if entropy else state.s, state.z_y, r, shift,
-        e if write_e else u, ezm if write_ezm else u, cols, u.stride(0), cols, inv_t,
+        e if write_e else u, ezm if write_ezm else u, a, b, cols, d, u.stride(0), cols, max(d, 1), inv_t,
     )  # fmt: skip
     meta = dict(HAS_BIAS=bias is not None, ENTROPY=entropy, WRITE_E=write_e, WRITE_EZM=write_ezm, BLOCK=block)
+    meta.update(RESCALE=acc is not None, RESCALE_B=acc is not None and acc.b is not None, BLOCK_D=ACC_BLOCK)
     launch(_fold_kernel, (rows,), u.device, *args, num_warps=_warps(block), **meta)
     return Folded(r, shift, e, ezm)
 

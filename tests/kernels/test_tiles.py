@@ -11,7 +11,15 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from grpoflow.kernels.chunked_dtype import chunked_dtype_backward, chunked_dtype_forward, frozen_head_forward
 from grpoflow.kernels.logprobs import token_logprobs_reference
-from grpoflow.kernels.tiles import FoldState, fold_tile, fold_tile_torch, grad_tile, grad_tile_torch, new_state
+from grpoflow.kernels.tiles import (
+    Accumulators,
+    FoldState,
+    fold_tile,
+    fold_tile_torch,
+    grad_tile,
+    grad_tile_torch,
+    new_state,
+)
 from tests.kernels.test_entropy_grad import entropy_up
 from tests.kernels.test_logprob_precision import TOL
 from tests.kernels.test_logprobs import make_inputs
@@ -21,11 +29,13 @@ ROWS, COLS = 16, 64  # ragged tiles at N=70, V=300
 
 
 def tiles(seed, rows=5, cols=(48, 37, 64)):
-    """Raw logit tiles of growing scale (so the running max grows and the rescale matters), targets spread over
-    all tiles (and one row's target in none), a bias per tile."""
+    """Raw logit tiles of growing scale (so the running max grows and the rescale matters) except on rows 0, 2 and 4
+    (their max is in the first tile), targets spread over all tiles (and one row's target in none), a bias per
+    tile."""
     g = torch.Generator().manual_seed(seed)
     us = [torch.randn(rows, c, generator=g) * (2.0 + 3 * i) for i, c in enumerate(cols)]
     bs = [torch.randn(c, generator=g) for c in cols]
+    us[0][::2, 0] += 60.0  # rows 0, 2, 4 peak in the first tile: their max never grows after it
     y = torch.randint(0, sum(cols), (rows,), generator=g)
     y[-1] = sum(cols) + 5
     return us, bs, y, cols
@@ -38,15 +48,21 @@ def copy_state(state: FoldState) -> FoldState:
 @pytest.mark.parametrize("e_dtype", [None, torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("entropy", [False, True])
 @pytest.mark.parametrize("bias", [False, True])
-def test_triton_tiles_matches_the_torch_fold_tile_after_tile(e_dtype, entropy, bias):
+def test_triton_fold_matches_the_torch_fold_tile_after_tile(e_dtype, entropy, bias):
+    """Three tiles of growing scale (each row's max grows on some tiles and not on others); the state, r, δ, e,
+    e (z - m') and the rescaled accumulators a, b (random, as after earlier GEMMs) agree tile after tile."""
     us, bs, y, cols = tiles(1)
     fused = new_state(5, entropy, torch.device("cpu"))
     plain = copy_state(fused)
+    g = torch.Generator().manual_seed(2)
+    acc_f = Accumulators(torch.zeros(5, 1500), torch.zeros(5, 1500) if entropy else None)  # D = 1500: 2 blocks
+    acc_t = Accumulators(*(None if t is None else t.clone() for t in acc_f))
+    grew = []
     c0 = 0
     for u, b, c in zip(us, bs, cols):
         args = (None if not bias else b, 0.7, y - c0)
-        got = fold_tile(u.clone(), *args, fused, e_dtype, True, fused=True)
-        want = fold_tile_torch(u.clone(), *args, plain, e_dtype, True)
+        got = fold_tile(u.clone(), *args, fused, e_dtype, True, acc_f, fused=True)
+        want = fold_tile_torch(u.clone(), *args, plain, e_dtype, True, acc_t)
         for name, a, w in zip(("r", "shift", "e", "ezm"), got, want):
             if name == "ezm" and not entropy or e_dtype is None and name in ("e", "ezm"):
                 assert a is None and w is None, name
@@ -54,16 +70,22 @@ def test_triton_tiles_matches_the_torch_fold_tile_after_tile(e_dtype, entropy, b
             assert a.dtype == w.dtype, name
             tol = {"atol": 1e-6, "rtol": 1e-5} if a.dtype == torch.float32 else {}
             torch.testing.assert_close(a, w, **tol, msg=name)
-        for name, a, w in zip(FoldState._fields, fused, plain):
+        for name, a, w in [*zip(FoldState._fields, fused, plain), *zip(("a", "b"), acc_f, acc_t)]:
             if w is None:
                 assert a is None
                 continue
             torch.testing.assert_close(a, w, atol=1e-5, rtol=1e-5, msg=name)
+        grew.append(got.r < 1)
+        for t in (t for t in acc_f if t is not None):  # what the tile's GEMMs would add: the next rescale's input
+            t.add_(torch.randn(t.shape, generator=g))
+        acc_t = Accumulators(*(None if t is None else t.clone() for t in acc_f))
         c0 += c
     assert torch.isfinite(fused.s).all() and (fused.z_y[:-1] != 0).all() and (fused.z_y[-1] == 0)
+    grew = torch.stack(grew[1:])  # after the first tile: rows whose max grew and rows whose max stayed, both seen
+    assert grew.any() and not grew.all(), grew
 
 
-def test_triton_tiles_refuses_a_tile_wider_than_a_row_of_registers():
+def test_triton_fold_refuses_a_tile_wider_than_a_row_of_registers():
     from grpoflow.kernels.tiles import MAX_FUSED_COLS
     from grpoflow.kernels.triton_tiles import fold_tile_triton
 
@@ -74,7 +96,7 @@ def test_triton_tiles_refuses_a_tile_wider_than_a_row_of_registers():
 
 @pytest.mark.parametrize("dtype", list(TOL))
 @pytest.mark.parametrize("bias", [False, True])
-def test_forwards_through_the_triton_tiles_match_the_reference(dtype, bias):
+def test_forwards_through_the_triton_fold_match_the_reference(dtype, bias):
     """chunked_dtype_forward (no-grad passes, trainable head) and frozen_head_forward (with J and J_H) with
     ``fused=True``: logp, entropy and J/J_H against the float32 reference and the torch fold."""
     h, w, b, y, up = make_inputs(70, 80, 300, bias=bias, dtype=dtype)
