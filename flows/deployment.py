@@ -3,7 +3,7 @@
 A deployment's parameters must be JSON, so this flow takes what a user types on the command line instead of a
 resolved config dict: ``config``, the path of a YAML config (relative to the working directory: the repo root
 locally, /app in the images), and ``overrides``, a list of "key=value" strings, loaded exactly as `grpoflow run`
-loads them (flows/cli.py). It then runs the pipeline body in this flow run, so one deployment run is one flow run
+loads them (flows/cli_run.py). It then runs the pipeline body in this flow run, so one deployment run is one flow run
 and one MLflow parent run (tagged with this flow run's id).
 
     prefect deployment run grpo-pipeline/local --param config=configs/default.yaml \\

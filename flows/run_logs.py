@@ -3,7 +3,7 @@
 Prefect sends to its API only its own loggers and those PREFECT_LOGGING_EXTRA_LOGGERS names, and it reads that
 setting once, when it sets up logging as it is imported: setting it inside a flow is too late. So the flow-run
 process must start with it in its environment: the deployments' job variables (infra/prefect.yaml), the GPU
-pools' templates (infra/work-pools/), the compose workers (docker/compose.yaml) and `grpoflow run` (flows/cli.py,
+pools' templates (infra/work-pools/), the compose workers (docker/compose.yaml) and `grpoflow run` (flows/cli_env.py,
 before anything imports Prefect) all carry :data:`FLOW_RUN_LOG_ENV`; tests/infra checks that they agree.
 """
 

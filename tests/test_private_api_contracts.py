@@ -473,7 +473,7 @@ CONTRACTS = [
     ),
     Contract(
         "prefect", "settings environment variables",
-        ("flows/cli.py", "flows/embedded_server.py", "flows/operations.py"),
+        ("flows/cli_env.py", "flows/embedded_server.py", "flows/operations.py"),
         "Settings read PREFECT_UI_ENABLED, PREFECT_HOME, PREFECT_SERVER_MEMO_STORE_PATH, "
         "PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS, PREFECT_SERVER_ANALYTICS_ENABLED, PREFECT_LOGGING_LEVEL, "
         "PREFECT_API_URL; temporary_settings(updates=)",

@@ -7,14 +7,14 @@ import sys
 
 import pytest
 
-from grpoflow.flows import cli
+from grpoflow.flows import cli_env
 from tests.paths import MICRO
 
 
 def test_busy_cores_sees_a_busy_process():
     hog = subprocess.Popen([sys.executable, "-c", "while True: pass"])
     try:
-        assert cli.busy_cores(0.5) >= 0.7
+        assert cli_env.busy_cores(0.5) >= 0.7
     finally:
         hog.kill()
         hog.wait()
@@ -22,15 +22,15 @@ def test_busy_cores_sees_a_busy_process():
 
 def test_wait_policy_follows_the_load_and_keeps_a_set_value(monkeypatch):
     monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
-    monkeypatch.setattr(cli, "busy_cores", lambda seconds=0.5: 0.1)
-    cli._openmp_wait_policy()
-    assert "OMP_WAIT_POLICY" not in cli.os.environ
-    monkeypatch.setattr(cli, "busy_cores", lambda seconds=0.5: 1.2)
-    cli._openmp_wait_policy()
-    assert cli.os.environ["OMP_WAIT_POLICY"] == "PASSIVE"
+    monkeypatch.setattr(cli_env, "busy_cores", lambda seconds=0.5: 0.1)
+    cli_env._openmp_wait_policy()
+    assert "OMP_WAIT_POLICY" not in cli_env.os.environ
+    monkeypatch.setattr(cli_env, "busy_cores", lambda seconds=0.5: 1.2)
+    cli_env._openmp_wait_policy()
+    assert cli_env.os.environ["OMP_WAIT_POLICY"] == "PASSIVE"
     monkeypatch.setenv("OMP_WAIT_POLICY", "ACTIVE")
-    cli._openmp_wait_policy()
-    assert cli.os.environ["OMP_WAIT_POLICY"] == "ACTIVE"
+    cli_env._openmp_wait_policy()
+    assert cli_env.os.environ["OMP_WAIT_POLICY"] == "ACTIVE"
 
 
 @pytest.mark.slow
@@ -57,15 +57,15 @@ def test_a_first_run_on_a_new_machine_prints_no_library_noise(tmp_path):
 
 def test_the_cli_forwards_grpoflow_logs_to_prefect_before_prefect_reads_its_settings(monkeypatch):
     """PREFECT_LOGGING_EXTRA_LOGGERS is read once, when Prefect sets up logging on import: the CLI sets it (a user's
-    value wins) in :func:`cli._library_env`, and importing the CLI must not import Prefect before that runs."""
+    value wins) in :func:`cli_env._library_env`, and importing the CLI must not import Prefect before that runs."""
     from grpoflow.flows.run_logs import FLOW_RUN_LOG_ENV
 
     for key in FLOW_RUN_LOG_ENV:
         monkeypatch.delenv(key, raising=False)
     monkeypatch.setenv("PREFECT_LOGGING_TO_API_WHEN_MISSING_FLOW", "warn")
-    cli._library_env()
-    assert cli.os.environ["PREFECT_LOGGING_EXTRA_LOGGERS"] == "grpoflow"
-    assert cli.os.environ["PREFECT_LOGGING_TO_API_WHEN_MISSING_FLOW"] == "warn"  # the user's choice stays
+    cli_env._library_env()
+    assert cli_env.os.environ["PREFECT_LOGGING_EXTRA_LOGGERS"] == "grpoflow"
+    assert cli_env.os.environ["PREFECT_LOGGING_TO_API_WHEN_MISSING_FLOW"] == "warn"  # the user's choice stays
     code = "import sys, grpoflow.flows.cli; print(sorted(m for m in sys.modules if m.split('.')[0] == 'prefect'))"
     res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=os.environ)
     assert res.returncode == 0 and res.stdout.strip() == "[]", res.stdout + res.stderr
