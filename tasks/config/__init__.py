@@ -1,5 +1,5 @@
 """Configuration: typed, frozen pydantic sections, loaded from YAML plus overrides. Imports no other part of
-grpoflow: storage settings are a plain section here, and the code that uses them (runtime/s3.py) takes them as
+grpoflow: storage settings are a plain section here, and the code that uses them (tasks/storage/s3.py) takes them as
 an argument."""
 
 from grpoflow.tasks.config.base import ConfigError

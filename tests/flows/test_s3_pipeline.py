@@ -63,7 +63,7 @@ def ctx(seaweedfs, mlflow_s3_server, tmp_path_factory):
     )
     env.pop("MLFLOW_TRACKING_URI", None)
     saved = {k: os.environ.get(k) for k in seaweedfs.env()}
-    os.environ.update(seaweedfs.env())  # this process reads the bucket with runtime/s3.py, as the pipeline does
+    os.environ.update(seaweedfs.env())  # this process reads the bucket with tasks/storage/s3.py, as the pipeline does
     ws = f"s3://{seaweedfs.bucket}/runs/s3run"
     c = {"env": env, "server": seaweedfs, "mlflow": mlflow_s3_server, "ws": ws, "first_cache": tmp / "cache"}
     c["cache"] = tmp / "another-cache"

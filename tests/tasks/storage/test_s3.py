@@ -1,5 +1,5 @@
-"""runtime/s3.py against a real S3 server (SeaweedFS on 127.0.0.1): URIs, listing, transfers, folder sync, errors;
-an S3 run workspace (runtime/workspace.py) and s3:// data sources (dataio/sources.py)."""
+"""tasks/storage/s3.py against a real S3 server (SeaweedFS on 127.0.0.1): URIs, listing, transfers, folder sync, errors;
+an S3 run workspace (tasks/storage/workspace.py) and s3:// data sources (tasks/dataio/sources.py)."""
 
 import hashlib
 import json
