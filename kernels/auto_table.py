@@ -14,8 +14,11 @@ shapes between the measured ones go with the nearer measured point, which is wha
 
 Where the table comes from: ``GRPOFLOW_AUTO_TABLE`` (:data:`ENV`), the path of a JSON table, when set (the GPU
 check writes one beside its report: ``benchmarks/gpu_check.py`` prints the path and the export line); else
-:data:`DEFAULT_TABLE`, shipped here. Until a device has measured one, the default keeps the choice ``auto`` made
-before tables existed: the Triton kernel on CUDA for every shape. CPU tensors never read the table (``chunked``:
+:data:`DEFAULT_TABLE`, shipped here. Until a device has measured one, the default follows the estimates of
+docs/kernel-roofline.md: the chunked cuBLAS path (GEMMs, and one Triton kernel per logit tile between them) for
+every shape, head and pass, ahead of the Triton kernel by 1.1-3x at the check's four shapes (the Triton kernel's
+dots at 30-60% of cuBLAS and its H re-reads against the chunked path's 4-6 bytes per logit). CPU tensors never read
+the table (``chunked``:
 the Triton kernel runs on a CPU only under the interpreter). A table file that is not valid is an error naming
 the file and the entry, raised on the first call that reads it (not a silent fall back to the default).
 """
@@ -36,17 +39,18 @@ V_QWEN = 151936
 
 
 def _default_entries() -> list[dict[str, Any]]:
-    """The GPU check's timing shapes (N x D at Qwen's vocabulary, bf16, both heads), all Triton: today's choice."""
+    """The GPU check's timing shapes (N x D at Qwen's vocabulary, bf16, both heads), all chunked: the estimate."""
     out = []
     for n, d in ((2048, 896), (16384, 4096), (16384, 896), (2048, 4096)):
         for head in HEADS:
-            out.append({"N": n, "D": d, "V": V_QWEN, "dtype": "bfloat16", "head": head, "fwd": "triton"})
-            out[-1]["fwd_bwd"] = "triton"
+            out.append({"N": n, "D": d, "V": V_QWEN, "dtype": "bfloat16", "head": head, "fwd": "chunked"})
+            out[-1]["fwd_bwd"] = "chunked"
     return out
 
 
 DEFAULT_TABLE: dict[str, Any] = {
-    "source": "default: no device has measured one yet (the Triton kernel on CUDA, as before per-shape tables)",
+    "source": "default: no device has measured one yet (the chunked path everywhere, from docs/kernel-roofline.md's "
+    "estimates)",
     "device": None,
     "entries": _default_entries(),
 }

@@ -18,7 +18,7 @@ the same math, chosen by ``impl``:
 - ``"auto"`` (default): chunked for CPU tensors, and for any tensors when triton is not installed (it is a Linux-only
   dependency); for CUDA tensors the faster of triton and chunked at the call's
   shape, from a table of measured shapes (kernels/auto_table.py: the table the GPU check writes when
-  ``GRPOFLOW_AUTO_TABLE`` names it, else the default shipped, which picks triton everywhere until a device measured
+  ``GRPOFLOW_AUTO_TABLE`` names it, else the default shipped, which picks chunked everywhere until a device measured
   one). The table keys on (N, D, V, compute dtype, frozen or trainable head) and on the pass: a no-grad forward
   (old and reference log-probs) or a training forward + backward.
 

@@ -225,10 +225,11 @@ class GRPOConfig(OptimizerFields):
         "auto",
         description="Implementation of the per-token log-probs (loss, old and reference passes; "
         "kernels.token_logprobs): triton (the Triton kernels, CUDA only), chunked (chunked torch: cuBLAS GEMMs in "
-        "the compute dtype on CUDA, the float32 CPU path on CPU), auto (on CUDA the faster of the two at the call's "
-        "shape, from the table of kernels/auto_table.py: the file GRPOFLOW_AUTO_TABLE names, which "
-        "benchmarks/gpu_check.py writes, else the default, triton everywhere; chunked off CUDA, and chunked "
-        "wherever the triton package is not installed: macOS, Windows, a Linux install without it). "
+        "the compute dtype with one Triton kernel per logit tile on CUDA, the float32 CPU path on CPU), auto (on "
+        "CUDA the faster of the two at the call's shape, from the table of kernels/auto_table.py: the file "
+        "GRPOFLOW_AUTO_TABLE names, which benchmarks/gpu_check.py writes, else the default, chunked everywhere (the "
+        "estimate until a GPU measures one); chunked off CUDA, and chunked wherever the triton package is not "
+        "installed: macOS, Windows, a Linux install without it). "
         "Under autocast on CUDA both run with the autocast dtype's operands and float32 accumulation. triton on a "
         "CPU device, or without the triton package, is refused when the GRPO trainer starts.",
     )

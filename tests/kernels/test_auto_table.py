@@ -1,4 +1,4 @@
-"""impl="auto" picks per shape from a table (kernels/auto_table.py): the default keeps the Triton kernel on CUDA, a
+"""impl="auto" picks per shape from a table (kernels/auto_table.py): the default takes the chunked path on CUDA, a
 measured table named by GRPOFLOW_AUTO_TABLE changes the choice per shape and pass, a bad table file is an error
 naming the file, and CPU tensors never read the table.
 
@@ -45,14 +45,14 @@ def measured() -> dict:
     }
 
 
-def test_the_default_table_keeps_triton_on_cuda_for_every_shape(monkeypatch):
+def test_the_default_table_takes_the_chunked_path_on_cuda_for_every_shape(monkeypatch):
     monkeypatch.delenv(ENV, raising=False)
     assert active_table() is DEFAULT_TABLE
     for n, d, v in ((1, 64, 300), (2048, 896, V), (16384, 4096, V), (100000, 8192, 262144)):
         for trainable in (False, True):
             with torch.no_grad():
-                assert auto_impl(*cuda_like(n, d, v, trainable), torch.bfloat16) == "triton"
-            assert auto_impl(*cuda_like(n, d, v, trainable), torch.float32) == "triton"
+                assert auto_impl(*cuda_like(n, d, v, trainable), torch.bfloat16) == "chunked"
+            assert auto_impl(*cuda_like(n, d, v, trainable), torch.float32) == "chunked"
 
 
 def test_a_measured_table_changes_the_choice_per_shape_and_pass(tmp_path, monkeypatch):

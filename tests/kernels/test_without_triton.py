@@ -4,12 +4,14 @@ CUDA tensors, and ``impl="triton"`` fails with an error that names the package a
 Absence is simulated the way Python itself marks a module as unimportable: ``sys.modules["triton"] = None`` makes
 ``import triton`` raise ImportError and ``importlib.util.find_spec("triton")`` return None."""
 
+import json
 import sys
 
 import pytest
 import torch
 
 from grpoflow.kernels import logprobs
+from grpoflow.kernels.auto_table import ENV
 from grpoflow.kernels.logprobs import route, token_logprobs
 
 
@@ -22,9 +24,14 @@ def no_triton(monkeypatch):
     logprobs.triton_available.cache_clear()
 
 
-def test_auto_routes_cuda_to_the_table_with_triton_and_to_chunked_without():
+def test_auto_routes_cuda_to_the_table_with_triton_and_to_chunked_without(tmp_path, monkeypatch):
+    """With triton, a CUDA call takes the table's choice (here a table that says triton); without it, chunked."""
     args = (2048, 896, 151936, torch.bfloat16, "frozen", "fwd_bwd")
-    assert route(True, True, *args) == "triton"  # the shipped default table: triton on CUDA
+    entry = {"N": 2048, "D": 896, "V": 151936, "dtype": "bfloat16", "fwd": "triton", "fwd_bwd": "triton"}
+    path = tmp_path / "auto_table.json"
+    path.write_text(json.dumps({"source": "test", "entries": [entry]}))
+    monkeypatch.setenv(ENV, str(path))
+    assert route(True, True, *args) == "triton"
     assert route(True, False, *args) == "chunked"
     assert route(False, True, *args) == "chunked"
 
