@@ -29,14 +29,18 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
 from grpoflow.tasks.generation.kv_cache import decode_cache
 from grpoflow.tasks.generation.warpers import logits_warpers
+
+if TYPE_CHECKING:
+    from transformers import DynamicCache
 
 log = logging.getLogger(__name__)
 
@@ -97,6 +101,44 @@ def record(
     ended = live & (token == eos_id)
     lengths = torch.where(ended, t + 1, lengths)
     return tokens, logps, lengths, stopped | ended
+
+
+def bucketed_prefill(
+    model, config, ids: torch.Tensor, mask: torch.Tensor, prompt_rows: torch.Tensor, bucket: int, pad: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, DynamicCache, torch.Tensor, torch.Tensor]:
+    """The prompts' forward, left-padded with ``pad`` more columns up to the bucketed width W (masked, so attention
+    and positions see the same prompt), into a fresh cache: (ids, mask and positions [P, W], that cache, the
+    prompt of each of the ``bucket`` batch rows (``prompt_rows``, then row 0 for the bucket's padding rows) and
+    their float logits of the next token [bucket, V])."""
+    ids = torch.nn.functional.pad(ids, (pad, 0), value=int(ids[0, 0]))
+    mask = torch.nn.functional.pad(mask, (pad, 0), value=0)
+    position = (mask.cumsum(-1) - 1).clamp(min=0)
+    pre = decode_cache(config, 0)
+    out = model(input_ids=ids, attention_mask=mask, position_ids=position, past_key_values=pre, logits_to_keep=1)
+    batch_rows = torch.cat([prompt_rows, prompt_rows.new_zeros(bucket - prompt_rows.shape[0])])
+    return ids, mask, position, pre, batch_rows, out.logits[:, -1].float()[batch_rows]
+
+
+def fill_static_cache(cache, pre, rows: torch.Tensor, width: int) -> None:
+    """Each batch row's prompt keys and values (``pre``'s, row ``rows[i]``) copied into the first ``width``
+    positions of the StaticCache ``cache``, the rest zeroed: the cache a call reuses starts from its prompts only."""
+    for static, layer in zip(cache.layers, pre.layers, strict=True):
+        k, v = layer.keys[rows], layer.values[rows]
+        if not static.is_initialized:
+            static.lazy_initialization(k, v)
+        static.keys.zero_()
+        static.values.zero_()
+        static.keys[:, :, :width] = k
+        static.values[:, :, :width] = v
+        static.cumulative_length.fill_(width)
+
+
+def penalty_view(ids: torch.Tensor, rows: torch.Tensor, pad: int, steps: int) -> torch.Tensor:
+    """The repetition penalty's view of each batch row [len(rows), W + steps] (W: the width of ``ids``): its
+    prompt, with the bucket's extra ``pad`` columns and the ``steps`` not yet taken holding the row's last prompt
+    token, which is already there, so they change no score."""
+    last = ids[rows, -1:]
+    return torch.cat([last.expand(rows.shape[0], pad), ids[rows, pad:], last.expand(rows.shape[0], steps)], dim=1)
 
 
 ATTENTION = "grpoflow_decode"  # the attention implementation the compiled step runs the model with
@@ -243,45 +285,19 @@ class CompiledDecoder:
         Bb, W = bucket_rows(B), bucket_width(ids.shape[1])
         temp = 1.0 if p.greedy else p.temperature
         step, warp = self._step_fn(model, p, eos_id)
-        # extra left padding up to the bucketed width: masked, so attention and positions see the same prompt
         pad = W - ids.shape[1]
-        ids = torch.nn.functional.pad(ids, (pad, 0), value=int(ids[0, 0]))
-        mask = torch.nn.functional.pad(mask, (pad, 0), value=0)
-        position = (mask.cumsum(-1) - 1).clamp(min=0)
-        pre = decode_cache(base.config, 0)
-        out = model(input_ids=ids, attention_mask=mask, position_ids=position, past_key_values=pre, logits_to_keep=1)
-        rows = torch.cat([prompt_rows, prompt_rows.new_zeros(Bb - B)])  # padding rows repeat row 0
-        logits = out.logits[:, -1].float()[rows]
+        ids, mask, position, pre, rows, logits = bucketed_prefill(model, base.config, ids, mask, prompt_rows, Bb, pad)
         cache = self._cache(model, base.config, Bb, W + T)
-        for static, layer in zip(cache.layers, pre.layers, strict=True):
-            k, v = layer.keys[rows], layer.values[rows]
-            if not static.is_initialized:
-                static.lazy_initialization(k, v)
-            static.keys.zero_()
-            static.values.zero_()
-            static.keys[:, :, :W] = k
-            static.values[:, :, :W] = v
-            static.cumulative_length.fill_(W)
+        fill_static_cache(cache, pre, rows, W)
         mask = torch.cat([mask[rows], mask.new_zeros((Bb, T))], dim=1)
         position = position[rows, -1:] + 1
-        # the repetition penalty's view of each row: its prompt (the bucket's extra padding and the steps not
-        # yet taken hold the row's last prompt token, which is already there, so they change no score)
-        last = ids[rows, -1:]
-        seqs = torch.cat([last.expand(Bb, pad), ids[rows, pad:], last.expand(Bb, T)], dim=1)
+        seqs = penalty_view(ids, rows, pad, T)
         tokens = torch.zeros((Bb, T), dtype=torch.long, device=dev)
         logps = torch.zeros((Bb, T), device=dev)
         lengths = torch.full((Bb,), T, dtype=torch.long, device=dev)
         stopped = torch.zeros(Bb, dtype=torch.bool, device=dev)
         gens = None if seeds is None else [torch.Generator(device=dev).manual_seed(s) for s in seeds]
-        vocab = logits.shape[-1]
-
-        def noise_block(start: int) -> torch.Tensor:
-            n = min(self.stop_every, T - start)
-            if p.greedy:
-                return torch.ones((n, Bb, vocab), device=dev)
-            drawn = exponential_noise(n, B, vocab, gens, dev)
-            return torch.cat([drawn, drawn.new_ones((n, Bb - B, vocab))], dim=1)
-
+        noise_block = self._noise_blocks(p.greedy, T, B, Bb, logits.shape[-1], gens, dev)
         noise = noise_block(0)
         scores = warp(seqs, logits.clone()) if warp else logits
         token, logp = choose(logits, scores, noise[0], p.greedy, temp)
@@ -292,6 +308,22 @@ class CompiledDecoder:
             self._loop(step, T, B, Bb, W, token, position, mask, cache_pos, cache, seqs, noise, noise_block,
                        tokens, logps, lengths, stopped)  # fmt: skip
         return tokens[:B], logps[:B], lengths[:B], stopped[:B]
+
+    def _noise_blocks(
+        self, greedy: bool, T: int, B: int, Bb: int, vocab: int, gens: list[torch.Generator] | None, device
+    ) -> Callable[[int], torch.Tensor]:
+        """noise_block(start): the Exp(1) noise [n, Bb, vocab] of steps start .. start + n - 1 (n = stop_every, or
+        what is left of T), drawn for the B real rows (:func:`exponential_noise`) and 1 for the bucket's padding
+        rows; all ones when greedy (no draw)."""
+
+        def noise_block(start: int) -> torch.Tensor:
+            n = min(self.stop_every, T - start)
+            if greedy:
+                return torch.ones((n, Bb, vocab), device=device)
+            drawn = exponential_noise(n, B, vocab, gens, device)
+            return torch.cat([drawn, drawn.new_ones((n, Bb - B, vocab))], dim=1)
+
+        return noise_block
 
     def _loop(self, step, T, B, Bb, W, token, position, mask, cache_pos, cache, seqs, noise, noise_block, *state):
         """Steps 1 .. T-1 through the compiled ``step``; ``state`` (tokens, logps, lengths, stopped) in place."""

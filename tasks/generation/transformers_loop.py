@@ -149,6 +149,32 @@ def sample(
     logps = torch.zeros((B, T), device=dev)
     lengths = torch.full((B,), T, dtype=torch.long, device=dev)
     stopped = torch.zeros(B, dtype=torch.bool, device=dev)
+    ids, mask, position, logits = _prefill(model, ids, mask, cache, prompt_rows)
+    rows = torch.arange(B, device=dev)  # batch row -> output row
+    seqs = ids  # what the repetition penalty looks at
+    gens = None if seeds is None else [torch.Generator(device=dev).manual_seed(s) for s in seeds]
+    for t in range(T):
+        scores = warp(seqs, logits.clone()) if warp else logits
+        token = _draw(scores, p.greedy, gens, rows)
+        ended = _record(tokens, logps, lengths, stopped, rows, token, logits, temp, t, eos_id)
+        if t + 1 == T or bool(stopped[rows].all()):
+            break
+        if warp:
+            seqs = torch.cat([seqs, token[:, None]], dim=1)
+        if compactable and bool(ended.any()):  # finished rows leave the batch and the cache
+            keep = (~stopped[rows]).nonzero().squeeze(1)
+            for layer in cache.layers:
+                layer.batch_select_indices(keep)
+            rows, mask, position, token, seqs = rows[keep], mask[keep], position[keep], token[keep], seqs[keep]
+        mask, position, logits = _next_logits(model, token, mask, position, cache)
+    return tokens, logps, lengths, stopped
+
+
+def _prefill(
+    model, ids: torch.Tensor, mask: torch.Tensor, cache, prompt_rows: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The prompts' forward into ``cache``: (ids, mask, the next token's positions [B, 1], its float logits [B, V])
+    for every batch row; with ``prompt_rows`` each row gets its prompt's cache, ids, mask, positions and logits."""
     position = (mask.cumsum(-1) - 1).clamp(min=0)
     out = model(
         input_ids=ids,
@@ -164,37 +190,52 @@ def sample(
         for layer in cache.layers:
             layer.batch_select_indices(prompt_rows)
         ids, mask, position, logits = ids[prompt_rows], mask[prompt_rows], position[prompt_rows], logits[prompt_rows]
-    rows = torch.arange(B, device=dev)  # batch row -> output row
-    seqs = ids  # what the repetition penalty looks at
-    gens = None if seeds is None else [torch.Generator(device=dev).manual_seed(s) for s in seeds]
-    for t in range(T):
-        scores = warp(seqs, logits.clone()) if warp else logits
-        if p.greedy:
-            token = scores.argmax(-1)
-        elif gens is None:
-            token = torch.multinomial(torch.softmax(scores, dim=-1), 1).squeeze(1)
-        else:
-            probs = torch.softmax(scores, dim=-1)
-            token = torch.cat([torch.multinomial(probs[i], 1, generator=gens[r]) for i, r in enumerate(rows.tolist())])
-        live = ~stopped[rows]
-        tokens[rows[live], t] = token[live]
-        logps[rows[live], t] = torch.log_softmax(logits[live] / temp, dim=-1).gather(-1, token[live, None]).squeeze(1)
-        ended = live & (token == eos_id)
-        lengths[rows[ended]] = t + 1
-        stopped[rows[ended]] = True
-        if t + 1 == T or bool(stopped[rows].all()):
-            break
-        if warp:
-            seqs = torch.cat([seqs, token[:, None]], dim=1)
-        if compactable and bool(ended.any()):  # finished rows leave the batch and the cache
-            keep = (~stopped[rows]).nonzero().squeeze(1)
-            for layer in cache.layers:
-                layer.batch_select_indices(keep)
-            rows, mask, position, token, seqs = rows[keep], mask[keep], position[keep], token[keep], seqs[keep]
-        mask = torch.cat([mask, mask.new_ones((mask.shape[0], 1))], dim=1)
-        out = model(
-            input_ids=token[:, None], attention_mask=mask, position_ids=position, past_key_values=cache, use_cache=True
-        )
-        logits = out.logits[:, -1].float()
-        position = position + 1
-    return tokens, logps, lengths, stopped
+    return ids, mask, position, logits
+
+
+def _draw(scores: torch.Tensor, greedy: bool, gens: list[torch.Generator] | None, rows: torch.Tensor) -> torch.Tensor:
+    """One token per batch row [B] from warped ``scores``: argmax when greedy, else torch.multinomial of
+    softmax(scores), from the global RNG or from each row's generator (``gens``, indexed by output row)."""
+    if greedy:
+        return scores.argmax(-1)
+    if gens is None:
+        return torch.multinomial(torch.softmax(scores, dim=-1), 1).squeeze(1)
+    probs = torch.softmax(scores, dim=-1)
+    return torch.cat([torch.multinomial(probs[i], 1, generator=gens[r]) for i, r in enumerate(rows.tolist())])
+
+
+def _record(
+    tokens: torch.Tensor,
+    logps: torch.Tensor,
+    lengths: torch.Tensor,
+    stopped: torch.Tensor,
+    rows: torch.Tensor,
+    token: torch.Tensor,
+    logits: torch.Tensor,
+    temp: float,
+    t: int,
+    eos_id: int,
+) -> torch.Tensor:
+    """Step ``t`` written in place for the batch rows still going (output rows ``rows``): their token and its
+    sampler log-prob log_softmax(logits / temp)[token] in column t; those that emitted ``eos_id`` get length t + 1
+    and stopped. Returns the batch rows that ended at this step [B] (bool)."""
+    live = ~stopped[rows]
+    tokens[rows[live], t] = token[live]
+    logps[rows[live], t] = torch.log_softmax(logits[live] / temp, dim=-1).gather(-1, token[live, None]).squeeze(1)
+    ended = live & (token == eos_id)
+    lengths[rows[ended]] = t + 1
+    stopped[rows[ended]] = True
+    return ended
+
+
+def _next_logits(
+    model, token: torch.Tensor, mask: torch.Tensor, position: torch.Tensor, cache
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One decode step: the forward of ``token`` [B] at ``position`` [B, 1] against ``cache``; (the mask one
+    column longer, the next positions, the next float logits [B, V])."""
+    mask = torch.cat([mask, mask.new_ones((mask.shape[0], 1))], dim=1)
+    out = model(
+        input_ids=token[:, None], attention_mask=mask, position_ids=position, past_key_values=cache, use_cache=True
+    )
+    logits = out.logits[:, -1].float()
+    return mask, position + 1, logits

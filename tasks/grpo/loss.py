@@ -87,83 +87,160 @@ def grpo_loss(
     mask = mask.to(logp.dtype)
     old = logp.detach() if old_logp is None else old_logp
     log_ratio = logp - old  # [B, T]
-    if s.importance_sampling_level == "sequence" or s.loss_type == "gspo":
-        log_w = ((log_ratio * mask).sum(-1) / mask.sum(-1).clamp(min=1.0)).unsqueeze(-1)  # [B, 1]
-    else:
-        log_w = log_ratio
-    coef_1 = torch.exp(log_w)
+    coef_1 = torch.exp(importance_log_weight(log_ratio, mask, s))
     adv = advantages.unsqueeze(1)  # [B, 1]
-
-    kl = None
-    if s.beta != 0.0:
-        if ref_logp is None:
-            raise ValueError("beta > 0 needs ref_logp")
-        d = ref_logp - logp
-        kl = torch.exp(d) - d - 1
-        if s.use_bias_correction_kl:
-            kl = kl * coef_1
-
-    if s.loss_type == "cispo":
-        per_token = -torch.clamp(coef_1, max=s.epsilon_high).detach() * adv * logp
-    elif s.loss_type == "sapo":
-        tau = torch.where(adv > 0, s.sapo_temperature_pos, s.sapo_temperature_neg)
-        per_token = -(torch.sigmoid(tau * (coef_1 - 1)) * 4 / tau) * adv
-    elif s.loss_type == "vespo":
-        phi = gamma_weights(adv, log_ratio, mask, is_ratio, s)
-        per_token = -phi * adv * logp
-    else:
-        coef_2 = torch.clamp(coef_1, 1 - s.epsilon, 1 + s.epsilon_high)
-        if s.delta is not None:
-            coef_1 = torch.clamp(coef_1, max=s.delta)
-        per_token = -torch.min(coef_1 * adv, coef_2 * adv)
+    kl = k3_kl(logp, ref_logp, coef_1, s)
+    per_token, coef_1 = policy_term(logp, log_ratio, coef_1, adv, mask, is_ratio, s)
     if s.off_policy_mask_threshold is not None:
         per_token = per_token * off_policy_mask(adv, logp, sampler_logp if sampler_logp is not None else old, mask, s)
-    entropy_mask = None
-    if s.top_entropy_quantile < 1.0:
-        if entropy is None:
-            raise ValueError("top_entropy_quantile < 1 needs the policy's per-token entropy")
-        entropy_mask = high_entropy_mask(entropy, mask, 1 - s.top_entropy_quantile)
+    entropy_mask = _entropy_mask(entropy, mask, s)
+    if entropy_mask is not None:
         per_token = per_token * entropy_mask
     if is_ratio is not None and s.loss_type != "vespo":
         per_token = per_token * is_ratio
     if kl is not None:
         per_token = per_token + s.beta * kl
     per_token = per_token.expand_as(mask) if per_token.shape != mask.shape else per_token
+    loss = aggregate_loss(per_token, mask, s, num_items_in_round)
+    bonus = None
+    if entropy_coef is not None:
+        term, bonus = entropy_bonus(entropy, mask, entropy_mask, s.gradient_accumulation_steps)
+        loss = loss - entropy_coef * term
+    return loss, clip_metrics(coef_1, adv, mask, s, kl, bonus)
 
+
+def importance_log_weight(log_ratio: torch.Tensor, mask: torch.Tensor, s: LossSettings) -> torch.Tensor:
+    """log_w: the token-level log ratio [B, T] as it is, or at sequence level (importance_sampling_level
+    "sequence", or gspo) its masked mean per sequence [B, 1]:
+
+        log_w[b] = sum_t m*(logp - old_logp) / max(1, sum_t m)"""
+    if s.importance_sampling_level == "sequence" or s.loss_type == "gspo":
+        return ((log_ratio * mask).sum(-1) / mask.sum(-1).clamp(min=1.0)).unsqueeze(-1)  # [B, 1]
+    return log_ratio
+
+
+def k3_kl(
+    logp: torch.Tensor, ref_logp: torch.Tensor | None, coef_1: torch.Tensor, s: LossSettings
+) -> torch.Tensor | None:
+    """The per-token k3 estimate of KL(policy || reference):
+
+        d = ref_logp - logp;  kl = exp(d) - d - 1;  kl *= w  (use_bias_correction_kl)
+    w is the ratio before any delta cap; None when beta == 0."""
+    if s.beta == 0.0:
+        return None
+    if ref_logp is None:
+        raise ValueError("beta > 0 needs ref_logp")
+    d = ref_logp - logp
+    kl = torch.exp(d) - d - 1
+    if s.use_bias_correction_kl:
+        kl = kl * coef_1
+    return kl
+
+
+def policy_term(
+    logp: torch.Tensor,
+    log_ratio: torch.Tensor,
+    coef_1: torch.Tensor,
+    adv: torch.Tensor,
+    mask: torch.Tensor,
+    is_ratio: torch.Tensor | None,
+    s: LossSettings,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(the per-token policy term l before masks, weights and the KL; the ratio w the clip metrics read, capped at
+    delta when set), by loss_type:
+
+        cispo  : l = -sg(min(w, eps_high)) * A * logp
+        sapo   : l = -sigmoid(tau*(w-1)) * 4/tau * A,  tau = sapo_temperature_pos if A > 0 else _neg
+        vespo  : l = -sg(phi(W)) * A * logp            (phi: gamma_weights)
+        others : w_clip = clamp(w, 1-eps, 1+eps_high);  w = min(w, delta) if delta;  l = -min(w*A, w_clip*A)"""
+    if s.loss_type == "cispo":
+        return -torch.clamp(coef_1, max=s.epsilon_high).detach() * adv * logp, coef_1
+    if s.loss_type == "sapo":
+        tau = torch.where(adv > 0, s.sapo_temperature_pos, s.sapo_temperature_neg)
+        return -(torch.sigmoid(tau * (coef_1 - 1)) * 4 / tau) * adv, coef_1
+    if s.loss_type == "vespo":
+        phi = gamma_weights(adv, log_ratio, mask, is_ratio, s)
+        return -phi * adv * logp, coef_1
+    coef_2 = torch.clamp(coef_1, 1 - s.epsilon, 1 + s.epsilon_high)
+    if s.delta is not None:
+        coef_1 = torch.clamp(coef_1, max=s.delta)
+    return -torch.min(coef_1 * adv, coef_2 * adv), coef_1
+
+
+def _entropy_mask(entropy: torch.Tensor | None, mask: torch.Tensor, s: LossSettings) -> torch.Tensor | None:
+    """The high-entropy token mask when top_entropy_quantile < 1 (:func:`high_entropy_mask` at quantile
+    1 - top_entropy_quantile), else None: every token trains."""
+    if s.top_entropy_quantile < 1.0:
+        if entropy is None:
+            raise ValueError("top_entropy_quantile < 1 needs the policy's per-token entropy")
+        return high_entropy_mask(entropy, mask, 1 - s.top_entropy_quantile)
+    return None
+
+
+def aggregate_loss(
+    per_token: torch.Tensor, mask: torch.Tensor, s: LossSettings, num_items_in_round: float | None
+) -> torch.Tensor:
+    """The micro-batch's loss from per-token losses l [B, T] by loss_type (GA = gradient_accumulation_steps):
+
+        grpo/gspo/sapo   : mean_b( sum_t m*l / max(1, sum_t m) ) / GA
+        luspo            : mean_b( sum_t m*l ) / GA
+        bnpo             : sum(m*l) / max(1, sum(m)) / GA
+        dr_grpo          : sum(m*l) / (B * max_completion_length) / GA
+        dapo/cispo/vespo : sum(m*l) / (max(1, N_round) / world * GA / steps_per_generation)
+    N_round: ``num_items_in_round``, the round's active tokens on all ranks (world = num_processes)."""
     ga = s.gradient_accumulation_steps
     if s.loss_type in ("grpo", "gspo", "sapo"):
-        loss = ((per_token * mask).sum(-1) / mask.sum(-1).clamp(min=1.0)).mean() / ga
-    elif s.loss_type == "luspo":
-        loss = (per_token * mask).sum(-1).mean() / ga
-    elif s.loss_type == "bnpo":
-        loss = (per_token * mask).sum() / mask.sum().clamp(min=1.0) / ga
-    elif s.loss_type == "dr_grpo":
-        loss = (per_token * mask).sum() / (per_token.shape[0] * s.max_completion_length) / ga
-    elif s.loss_type in ("dapo", "cispo", "vespo"):
+        return ((per_token * mask).sum(-1) / mask.sum(-1).clamp(min=1.0)).mean() / ga
+    if s.loss_type == "luspo":
+        return (per_token * mask).sum(-1).mean() / ga
+    if s.loss_type == "bnpo":
+        return (per_token * mask).sum() / mask.sum().clamp(min=1.0) / ga
+    if s.loss_type == "dr_grpo":
+        return (per_token * mask).sum() / (per_token.shape[0] * s.max_completion_length) / ga
+    if s.loss_type in ("dapo", "cispo", "vespo"):
         if num_items_in_round is None:
             raise ValueError(f"loss_type={s.loss_type} needs num_items_in_round (active tokens of the round)")
         normalizer = max(1.0, float(num_items_in_round)) / s.num_processes * ga / s.steps_per_generation
-        loss = (per_token * mask).sum() / normalizer
-    else:
-        raise ValueError(f"unknown loss_type {s.loss_type!r}")
-    bonus = None
-    if entropy_coef is not None:
-        if entropy is None:
-            raise ValueError("the entropy bonus needs the policy's per-token entropy")
-        on = mask if entropy_mask is None else mask * entropy_mask
-        bonus = ((entropy * on).sum().detach(), on.sum())
-        loss = loss - entropy_coef * ((entropy * on).sum() / on.sum().clamp(min=1.0) / ga)
+        return (per_token * mask).sum() / normalizer
+    raise ValueError(f"unknown loss_type {s.loss_type!r}")
 
-    with torch.no_grad():
-        w = coef_1.expand_as(mask)  # delta-capped ratio, as TRL's clip metrics use
-        low = (w < 1 - s.epsilon) & (adv < 0)
-        high = (w > 1 + s.epsilon_high) & (adv > 0)
-        extras = {"is_low_clipped": low, "is_high_clipped": high, "is_region_clipped": low | high}
-        if kl is not None:
-            extras["kl"] = kl.detach().expand_as(mask)
-        if bonus is not None:
-            extras["entropy_sum"], extras["entropy_tokens"] = bonus
-    return loss, extras
+
+def entropy_bonus(
+    entropy: torch.Tensor | None, mask: torch.Tensor, entropy_mask: torch.Tensor | None, ga: int
+) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
+    """(the bonus term, which the loss subtracts times entropy_coef; for its controller the detached entropy sum
+    and the token count), over m' = m times the high-entropy mask when there is one:
+
+        term = sum(m'*H) / max(1, sum(m')) / GA"""
+    if entropy is None:
+        raise ValueError("the entropy bonus needs the policy's per-token entropy")
+    on = mask if entropy_mask is None else mask * entropy_mask
+    bonus = ((entropy * on).sum().detach(), on.sum())
+    return (entropy * on).sum() / on.sum().clamp(min=1.0) / ga, bonus
+
+
+@torch.no_grad()
+def clip_metrics(
+    w: torch.Tensor,
+    adv: torch.Tensor,
+    mask: torch.Tensor,
+    s: LossSettings,
+    kl: torch.Tensor | None,
+    bonus: tuple[torch.Tensor, torch.Tensor] | None,
+) -> dict[str, torch.Tensor]:
+    """grpo_loss's extras, [B, T] each: where the ratio w (delta-capped, as TRL's clip metrics use) is clipped,
+
+        low = (w < 1 - eps) & (A < 0);  high = (w > 1 + eps_high) & (A > 0);  region = low | high
+    plus the detached kl when beta > 0 and, with the entropy bonus, entropy_sum and entropy_tokens."""
+    w = w.expand_as(mask)
+    low = (w < 1 - s.epsilon) & (adv < 0)
+    high = (w > 1 + s.epsilon_high) & (adv > 0)
+    extras = {"is_low_clipped": low, "is_high_clipped": high, "is_region_clipped": low | high}
+    if kl is not None:
+        extras["kl"] = kl.detach().expand_as(mask)
+    if bonus is not None:
+        extras["entropy_sum"], extras["entropy_tokens"] = bonus
+    return extras
 
 
 @torch.no_grad()

@@ -190,6 +190,8 @@ class GRPOTrainer:
         return Drawn(idx, gen.completion_ids, gen.logprobs, gen.finish_reasons, rows, texts, per_func)
 
     def generate_round(self) -> tuple[RoundTensors, torch.Tensor, dict, list[dict]]:
+        """One round: ``unique_prompts`` prompts drawn, sampled and scored (dynamic sampling refills it), this
+        rank's rows as RoundTensors on the CPU, their advantages, the round's stats and its completion samples."""
         g, b, comm = self.cfg, self.batching, self.comm
         d = self.draw(b.unique_prompts)
         ds_stats = {}
@@ -197,8 +199,29 @@ class GRPOTrainer:
             d, ds_stats = fill_round(d, self.draw, self.weights, g.num_generations, g.dynamic_sampling_max_rounds)
         mine = local_rows(b, comm.rank)
         row_idx = [i for i in d.idx for _ in range(g.num_generations)][mine]
-        rows, texts, local_func = d.rows, d.texts, d.per_func
-        per_func = comm.all_gather(local_func)  # [B, K]: the whole round's, on every rank
+        per_func = comm.all_gather(d.per_func)  # [B, K]: the whole round's, on every rank
+        total, unscored, adv, stats = self._round_advantages(per_func)
+        stats.update(ds_stats)
+        stats.update(self._reward_stats(per_func, unscored))
+        batch = build_round(
+            [self.prompt_ids[i] for i in row_idx],
+            d.completion_ids,
+            d.logprobs,
+            d.finish_reasons,
+            self.tokenizer.pad_token_id,
+            g.mask_truncated_completions,
+        )
+        stats.update(self._completion_stats(d.completion_ids, batch))
+        return batch, adv[mine], stats, self._round_samples(d, total, adv, mine)
+
+    def _round_advantages(self, per_func: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, dict]:
+        """(total reward r [B], unscored [B], advantages A [B], their stats) of the whole round's per-function
+        rewards r_k [B, K] (NaN: not scored), w the reward weights:
+
+            r = nansum_k w_k * r_k    (NaN where no function scored the row: unscored; combine_rewards)
+            A = group_advantages(r)   ("sum_then_normalize"), or decoupled_advantages(r_k) ("normalize_then_sum")
+        Warns when no function scored any completion of the round."""
+        g = self.cfg
         total = combine_rewards(per_func, self.weights)
         unscored = torch.isnan(total)
         if bool(unscored.all()):
@@ -210,7 +233,13 @@ class GRPOTrainer:
         adv, stats = group_advantages(total, g.num_generations, g.scale_rewards)  # over the round, then sliced
         if g.multi_objective_aggregation == "normalize_then_sum":
             adv, stats["frac_reward_zero_std"] = decoupled_advantages(per_func, self.weights, g.num_generations)
-        stats.update(ds_stats)
+        return total, unscored, adv, stats
+
+    def _reward_stats(self, per_func: torch.Tensor, unscored: torch.Tensor) -> dict:
+        """The round's reward stats: each function's own counts (``take_counts``: code_tests' outcomes, e.g.
+        rewards/x/timeout), frac_unscored (completions no function scored), the unscored-rounds tally and each
+        function's NaN-aware rewards/<name>/mean and /std."""
+        stats = {}
         for name, fn in self.reward_funcs:  # a reward's own counts (code_tests: outcomes), e.g. rewards/x/timeout
             if callable(take := getattr(fn, "take_counts", None)):
                 stats.update({f"rewards/{name}/{k}": v for k, v in take().items()})
@@ -220,30 +249,30 @@ class GRPOTrainer:
             col = per_func[:, k]
             stats[f"rewards/{name}/mean"] = torch.nanmean(col).item()
             stats[f"rewards/{name}/std"] = torch.nan_to_num(nanstd(col), nan=0.0).item()
-        batch = build_round(
-            [self.prompt_ids[i] for i in row_idx],
-            d.completion_ids,
-            d.logprobs,
-            d.finish_reasons,
-            self.tokenizer.pad_token_id,
-            g.mask_truncated_completions,
-        )
-        local_lengths = torch.tensor([len(c) for c in d.completion_ids], dtype=torch.float32)
+        return stats
+
+    def _completion_stats(self, completion_ids: list[list[int]], batch: RoundTensors) -> dict:
+        """The round's completion lengths over every rank (completions/*: all, terminated ones apart, the
+        fraction cut at the limit) and num_tokens, which this adds the round's prompt and completion tokens to."""
+        comm = self.comm
+        local_lengths = torch.tensor([len(c) for c in completion_ids], dtype=torch.float32)
         lengths, truncated = comm.all_gather(local_lengths), comm.all_gather(batch.truncated)  # the round's
         term = lengths[~truncated]
         self.num_tokens += int(comm.all_reduce(batch.prompt_mask.sum() + local_lengths.sum()))
-        stats.update(
-            {
-                "completions/mean_length": lengths.mean().item(),
-                "completions/min_length": lengths.min().item(),
-                "completions/max_length": lengths.max().item(),
-                "completions/clipped_ratio": truncated.float().mean().item(),
-                "completions/mean_terminated_length": term.mean().item() if term.numel() else 0.0,
-                "completions/min_terminated_length": term.min().item() if term.numel() else 0.0,
-                "completions/max_terminated_length": term.max().item() if term.numel() else 0.0,
-                "num_tokens": float(self.num_tokens),
-            }
-        )
+        return {
+            "completions/mean_length": lengths.mean().item(),
+            "completions/min_length": lengths.min().item(),
+            "completions/max_length": lengths.max().item(),
+            "completions/clipped_ratio": truncated.float().mean().item(),
+            "completions/mean_terminated_length": term.mean().item() if term.numel() else 0.0,
+            "completions/min_terminated_length": term.min().item() if term.numel() else 0.0,
+            "completions/max_terminated_length": term.max().item() if term.numel() else 0.0,
+            "num_tokens": float(self.num_tokens),
+        }
+
+    def _round_samples(self, d: Drawn, total: torch.Tensor, adv: torch.Tensor, mine: slice) -> list[dict]:
+        """The completion table's rows for this rank's completions (question, answer, completion, total and
+        per-function rewards, advantage); with distributed completion logging, every rank's (rank 0 logs them)."""
         samples = [
             {
                 "question": r.get("question", ""),
@@ -253,11 +282,13 @@ class GRPOTrainer:
                 **{f"rewards/{name}": float(v) for name, v in zip(self.reward_names, parts)},
                 "advantage": float(a),
             }
-            for r, t, tr, parts, a in zip(rows, texts, total[mine].tolist(), local_func.tolist(), adv[mine].tolist())
+            for r, t, tr, parts, a in zip(
+                d.rows, d.texts, total[mine].tolist(), d.per_func.tolist(), adv[mine].tolist()
+            )
         ]
-        if comm.world > 1 and g.log_completions:  # rank 0 logs the whole round's table
-            samples = [s for part in comm.all_gather_object(samples) for s in part]
-        return batch, adv[mine], stats, samples
+        if self.comm.world > 1 and self.cfg.log_completions:  # rank 0 logs the whole round's table
+            samples = [s for part in self.comm.all_gather_object(samples) for s in part]
+        return samples
 
     def place(self, batch: RoundTensors, adv: torch.Tensor) -> tuple[RoundTensors, torch.Tensor]:
         """A round built on the CPU from the sampler's lists, moved to the model's device."""

@@ -269,32 +269,16 @@ def run_python(source: str, limits: Limits, mode: str | None = None, tests: str 
     fds: list[int] = []
     group = None
     try:
-        src, work = top / "src", top / "work"
-        src.mkdir()
-        work.mkdir()
-        (src / "program.py").write_text(source)
-        for p, m in ((top, 0o755), (src, 0o755), (work, 0o777), (src / "program.py", 0o644)):
-            os.chmod(p, m)
+        src, work = _write_program(top, source)
         nonce = secrets.token_hex(16)
         input_fd = _input_file(nonce, tests)
         verdict_r, verdict_w = os.pipe()
         fds += [input_fd, verdict_r, verdict_w]
         program = "/src/program.py" if bwrap else str(src / "program.py")
-        # RLIMIT_FSIZE stops a writer past what is read back (max_output_bytes), which tells output_limit apart
-        launch = [str(input_fd), str(verdict_w), program, str(uid), str(judge_uid), str(limits.cpu_s)]
-        launch += [str(limits.memory_mb << 20), str(limits.max_processes), str(limits.max_output_bytes + 4096)]
-        if not bwrap:  # the program's process installs the filter itself (bwrap loads it for the whole sandbox)
-            launch.append(bpf.hex() if (bpf := seccomp.filter_bytes()) else "-")
+        launch = _launcher_args(limits, input_fd, verdict_w, program, uid, judge_uid, seccomp_inline=not bwrap)
         cmd = [_python()[0], "-I", "-S", "-c", LAUNCHER, *launch]
         if bwrap:
-            bpf = seccomp.filter_bytes()
-            seccomp_fd = None
-            if bpf is not None:
-                seccomp_fd = os.memfd_create("grpoflow-seccomp", 0)
-                os.write(seccomp_fd, bpf)
-                os.lseek(seccomp_fd, 0, os.SEEK_SET)
-                fds.append(seccomp_fd)
-            cmd = [*_bwrap_args(bwrap, limits, str(src), seccomp_fd), *cmd]
+            cmd = [*_bwrap_args(bwrap, limits, str(src), _seccomp_memfd(fds)), *cmd]
         if (hierarchy := cgroups.detect()) is not None:
             group = cgroups.acquire(hierarchy, *cgroup_caps(limits))
             cmd = group.wrap(cmd)
@@ -312,20 +296,11 @@ def run_python(source: str, limits: Limits, mode: str | None = None, tests: str 
                 )
             except OSError as e:
                 return RunResult("sandbox_error", None, "", f"{type(e).__name__}: {e}", mode, str(top), uid)
-            for fd in fds[:]:
-                if fd != verdict_r:
-                    os.close(fd)
-                    fds.remove(fd)
+            _close_all_but(fds, verdict_r)
             try:
                 report, timed_out = _read_until_eof(verdict_r, limits.timeout_s)
             finally:
-                _kill_group(proc)  # also what a fork bomb left behind in the group
-                if group is not None and not group.empty():  # every process of the run: none can leave it
-                    log.warning("code sandbox: processes of cgroup %s survived SIGKILL for 10 s", group.dirs[0])
-                elif os.geteuid() == 0:
-                    for u in {uid, judge_uid}:
-                        if left := _reap_run_uid(u):
-                            log.warning("code sandbox: processes %s of run uid %d survived SIGKILL for 10 s", left, u)
+                _end_run(proc, group, {uid, judge_uid})
         stdout, out_over = _read(top / "stdout", limits.max_output_bytes)
         stderr, err_over = _read(top / "stderr", limits.max_output_bytes)
         oom = group is not None and group.oom_killed()
@@ -337,6 +312,68 @@ def run_python(source: str, limits: Limits, mode: str | None = None, tests: str 
         if group is not None:
             cgroups.release(group, *cgroup_caps(limits))
         shutil.rmtree(top, ignore_errors=True)
+
+
+def _write_program(top: Path, source: str) -> tuple[Path, Path]:
+    """(src, work) under the run's folder ``top``: src/program.py holds ``source``, readable by every uid; work,
+    the launcher's working folder, is writable by every uid (the program and the judge may run as uids of their
+    own)."""
+    src, work = top / "src", top / "work"
+    src.mkdir()
+    work.mkdir()
+    (src / "program.py").write_text(source)
+    for p, m in ((top, 0o755), (src, 0o755), (work, 0o777), (src / "program.py", 0o644)):
+        os.chmod(p, m)
+    return src, work
+
+
+def _launcher_args(
+    limits: Limits, input_fd: int, verdict_w: int, program: str, uid: int, judge_uid: int, seccomp_inline: bool
+) -> list[str]:
+    """The launcher's arguments: the judge's input and verdict fds, the program's path, the two uids and the
+    rlimits; with ``seccomp_inline`` (rlimits mode: the program's process installs the filter itself, where bwrap
+    loads it for the whole sandbox) the filter's bytes in hex, or '-' where there is none."""
+    # RLIMIT_FSIZE stops a writer past what is read back (max_output_bytes), which tells output_limit apart
+    launch = [str(input_fd), str(verdict_w), program, str(uid), str(judge_uid), str(limits.cpu_s)]
+    launch += [str(limits.memory_mb << 20), str(limits.max_processes), str(limits.max_output_bytes + 4096)]
+    if seccomp_inline:
+        launch.append(bpf.hex() if (bpf := seccomp.filter_bytes()) else "-")
+    return launch
+
+
+def _seccomp_memfd(fds: list[int]) -> int | None:
+    """An unnamed memory file holding the seccomp filter for bwrap's --seccomp (appended to ``fds``, which the run
+    closes); None where there is no filter for this architecture."""
+    bpf = seccomp.filter_bytes()
+    if bpf is None:
+        return None
+    seccomp_fd = os.memfd_create("grpoflow-seccomp", 0)
+    os.write(seccomp_fd, bpf)
+    os.lseek(seccomp_fd, 0, os.SEEK_SET)
+    fds.append(seccomp_fd)
+    return seccomp_fd
+
+
+def _close_all_but(fds: list[int], keep: int) -> None:
+    """Close every fd of ``fds`` but ``keep`` and drop them from the list: once the launcher holds them, only the
+    verdict pipe's read end stays open here (the pipe reaches EOF when every holder of its write end is gone)."""
+    for fd in fds[:]:
+        if fd != keep:
+            os.close(fd)
+            fds.remove(fd)
+
+
+def _end_run(proc: subprocess.Popen, group: cgroups.RunCgroup | None, uids: set[int]) -> None:
+    """Kill the run's process group (also what a fork bomb left behind in it), then make sure nothing of the run
+    lives on: a non-empty cgroup (no process can leave it) is logged; otherwise, as root, the processes left with
+    the run's ``uids`` are killed and waited for (:func:`_reap_run_uid`), those that outlive the wait logged."""
+    _kill_group(proc)
+    if group is not None and not group.empty():  # every process of the run: none can leave it
+        log.warning("code sandbox: processes of cgroup %s survived SIGKILL for 10 s", group.dirs[0])
+    elif os.geteuid() == 0:
+        for u in uids:
+            if left := _reap_run_uid(u):
+                log.warning("code sandbox: processes %s of run uid %d survived SIGKILL for 10 s", left, u)
 
 
 def _read_until_eof(fd: int, timeout_s: float, cap: int = 65536) -> tuple[bytes, bool]:
