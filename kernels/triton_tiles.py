@@ -17,7 +17,7 @@ import triton
 import triton.language as tl
 
 from grpoflow.kernels.launch import launch
-from grpoflow.kernels.tiles import MAX_FUSED_COLS, Accumulators, Folded, FoldState
+from grpoflow.kernels.tile_state import MAX_FUSED_COLS, Accumulators, Folded, FoldState
 
 
 @triton.jit

@@ -1,5 +1,6 @@
 """The SFT loss: cross-entropy of the labelled next tokens, the head applied to those positions only."""
 
+import copy
 import random
 
 import pytest
@@ -13,7 +14,8 @@ from tests.tasks.stages.test_grpo import make_cfg, workspace
 
 def _full_logits_loss(model, ids, labels, mask) -> torch.Tensor:
     """The textbook form: every position's vocabulary logits, ignore_index on the unlabelled ones."""
-    logits = model(input_ids=ids, attention_mask=mask).logits[:, :-1].float()
+    logits = model(input_ids=ids, attention_mask=mask).logits[:, :-1]
+    logits = logits.to(torch.promote_types(logits.dtype, torch.float32))  # float32 at least; float64 stays
     return torch.nn.functional.cross_entropy(
         logits.reshape(-1, logits.shape[-1]), labels[:, 1:].reshape(-1), ignore_index=-100, reduction="sum"
     )
@@ -35,12 +37,16 @@ def test_labelled_token_loss_equals_the_full_logits_loss_and_its_gradient(lora: 
 
     ours = labelled_token_loss(model, ids, labels, mask)
     ours_grads = torch.autograd.grad(ours, params)
-    full = _full_logits_loss(model, ids, labels, mask)
-    full_grads = torch.autograd.grad(full, params)
+    # The reference runs in float64, and each gradient must sit within 1e-5 of its tensor's scale: float32 sums in
+    # another order (the full-logits loss in float32 did) land ~2e-6 apart on entries of ~0.03, which an elementwise
+    # rtol of 1e-5 failed for either side; a wrong gradient is off by its own size.
+    model64 = copy.deepcopy(model).double()
+    full = _full_logits_loss(model64, ids, labels, mask)
+    full_grads = torch.autograd.grad(full, [p for p in model64.parameters() if p.requires_grad])
 
-    torch.testing.assert_close(ours, full, rtol=1e-6, atol=1e-5)
+    torch.testing.assert_close(ours.double(), full, rtol=1e-6, atol=1e-5)
     for a, b in zip(ours_grads, full_grads, strict=True):
-        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+        assert (a.double() - b).abs().max() <= 1e-5 * b.abs().max() + 1e-12
     assert any(g.abs().sum() > 0 for g in ours_grads)
 
 
