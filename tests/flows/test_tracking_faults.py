@@ -1,14 +1,17 @@
 """Fault injection with a real `mlflow server`, the issue's measured scenarios rerun: the server killed mid-GRPO for
-45 s and for 6 minutes, then started again on the same port and store; and a pipeline killed mid-GRPO then resumed.
+45 s and for longer than the run, then started again on the same port and store; and a pipeline killed mid-GRPO then
+resumed.
 Training never waits for the server (steps keep advancing, and system metrics keep being sampled, while it is
 down), every metric step lands once in one grpo run, and the run ends with exit 0.
 
 Before the journal, the 45 s outage stopped training for its length (synchronous logging, the client's retries in
-the training thread), and the 6 min one failed the GRPO stage after about 5 min of MLflow's HTTP retries. In the 6 min
+the training thread), and a 6 min one failed the GRPO stage after about 5 min of MLflow's HTTP retries. In the long
 case here the run ends while the server is still down: the stage ends within tracking.flush_timeout_s, leaving its
 journal and one line, and `grpoflow sync RUN_DIR` after the restart sends every step once. The run is kept short (a
 slowed reward, about a second a step) so that the waits overlap training: the 45 s outage falls inside GRPO, and
-the 6 min one outlasts the whole run."""
+the long one outlasts the whole run. How long it lasts once the run has exited changes nothing (no process of the
+run is left; its journal is a file): the server comes back after the run ended and a `grpoflow sync` failed against
+it (here about 35 s after it went down), where this test once slept out the rest of 6 minutes."""
 
 import json
 import os
@@ -142,10 +145,11 @@ def test_a_45s_outage_mid_grpo_costs_no_steps_and_loses_none(tmp_path, env):
     print(f"45 s outage: {sum(t_down <= ts <= t_up for _, ts in points)} steps trained while the server was down")
 
 
-def test_a_6min_outage_outlasting_the_run_is_sent_by_grpoflow_sync(tmp_path, env):
-    """The server down for 6 minutes from step 3; the run ends meanwhile (exit 0): each stage ended within
-    tracking.flush_timeout_s leaving its journal and one line; after the restart `grpoflow sync` sends it all."""
-    steps, outage_s, flush_s = STEPS, 360, 10
+def test_an_outage_outlasting_the_run_is_sent_by_grpoflow_sync(tmp_path, env):
+    """The server down from step 3 until after the run ended (exit 0): each stage ended within
+    tracking.flush_timeout_s leaving its journal and one line; a sync while it is down fails at once; after the
+    restart `grpoflow sync` sends it all."""
+    steps, flush_s = STEPS, 10
     log = tmp_path / "run.log"
     out = tmp_path / "out"
     with RestartableMlflow(tmp_path / "server") as server:
@@ -162,7 +166,6 @@ def test_a_6min_outage_outlasting_the_run_is_sent_by_grpoflow_sync(tmp_path, env
             _stop(proc)
         ended = time.time() * 1000
         text = log.read_text()
-        assert ended < t_down + outage_s * 1000 - 60_000, "the run outlasted the outage: it should end during it"
         assert "Traceback" not in text and text.count(left_line) == 1, text[-3000:]
         journal = out / "r" / "tracking-journal" / f"{rid}.jsonl"
         logged = [json.loads(line) for line in journal.read_text().splitlines()]
@@ -172,8 +175,7 @@ def test_a_6min_outage_outlasting_the_run_is_sent_by_grpoflow_sync(tmp_path, env
         sync = [sys.executable, "-m", "grpoflow.flows.cli", "sync", str(out / "r")]
         down = subprocess.run(sync, env=env, capture_output=True, text=True, timeout=120)
         assert down.returncode != 0 and "does not answer" in down.stdout + down.stderr, down.stderr[-2000:]
-        time.sleep(max(0.0, (t_down + outage_s * 1000 - time.time() * 1000) / 1000))
-        t_up = time.time() * 1000
+        t_up = time.time() * 1000  # down since t_down: the whole rest of the run and the failed sync
         server.start()
         res = subprocess.run(sync, env=env, capture_output=True, text=True, timeout=300)
         assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-2000:]
@@ -181,7 +183,9 @@ def test_a_6min_outage_outlasting_the_run_is_sent_by_grpoflow_sync(tmp_path, env
         parent = client.get_run(client.get_run(rid).data.tags["mlflow.parentRunId"])
         assert parent.info.status == "FINISHED"
         assert "records still unsent" not in res.stdout
-    print(f"run ended {(ended - t_down) / 1000:.0f} s into the 6 min outage; grpoflow sync sent the rest")
+    print(
+        f"run ended {(ended - t_down) / 1000:.0f} s into the outage, server back after {(t_up - t_down) / 1000:.0f} s"
+    )
 
 
 def test_resume_after_a_killed_stage_continues_its_grpo_run(tmp_path, env):

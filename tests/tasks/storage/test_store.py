@@ -239,14 +239,11 @@ def test_a_folder_goes_up_many_files_at_once_and_its_marker_last(env, tmp_path):
     _tree(store.local_root, {**{f"ck/part-{i:02d}.bin": f"{i}" * 1000 for i in range(24)}, f"ck/{MARK}": "{}"})
     state, stop = _in_flight(s3.s3_client(settings), "PutObject")
     try:
-        t0 = time.monotonic()
         sent = store.sync_up("ck", markers=(MARK,))
-        took = time.monotonic() - t0
     finally:
         stop()
     assert len(sent) == 25 and len(state["done"]) == 25
     assert state["most"] > 1 and len(state["threads"]) > 1, state  # several PUTs in flight, on several threads
-    assert took < 25 * 0.05  # faster than one after the other
     assert state["done"][-1].endswith(MARK)  # the marker started only after every other file was up
 
     other = S3Store(store.location, StorageConfig(cache_dir=str(tmp_path / "other")))
