@@ -427,7 +427,8 @@ def fold_case(rows: int, cols: int, device: torch.device, repeats: int) -> dict:
     against the torch ops it replaces: results compared, both timed, and the fused fold's bytes per second at 6
     bytes a tile element (4 read, 2 written), the figure docs/kernel-roofline.md's byte count of the chunked path
     assumes runs at HBM speed."""
-    from grpoflow.kernels.tiles import fold_tile, new_state
+    from grpoflow.kernels.tile_state import new_state
+    from grpoflow.kernels.tiles import fold_tile
 
     u, y = _tile(rows, cols, device)
 

@@ -25,15 +25,8 @@ from __future__ import annotations
 import torch
 
 from grpoflow.kernels.precision import addmm_fp32, mm_fp32
-from grpoflow.kernels.tiles import (
-    MAX_FUSED_COLS,
-    Accumulators,
-    FoldState,
-    fold_tile,
-    fused_available,
-    grad_tile,
-    new_state,
-)
+from grpoflow.kernels.tile_state import MAX_FUSED_COLS, Accumulators, FoldState, new_state
+from grpoflow.kernels.tiles import fold_tile, fused_available, grad_tile
 
 
 def _rows_of(state: FoldState, rows: slice) -> FoldState:

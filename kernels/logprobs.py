@@ -41,7 +41,8 @@ from grpoflow.kernels.auto_table import choose
 from grpoflow.kernels.chunked_dtype import ChunkedDtypeTokenLogProbs
 from grpoflow.kernels.chunked_logprobs import ChunkedTokenLogProbs
 from grpoflow.kernels.precision import active_autocast_dtype, kernel_dtype
-from grpoflow.kernels.tiles import MAX_FUSED_COLS, triton_available
+from grpoflow.kernels.tile_state import MAX_FUSED_COLS
+from grpoflow.kernels.tiles import triton_available
 
 IMPLS = ("auto", "triton", "chunked", "reference")
 CPU_VOCAB_CHUNK = 8192  # the CPU path's vocabulary tile (benchmarks/bench_logprob_chunks.py)

@@ -42,13 +42,7 @@ import importlib.util
 import torch
 
 from grpoflow.kernels.logit_grad import logit_grad
-from grpoflow.kernels.tile_state import (  # noqa: F401  (re-exported: the tile API lives here)
-    MAX_FUSED_COLS,
-    Accumulators,
-    Folded,
-    FoldState,
-    new_state,
-)
+from grpoflow.kernels.tile_state import Accumulators, Folded, FoldState
 
 
 def fold_tile_torch(

@@ -11,7 +11,7 @@ journal and one line, and `grpoflow sync RUN_DIR` after the restart sends every 
 slowed reward, about a second a step) so that the waits overlap training: the 45 s outage falls inside GRPO, and
 the long one outlasts the whole run. How long it lasts once the run has exited changes nothing (no process of the
 run is left; its journal is a file): the server comes back after the run ended and a `grpoflow sync` failed against
-it (here about 35 s after it went down), where this test once slept out the rest of 6 minutes."""
+it (here about 35 s after it went down)."""
 
 import json
 import os

@@ -11,15 +11,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from grpoflow.kernels.chunked_dtype import chunked_dtype_backward, chunked_dtype_forward, frozen_head_forward
 from grpoflow.kernels.logprobs import token_logprobs_reference
-from grpoflow.kernels.tiles import (
-    Accumulators,
-    FoldState,
-    fold_tile,
-    fold_tile_torch,
-    grad_tile,
-    grad_tile_torch,
-    new_state,
-)
+from grpoflow.kernels.tile_state import Accumulators, FoldState, new_state
+from grpoflow.kernels.tiles import fold_tile, fold_tile_torch, grad_tile, grad_tile_torch
 from tests.kernels.test_entropy_grad import entropy_up
 from tests.kernels.test_logprob_precision import TOL
 from tests.kernels.test_logprobs import make_inputs
@@ -86,7 +79,7 @@ def test_triton_fold_matches_the_torch_fold_tile_after_tile(e_dtype, entropy, bi
 
 
 def test_triton_fold_refuses_a_tile_wider_than_a_row_of_registers():
-    from grpoflow.kernels.tiles import MAX_FUSED_COLS
+    from grpoflow.kernels.tile_state import MAX_FUSED_COLS
     from grpoflow.kernels.triton_tiles import fold_tile_triton
 
     u = torch.zeros(1, MAX_FUSED_COLS + 1)
