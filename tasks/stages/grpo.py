@@ -98,8 +98,9 @@ def build_trainer(
 
     def on_checkpoint(final):  # S3: a killed stage resumes from there (a TrainJob's node 0 keeps others' shards)
         if uploads is not None:
-            push = functools.partial(ws.push_checkpoint, "grpo", "checkpoints", final.name, merged=node_mirrors)
-            uploads.submit(final.name, push)
+            publish = functools.partial(ws.publish_checkpoint, "grpo", "checkpoints", final.name, merged=node_mirrors)
+            prune = functools.partial(ws.prune_checkpoints, "grpo", "checkpoints", final.name)
+            uploads.submit(final.name, publish, then=prune)  # on S3 once published, before the prune
 
     hooks = CheckpointHooks(
         on_checkpoint=on_checkpoint,

@@ -12,7 +12,8 @@ refuses connections or accepts them and never answers.
 ``submit`` queues a job (a checkpoint's upload) and returns at once while fewer than ``max_pending`` are waiting,
 else it waits for the oldest (and logs that it does). The first job whose outage outlasts the budget stops the
 queue; the next ``submit`` or ``drain`` in the training thread raises its :class:`StorageOutage`, which also
-names the last job that finished (the last checkpoint safely on S3). While the endpoint does not answer a
+names the last job whose upload finished (the last checkpoint safely on S3; a job's clean-up after its upload, such
+as pruning older checkpoints, does not count against it). While the endpoint does not answer a
 warning says so every ``warn_every_s`` ("S3 endpoint X unreachable for 12 s, 2 checkpoint(s) queued"), and
 another when it is back.
 
@@ -140,7 +141,7 @@ class UploadQueue:
     ):
         """``done``: what is already on S3 (the checkpoints a resumed stage started with), oldest first."""
         self.where, self.budget_s, self.max_pending, self.backoff_cap_s = where, budget_s, max_pending, backoff_cap_s
-        self._jobs: deque[tuple[str, Callable[[], None]]] = deque()
+        self._jobs: deque[tuple[str, Callable[[], None], Callable[[], None] | None]] = deque()
         self._running: str | None = None
         self._cond = threading.Condition()
         self._error: BaseException | None = None
@@ -151,11 +152,12 @@ class UploadQueue:
     def pending(self) -> list[str]:
         """Names of the jobs queued or running, oldest first."""
         with self._cond:
-            return ([self._running] if self._running else []) + [name for name, _ in self._jobs]
+            return ([self._running] if self._running else []) + [name for name, _, _ in self._jobs]
 
-    def submit(self, name: str, job: Callable[[], None]) -> None:
-        """Queue ``job``; wait first while ``max_pending`` jobs are pending (a log line says so). Raises the
-        queue's :class:`StorageOutage` (or another upload error) once a job failed."""
+    def submit(self, name: str, job: Callable[[], None], then: Callable[[], None] | None = None) -> None:
+        """Queue ``job`` and, once it succeeded (``name`` counts as on S3 from then on), ``then`` (a clean-up such
+        as pruning older checkpoints, retried the same way); wait first while ``max_pending`` jobs are pending (a
+        log line says so). Raises the queue's :class:`StorageOutage` (or another upload error) once a job failed."""
         with self._cond:
             self._raise()
             if len(self.pending_locked()) >= self.max_pending:
@@ -170,7 +172,7 @@ class UploadQueue:
                 )
                 self._cond.wait_for(lambda: self._error is not None or len(self.pending_locked()) < self.max_pending)
                 self._raise()
-            self._jobs.append((name, job))
+            self._jobs.append((name, job, then))
             self._cond.notify_all()
 
     def drain(self) -> None:
@@ -180,7 +182,7 @@ class UploadQueue:
             self._raise()
 
     def pending_locked(self) -> list[str]:
-        return ([self._running] if self._running else []) + [name for name, _ in self._jobs]
+        return ([self._running] if self._running else []) + [name for name, _, _ in self._jobs]
 
     def _raise(self) -> None:
         if self._error is not None:
@@ -190,22 +192,19 @@ class UploadQueue:
         while True:
             with self._cond:
                 self._cond.wait_for(lambda: bool(self._jobs))
-                name, job = self._jobs.popleft()
+                name, job, then = self._jobs.popleft()
                 self._running = name
             try:
-                retry_outage(
-                    job,
-                    self.where,
-                    f"the upload of {name}",
-                    self.budget_s,
-                    backoff_cap_s=self.backoff_cap_s,
-                    queued=lambda: len(self.pending()),
-                )
+                self._retry(job, f"the upload of {name}")
+                with self._cond:
+                    self.done.append(name)  # on S3 now, whatever becomes of the clean-up after it
+                if then is not None:
+                    self._retry(then, f"the clean-up after {name} (on S3)")
             except BaseException as e:  # noqa: BLE001 - handed to the training thread, which raises it
                 with self._cond:
                     last = self.done[-1] if self.done else "none"
                     if isinstance(e, StorageOutage):
-                        left = ", ".join(self.pending_locked())
+                        left = ", ".join(n for n in self.pending_locked() if n not in self.done) or "none"
                         e = StorageOutage(f"{e}; last checkpoint safely on S3: {last}; not uploaded: {left}")
                     self._error = e
                     self._running = None
@@ -213,9 +212,13 @@ class UploadQueue:
                     self._cond.notify_all()
                 return
             with self._cond:
-                self.done.append(name)
                 self._running = None
                 self._cond.notify_all()
+
+    def _retry(self, fn: Callable[[], None], what: str) -> None:
+        retry_outage(
+            fn, self.where, what, self.budget_s, backoff_cap_s=self.backoff_cap_s, queued=lambda: len(self.pending())
+        )
 
 
 class Terminated(BaseException):

@@ -200,13 +200,22 @@ class Workspace:
         self.store.sync_up(folder, delete=True, markers=MARKERS, exclude=(MANIFEST, *others))
 
     def push_checkpoint(self, stage: str, sub: str, name: str, keep: int = 2, merged: bool = False) -> None:
-        """Sync checkpoint folder <stage>/<sub>/<name> up, its marker last, then remove the checkpoint folders
-        below it but the newest ``keep`` complete ones (each marker first), as the trainer prunes locally (for a
-        local workspace these are the trainer's own folders: a file it removed meanwhile is fine).
-        ``merged``: files in the store in that folder but absent here are kept (a TrainJob's other nodes' shards).
-        Uploads of several checkpoints must run in their order."""
+        """:meth:`publish_checkpoint` then :meth:`prune_checkpoints`. Uploads of several checkpoints must run in
+        their order."""
+        self.publish_checkpoint(stage, sub, name, merged)
+        self.prune_checkpoints(stage, sub, name, keep)
+
+    def publish_checkpoint(self, stage: str, sub: str, name: str, merged: bool = False) -> None:
+        """Sync checkpoint folder <stage>/<sub>/<name> up, its marker last: once this returns, the checkpoint is
+        complete in the store (a resume can load it). ``merged``: files in the store in that folder but absent
+        here are kept (a TrainJob's other nodes' shards)."""
+        self.store.sync_up(_name(_name(stage, sub), name), delete=not merged, markers=MARKERS)
+
+    def prune_checkpoints(self, stage: str, sub: str, name: str, keep: int = 2) -> None:
+        """Remove the checkpoint folders of <stage>/<sub> older than ``name`` but the newest ``keep`` complete ones
+        (each marker first, so a folder half removed is never taken for complete), as the trainer prunes locally
+        (for a local workspace these are the trainer's own folders: a file it removed meanwhile is fine)."""
         folder = _name(stage, sub)
-        self.store.sync_up(_name(folder, name), delete=not merged, markers=MARKERS)
         files: dict[int, list[str]] = {}
         complete = set()
         for entry in self.store.list(folder + "/"):

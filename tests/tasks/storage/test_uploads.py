@@ -115,6 +115,24 @@ def test_a_spent_budget_stops_the_queue_and_names_the_last_checkpoint_on_s3():
         q.submit("checkpoint-6", lambda: None)
 
 
+def test_an_outage_during_the_clean_up_after_an_upload_names_that_checkpoint_as_safe():
+    """The endpoint dies after checkpoint-4's marker is up and before the prune after it: checkpoint-4 is on S3
+    (a resume loads it), so the message names it, and only what never went up as not uploaded."""
+    q = UploadQueue("http://x:1", budget_s=0.5, max_pending=3, backoff_cap_s=0.1, done=["checkpoint-3"])
+
+    def down():
+        raise S3Error("connection refused")
+
+    q.submit("checkpoint-4", lambda: None, then=down)
+    q.submit("checkpoint-5", lambda: None)
+    with pytest.raises(StorageOutage) as err:
+        q.drain()
+    msg = str(err.value)
+    assert "the clean-up after checkpoint-4 (on S3)" in msg
+    assert "last checkpoint safely on S3: checkpoint-4; not uploaded: checkpoint-5" in msg
+    assert q.done == ["checkpoint-3", "checkpoint-4"]
+
+
 # ------------------------------------------------------------------------------ a real endpoint, killed
 @pytest.fixture
 def weed(tmp_path, monkeypatch):

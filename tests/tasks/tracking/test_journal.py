@@ -83,7 +83,9 @@ def test_server_outage_blocks_no_logging_call_and_loses_nothing(tmp_path):
             logger.set_tags({"last_step": step})
             slowest = max(slowest, time.perf_counter() - t0)
             time.sleep(0.2)
-        assert slowest < 0.05, f"a logging call waited {slowest:.3f} s on a dead server"
+        # a call that waited on the server would take request_timeout_s (2 s); the journal's fsync per step takes a
+        # few ms on an idle disk and tens on a busy CI runner's, so the bound sits well between the two
+        assert slowest < 0.5, f"a logging call waited {slowest:.3f} s on a dead server"
         assert not logger.reachable and logger.journal.pending_count() > 0
         server.start()
         assert logger.end(True)
