@@ -16,6 +16,7 @@ from grpoflow.tasks.config.load import (
     parse_override,
     resolve_config_path,
 )
+from grpoflow.tasks.config.model import LoraConfig, ModelConfig, TinyModelConfig
 from grpoflow.tasks.config.pipeline import (
     DEVICE_PATTERN,
     GSM8K_SYSTEM_PROMPT,
@@ -24,11 +25,8 @@ from grpoflow.tasks.config.pipeline import (
     EvalConfig,
     ExportConfig,
     GenerationConfig,
-    LoraConfig,
-    ModelConfig,
     PipelineConfig,
     RunConfig,
-    TinyModelConfig,
     TrackingConfig,
     resolve_eval_size,
 )

@@ -22,7 +22,8 @@ from pydantic import BaseModel
 from pydantic_core import to_jsonable_python
 
 from grpoflow.tasks.config.distributed import DistributedConfig
-from grpoflow.tasks.config.pipeline import ModelConfig, PipelineConfig, RunConfig
+from grpoflow.tasks.config.model import ModelConfig
+from grpoflow.tasks.config.pipeline import PipelineConfig, RunConfig
 from grpoflow.tasks.config.training import GRPOConfig, OptimizerFields
 
 # {config class: {field: why it cannot change a result}}; a class's entries apply to its subclasses too

@@ -28,7 +28,6 @@ from grpoflow.tasks.config import GRPOConfig
 from grpoflow.tasks.config.fingerprint import config_digest
 from grpoflow.tasks.generation.types import SamplingParams
 from grpoflow.tasks.grpo import checkpoint, dist_checkpoint
-from grpoflow.tasks.grpo.advantages import combine_rewards, decoupled_advantages, group_advantages, nanstd
 from grpoflow.tasks.grpo.batch import (
     PolicyLogProbs,
     RoundTensors,
@@ -50,6 +49,13 @@ from grpoflow.tasks.grpo.loss import (
     importance_sampling_ratio,
 )
 from grpoflow.tasks.grpo.regularizers import EntropyControl, mix_reference
+from grpoflow.tasks.grpo.round_stats import (
+    completion_stats,
+    completion_tables,
+    reward_stats,
+    round_advantages,
+    round_samples,
+)
 from grpoflow.tasks.grpo.rounds import PromptSampler, Round
 from grpoflow.tasks.grpo.schedule import is_optimizer_step, micro_batch_rows
 from grpoflow.tasks.grpo.step_metrics import StepMetrics
@@ -86,15 +92,6 @@ def loss_settings(g: GRPOConfig, spg: int, num_processes: int = 1) -> LossSettin
         off_policy_mask_threshold=g.off_policy_mask_threshold,
         num_processes=num_processes,
     )
-
-
-def completion_tables(step: int, max_steps: int) -> list[str]:
-    """Names of the completion tables to log at optimizer ``step``: start (step 1), middle
-    ((max_steps + 1) // 2) and end (max_steps). A few fixed names rather than one per step, since MLflow
-    keeps every logged table's name in one run tag of bounded length; a short run logs one table under
-    several names (max_steps 1: all three at step 1)."""
-    points = {"start": 1, "middle": (max_steps + 1) // 2, "end": max_steps}
-    return [name for name, at in points.items() if at == step]
 
 
 class GRPOTrainer:
@@ -200,9 +197,9 @@ class GRPOTrainer:
         mine = local_rows(b, comm.rank)
         row_idx = [i for i in d.idx for _ in range(g.num_generations)][mine]
         per_func = comm.all_gather(d.per_func)  # [B, K]: the whole round's, on every rank
-        total, unscored, adv, stats = self._round_advantages(per_func)
+        total, unscored, adv, stats = round_advantages(per_func, self.weights, self.reward_names, g)
         stats.update(ds_stats)
-        stats.update(self._reward_stats(per_func, unscored))
+        stats.update(reward_stats(per_func, unscored, self.reward_funcs, self.reward_names, self.unscored_rounds))
         batch = build_round(
             [self.prompt_ids[i] for i in row_idx],
             d.completion_ids,
@@ -211,84 +208,11 @@ class GRPOTrainer:
             self.tokenizer.pad_token_id,
             g.mask_truncated_completions,
         )
-        stats.update(self._completion_stats(d.completion_ids, batch))
-        return batch, adv[mine], stats, self._round_samples(d, total, adv, mine)
-
-    def _round_advantages(self, per_func: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, dict]:
-        """(total reward r [B], unscored [B], advantages A [B], their stats) of the whole round's per-function
-        rewards r_k [B, K] (NaN: not scored), w the reward weights:
-
-            r = nansum_k w_k * r_k    (NaN where no function scored the row: unscored; combine_rewards)
-            A = group_advantages(r)   ("sum_then_normalize"), or decoupled_advantages(r_k) ("normalize_then_sum")
-        Warns when no function scored any completion of the round."""
-        g = self.cfg
-        total = combine_rewards(per_func, self.weights)
-        unscored = torch.isnan(total)
-        if bool(unscored.all()):
-            log.warning(
-                "no reward function scored any completion of this round (every value None or NaN): its advantages "
-                "are 0 and it teaches nothing; check that the functions find the columns they need (%s)",
-                ", ".join(self.reward_names),
-            )
-        adv, stats = group_advantages(total, g.num_generations, g.scale_rewards)  # over the round, then sliced
-        if g.multi_objective_aggregation == "normalize_then_sum":
-            adv, stats["frac_reward_zero_std"] = decoupled_advantages(per_func, self.weights, g.num_generations)
-        return total, unscored, adv, stats
-
-    def _reward_stats(self, per_func: torch.Tensor, unscored: torch.Tensor) -> dict:
-        """The round's reward stats: each function's own counts (``take_counts``: code_tests' outcomes, e.g.
-        rewards/x/timeout), frac_unscored (completions no function scored), the unscored-rounds tally and each
-        function's NaN-aware rewards/<name>/mean and /std."""
-        stats = {}
-        for name, fn in self.reward_funcs:  # a reward's own counts (code_tests: outcomes), e.g. rewards/x/timeout
-            if callable(take := getattr(fn, "take_counts", None)):
-                stats.update({f"rewards/{name}/{k}": v for k, v in take().items()})
-        stats["frac_unscored"] = unscored.float().mean().item()  # completions no reward function scored
-        stats.update(self.unscored_rounds.update(self.reward_names, per_func.t().tolist()))
-        for k, name in enumerate(self.reward_names):
-            col = per_func[:, k]
-            stats[f"rewards/{name}/mean"] = torch.nanmean(col).item()
-            stats[f"rewards/{name}/std"] = torch.nan_to_num(nanstd(col), nan=0.0).item()
-        return stats
-
-    def _completion_stats(self, completion_ids: list[list[int]], batch: RoundTensors) -> dict:
-        """The round's completion lengths over every rank (completions/*: all, terminated ones apart, the
-        fraction cut at the limit) and num_tokens, which this adds the round's prompt and completion tokens to."""
-        comm = self.comm
-        local_lengths = torch.tensor([len(c) for c in completion_ids], dtype=torch.float32)
-        lengths, truncated = comm.all_gather(local_lengths), comm.all_gather(batch.truncated)  # the round's
-        term = lengths[~truncated]
-        self.num_tokens += int(comm.all_reduce(batch.prompt_mask.sum() + local_lengths.sum()))
-        return {
-            "completions/mean_length": lengths.mean().item(),
-            "completions/min_length": lengths.min().item(),
-            "completions/max_length": lengths.max().item(),
-            "completions/clipped_ratio": truncated.float().mean().item(),
-            "completions/mean_terminated_length": term.mean().item() if term.numel() else 0.0,
-            "completions/min_terminated_length": term.min().item() if term.numel() else 0.0,
-            "completions/max_terminated_length": term.max().item() if term.numel() else 0.0,
-            "num_tokens": float(self.num_tokens),
-        }
-
-    def _round_samples(self, d: Drawn, total: torch.Tensor, adv: torch.Tensor, mine: slice) -> list[dict]:
-        """The completion table's rows for this rank's completions (question, answer, completion, total and
-        per-function rewards, advantage); with distributed completion logging, every rank's (rank 0 logs them)."""
-        samples = [
-            {
-                "question": r.get("question", ""),
-                "answer": r.get("answer", ""),
-                "completion": t,
-                "reward": float(tr),
-                **{f"rewards/{name}": float(v) for name, v in zip(self.reward_names, parts)},
-                "advantage": float(a),
-            }
-            for r, t, tr, parts, a in zip(
-                d.rows, d.texts, total[mine].tolist(), d.per_func.tolist(), adv[mine].tolist()
-            )
-        ]
-        if self.comm.world > 1 and self.cfg.log_completions:  # rank 0 logs the whole round's table
-            samples = [s for part in self.comm.all_gather_object(samples) for s in part]
-        return samples
+        lengths, tokens = completion_stats(d.completion_ids, batch, comm)
+        self.num_tokens += tokens
+        stats.update(lengths, num_tokens=float(self.num_tokens))
+        samples = round_samples(d, total, adv, mine, self.reward_names, comm, g.log_completions)
+        return batch, adv[mine], stats, samples
 
     def place(self, batch: RoundTensors, adv: torch.Tensor) -> tuple[RoundTensors, torch.Tensor]:
         """A round built on the CPU from the sampler's lists, moved to the model's device."""

@@ -12,7 +12,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from grpoflow.tasks.config import CodeRewardConfig
-from grpoflow.tasks.rewards import sandbox
+from grpoflow.tasks.rewards import sandbox, unsafe_mode
 from grpoflow.tasks.rewards.text import completion_text, extract_xml_answer, gold_answers
 
 log = logging.getLogger(__name__)
@@ -71,7 +71,7 @@ class CodeTests:
 
     def check_isolation(self) -> str:
         """The isolation in force; ValueError when it is rlimits only and code_reward.allow_unsafe is off, or on
-        but refused (:func:`sandbox.unsafe_refusal`: not root and credentials this uid could read)."""
+        but refused (:func:`unsafe_mode.unsafe_refusal`: not root and credentials this uid could read)."""
         mode = sandbox.isolation()
         if mode != "bwrap" and not self.cfg.allow_unsafe:
             raise ValueError(
@@ -79,12 +79,12 @@ class CodeTests:
                 "grpo.code_reward.allow_unsafe=true to run them with rlimits only (no network or PID isolation)"
             )
         if mode != "bwrap":
-            if reason := sandbox.unsafe_refusal():
+            if reason := unsafe_mode.unsafe_refusal():
                 raise ValueError(
                     "reward 'code_tests': grpo.code_reward.allow_unsafe refused: not root, so programs would run "
                     f"as this uid, and {reason} (docs/rewards.md, 'allow_unsafe')"
                 )
-            sandbox.harden_for_unsafe()
+            unsafe_mode.harden_for_unsafe()
         return mode
 
     def __call__(self, prompts: list[Any], completions: list[Any], **kwargs: Any) -> list[float | None]:

@@ -9,7 +9,7 @@ import json
 
 import pytest
 
-from grpoflow.tasks.rewards import sandbox
+from grpoflow.tasks.rewards import sandbox, unsafe_mode
 from grpoflow.tasks.rewards.code import CodeTests, build_program, extract_program
 from grpoflow.tasks.rewards.scoring import resolve_reward_funcs, score_completions
 from tests.tasks.rewards.test_sandbox import FAST, HOSTILE, SHORT
@@ -183,23 +183,8 @@ def test_cli_validate_resolves_code_tests_and_checks_its_keys(tmp_path) -> None:
     assert res.returncode == 2 and "grpo.code_reward.timeout_s" in res.stderr, res.stderr[-2000:]
 
 
-def test_allow_unsafe_is_refused_where_a_program_would_keep_the_trainers_uid_and_credentials(tmp_path) -> None:
-    """Not root, rlimits mode runs programs as the trainer's uid: refused while a credential-like variable is
-    in a readable environment or a credential file is readable; as root (own uids per run) allowed."""
-    clean = [{"PATH": "/usr/bin", "HOME": str(tmp_path)}]
-    assert sandbox.unsafe_refusal(euid=0, environs=[{"AWS_SECRET_ACCESS_KEY": "x"}], home=tmp_path) is None
-    assert sandbox.unsafe_refusal(euid=1000, environs=clean, home=tmp_path) is None
-    for name in ("AWS_ACCESS_KEY_ID", "HF_TOKEN", "MLFLOW_TRACKING_PASSWORD", "OPENAI_API_KEY", "GITHUB_TOKEN"):
-        reason = sandbox.unsafe_refusal(euid=1000, environs=[*clean, {name: "x"}], home=tmp_path)
-        assert reason and name in reason
-    (tmp_path / ".aws").mkdir()
-    (tmp_path / ".aws" / "credentials").write_text("[default]\n")
-    reason = sandbox.unsafe_refusal(euid=1000, environs=clean, home=tmp_path)
-    assert reason and ".aws/credentials" in reason
-
-
 def test_check_isolation_refuses_unsafe_with_the_reason(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(sandbox, "isolation", lambda: "rlimits")
-    monkeypatch.setattr(sandbox, "unsafe_refusal", lambda: "credential files a program of this uid could read: x")
+    monkeypatch.setattr(unsafe_mode, "unsafe_refusal", lambda: "credential files a program of this uid could read: x")
     with pytest.raises(ValueError, match="allow_unsafe refused: not root.*credential files"):
         CodeTests(FAST).check_isolation()

@@ -11,7 +11,7 @@ from PIL import Image
 
 from grpoflow.tasks.config import EvalConfig, GRPOConfig, TinyModelConfig
 from grpoflow.tasks.generation.types import SamplingParams
-from grpoflow.tasks.grpo.trainer import completion_tables
+from grpoflow.tasks.grpo.round_stats import completion_tables
 from grpoflow.tasks.model.loading import prompt_ids
 from grpoflow.tasks.model.tiny import build_tiny_model, train_tiny_tokenizer
 from grpoflow.tasks.rewards import resolve_reward_funcs
