@@ -56,7 +56,7 @@ def reward_stats(
         if callable(take := getattr(fn, "take_counts", None)):
             stats.update({f"rewards/{name}/{k}": v for k, v in take().items()})
     stats["frac_unscored"] = unscored.float().mean().item()  # completions no reward function scored
-    stats.update(unscored_rounds.update(list(reward_names), per_func.t().tolist()))
+    stats.update(unscored_rounds.update(reward_names, per_func.t().tolist()))
     for k, name in enumerate(reward_names):
         col = per_func[:, k]
         stats[f"rewards/{name}/mean"] = torch.nanmean(col).item()

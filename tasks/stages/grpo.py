@@ -12,7 +12,6 @@ this stage's MLflow run and writes the summary this process reads back and publi
 from __future__ import annotations
 
 import contextlib
-import functools
 import json
 import logging
 import shutil
@@ -98,9 +97,7 @@ def build_trainer(
 
     def on_checkpoint(final):  # S3: a killed stage resumes from there (a TrainJob's node 0 keeps others' shards)
         if uploads is not None:
-            publish = functools.partial(ws.publish_checkpoint, "grpo", "checkpoints", final.name, merged=node_mirrors)
-            prune = functools.partial(ws.prune_checkpoints, "grpo", "checkpoints", final.name)
-            uploads.submit(final.name, publish, then=prune)  # on S3 once published, before the prune
+            uploads.submit(final.name, *ws.checkpoint_jobs("grpo", "checkpoints", final.name, merged=node_mirrors))
 
     hooks = CheckpointHooks(
         on_checkpoint=on_checkpoint,

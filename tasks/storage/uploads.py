@@ -152,7 +152,7 @@ class UploadQueue:
     def pending(self) -> list[str]:
         """Names of the jobs queued or running, oldest first."""
         with self._cond:
-            return ([self._running] if self._running else []) + [name for name, _, _ in self._jobs]
+            return self.pending_locked()
 
     def submit(self, name: str, job: Callable[[], None], then: Callable[[], None] | None = None) -> None:
         """Queue ``job`` and, once it succeeded (``name`` counts as on S3 from then on), ``then`` (a clean-up such

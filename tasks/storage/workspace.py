@@ -32,11 +32,13 @@ them, so they stay valid under another cache_dir (or a local workspace that was 
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import re
 import shutil
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -199,11 +201,16 @@ class Workspace:
                 others.append(name)
         self.store.sync_up(folder, delete=True, markers=MARKERS, exclude=(MANIFEST, *others))
 
-    def push_checkpoint(self, stage: str, sub: str, name: str, keep: int = 2, merged: bool = False) -> None:
-        """:meth:`publish_checkpoint` then :meth:`prune_checkpoints`. Uploads of several checkpoints must run in
-        their order."""
-        self.publish_checkpoint(stage, sub, name, merged)
-        self.prune_checkpoints(stage, sub, name, keep)
+    def checkpoint_jobs(
+        self, stage: str, sub: str, name: str, merged: bool = False, keep: int = 2
+    ) -> tuple[Callable[[], None], Callable[[], None]]:
+        """The two jobs of checkpoint <stage>/<sub>/<name>'s upload, for ``UploadQueue.submit(name, job, then)``:
+        :meth:`publish_checkpoint` (on S3 once it returns), then :meth:`prune_checkpoints`. Uploads of several
+        checkpoints must run in their order (one queue)."""
+        return (
+            functools.partial(self.publish_checkpoint, stage, sub, name, merged),
+            functools.partial(self.prune_checkpoints, stage, sub, name, keep),
+        )
 
     def publish_checkpoint(self, stage: str, sub: str, name: str, merged: bool = False) -> None:
         """Sync checkpoint folder <stage>/<sub>/<name> up, its marker last: once this returns, the checkpoint is

@@ -4,7 +4,7 @@
     python tests/tasks/storage/sigterm_uploads.py <s3 workspace> <cache dir> <checkpoints> <MiB each>
 
 It writes each checkpoint into the workspace's mirror, queues its upload on the real UploadQueue
-(Workspace.push_checkpoint, as the GRPO stage does) inside drain_on_sigterm, prints "queued" with what is
+(Workspace.checkpoint_jobs, as the GRPO stage does) inside drain_on_sigterm, prints "queued" with what is
 pending, and sleeps until signalled."""
 
 import logging
@@ -29,7 +29,7 @@ def main(location: str, cache: str, count: int, mib: int) -> None:
             ckpt.mkdir(parents=True)
             (ckpt / "model.safetensors").write_bytes(os.urandom(mib * 2**20))
             (ckpt / "trainer_state.json").write_text(f'{{"step": {step}}}')
-            queue.submit(ckpt.name, lambda name=ckpt.name: ws.push_checkpoint("grpo", "checkpoints", name, keep=count))
+            queue.submit(ckpt.name, *ws.checkpoint_jobs("grpo", "checkpoints", ckpt.name, keep=count))
         print(f"queued; pending: {queue.pending()}", flush=True)
         time.sleep(600)  # training
 

@@ -1,4 +1,4 @@
-"""Uploads that outlive an S3 outage (tasks/storage/uploads.py, Workspace.push_checkpoint): the retry budget and
+"""Uploads that outlive an S3 outage (tasks/storage/uploads.py, Workspace.checkpoint_jobs): the retry budget and
 backoff, the background queue (order, bound, failure), and a real `weed mini` killed and restarted under it."""
 
 import logging
@@ -163,12 +163,12 @@ def test_checkpoints_queued_during_a_real_outage_reach_s3_in_order(weed, tmp_pat
     ws = Workspace(f"s3://{weed.server.bucket}/runs/q", settings)
     folder = ws.stage_dir("grpo") / "checkpoints"
     q = UploadQueue(ws.store.where, budget_s=60, max_pending=3, backoff_cap_s=2)
-    pushed = []
+    pushed = q.done  # the checkpoints published, in the order they reached S3
 
     def submit(step):
         _checkpoint(folder, step)
         name = f"checkpoint-{step}"
-        q.submit(name, lambda: (ws.push_checkpoint("grpo", "checkpoints", name), pushed.append(name)))
+        q.submit(name, *ws.checkpoint_jobs("grpo", "checkpoints", name))  # as the GRPO stage queues them
 
     submit(1)
     q.drain()

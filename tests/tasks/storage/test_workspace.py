@@ -132,6 +132,12 @@ def test_run_level_files(location, tmp_path):
     assert not [p for p in ws.root.iterdir() if p.name.endswith(".tmp")]
 
 
+def _push(ws: Workspace, name: str, keep: int = 2) -> None:
+    """A checkpoint's upload as a queued job runs it: published, then the older ones pruned."""
+    for job in ws.checkpoint_jobs("grpo", "checkpoints", name, keep=keep):
+        job()
+
+
 def test_checkpoints_are_pruned_to_the_newest_complete_ones(location, tmp_path):
     ws = _open(location, tmp_path / "c1")
     folder = ws.stage_dir("grpo") / "checkpoints"
@@ -140,11 +146,11 @@ def test_checkpoints_are_pruned_to_the_newest_complete_ones(location, tmp_path):
         (folder / f"checkpoint-{step}" / "model.bin").write_text(str(step))
         if step != 3:  # checkpoint-3 never got its marker: incomplete
             (folder / f"checkpoint-{step}" / "trainer_state.json").write_text("{}")
-        ws.push_checkpoint("grpo", "checkpoints", f"checkpoint-{step}")
+        _push(ws, f"checkpoint-{step}")
     kept = {e.name.split("/")[2] for e in ws.store.list("grpo/checkpoints/")}
     assert kept == {"checkpoint-2", "checkpoint-4"}  # the newest two complete; the incomplete 3 below 4 goes too
     shutil.rmtree(folder / "checkpoint-2")  # the trainer pruned it locally meanwhile: no error either way
-    ws.push_checkpoint("grpo", "checkpoints", "checkpoint-4")
+    _push(ws, "checkpoint-4")
 
 
 def test_reroot_and_locations(tmp_path, env):
@@ -170,7 +176,7 @@ def test_local_pruning_by_the_trainer_and_a_queued_job_do_not_race_into_an_error
         (ckpt / "trainer_state.json").write_text("{}")
     trainer = threading.Thread(target=shutil.rmtree, args=(folder / "checkpoint-1",), kwargs={"ignore_errors": True})
     trainer.start()
-    ws.push_checkpoint("grpo", "checkpoints", "checkpoint-3")
+    _push(ws, "checkpoint-3")
     trainer.join()
     assert sorted(p.name for p in folder.iterdir()) == ["checkpoint-2", "checkpoint-3"]
 
@@ -192,7 +198,7 @@ def test_a_resume_pull_keeps_local_checkpoints_not_yet_uploaded(location, tmp_pa
     folder = ws.stage_dir("grpo") / "checkpoints"
     for step in (1, 2):
         _checkpoint(folder, step)
-        ws.push_checkpoint("grpo", "checkpoints", f"checkpoint-{step}", keep=1)  # the store keeps checkpoint-2
+        _push(ws, f"checkpoint-{step}", keep=1)  # the store keeps checkpoint-2
     _checkpoint(folder, 3)  # saved, never uploaded (killed with it queued)
     _checkpoint(folder, 4)
     _checkpoint(folder, 5, complete=False)  # killed while writing it
@@ -201,7 +207,7 @@ def test_a_resume_pull_keeps_local_checkpoints_not_yet_uploaded(location, tmp_pa
         again.begin("grpo", "k1")
     files = {p.relative_to(folder).as_posix(): p.read_bytes() for p in folder.rglob("*") if p.is_file()}
     left = sorted({name.split("/")[0] for name in files})
-    if _is_local(ws):  # the folder is the store (push_checkpoint pruned checkpoint-1 in it): nothing else moves
+    if _is_local(ws):  # the folder is the store (_push pruned checkpoint-1 in it): nothing else moves
         assert left == ["checkpoint-2", "checkpoint-3", "checkpoint-4", "checkpoint-5"]
         assert again.unpublished("grpo", "checkpoints") == []
         return
@@ -211,7 +217,7 @@ def test_a_resume_pull_keeps_local_checkpoints_not_yet_uploaded(location, tmp_pa
         assert json.loads(files[f"checkpoint-{step}/trainer_state.json"]) == {"step": step}
     assert "keeping local checkpoint(s) checkpoints/checkpoint-3, checkpoints/checkpoint-4" in caplog.text
     assert again.unpublished("grpo", "checkpoints") == ["checkpoint-3", "checkpoint-4"]
-    again.push_checkpoint("grpo", "checkpoints", "checkpoint-3")
+    _push(again, "checkpoint-3")
     assert again.unpublished("grpo", "checkpoints") == ["checkpoint-4"]
     third = _open(location, tmp_path / "c2")  # another machine: sees what reached S3
     third.begin("grpo", "k1")
