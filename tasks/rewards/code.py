@@ -1,6 +1,7 @@
 """The ``code_tests`` reward: the completion's program (:func:`extract_program`), prefixed with the question when
 that is Python source (:func:`build_program`), runs in the sandbox (:mod:`grpoflow.tasks.rewards.sandbox`) and
-the row's tests run against it from outside its process; it scores 1.0 when the tests pass."""
+the row's tests run against it from outside its process, with the helpers the question gives
+(:func:`question_helpers`); it scores 1.0 when the tests pass."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import logging
 import re
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
+from functools import lru_cache
 from typing import Any
 
 from grpoflow.tasks.config import CodeRewardConfig
@@ -46,6 +48,37 @@ def build_program(question: str | None, code: str) -> str:
     if head and not head.endswith("\n"):
         head += "\n"
     return f"{head}{code}\n"
+
+
+def _is_stub(node: ast.stmt) -> bool:
+    """A function the completion is to write: its body (past a docstring) is empty, ``pass``, ``...`` or
+    ``raise NotImplementedError``."""
+    if not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+        return False
+    body = node.body[1:] if ast.get_docstring(node, clean=False) is not None else node.body
+    for s in body:
+        exc = s.exc if isinstance(s, ast.Raise) else None
+        exc = exc.func if isinstance(exc, ast.Call) else exc
+        ellipsis = isinstance(s, ast.Expr) and isinstance(s.value, ast.Constant) and s.value.value is Ellipsis
+        if not (isinstance(s, ast.Pass) or ellipsis or (isinstance(exc, ast.Name) and exc.id == "NotImplementedError")):
+            return False
+    return True
+
+
+@lru_cache(maxsize=1024)
+def question_helpers(question: str | None) -> str:
+    """What a Python question gives that its tests may call (HumanEval's ``poly``, ``encode_cyclic``): its
+    imports, assignments and functions with a body, when it also has a stub to write (:func:`_is_stub`); '' else.
+    They run in the judge ahead of the tests, so a program that redefines a helper (``encode_cyclic`` returning
+    its input, beside a ``decode_cyclic`` that does too) does not change what the tests call."""
+    if not question or not _is_code(question):
+        return ""
+    body = ast.parse(question).body
+    if not any(_is_stub(n) for n in body):
+        return ""
+    given = (ast.Import, ast.ImportFrom, ast.Assign, ast.AnnAssign, ast.FunctionDef, ast.AsyncFunctionDef)
+    kept = [n for n in body if isinstance(n, given) and not _is_stub(n)]
+    return ast.unparse(ast.Module(body=kept, type_ignores=[])) + "\n" if kept else ""
 
 
 class CodeTests:
@@ -94,6 +127,7 @@ class CodeTests:
         programs = [
             build_program(q, extract_program(completion_text(c))) for q, c in zip(questions, completions, strict=True)
         ]
+        tests = [question_helpers(q) + t for q, t in zip(questions, tests, strict=True)]
         with ThreadPoolExecutor(max_workers=self.cfg.workers, thread_name_prefix="code-sandbox") as pool:
             results = list(pool.map(lambda p, t: sandbox.run_python(p, self.limits, mode, tests=t), programs, tests))
         batch = Counter(r.status for r in results)

@@ -10,7 +10,7 @@ import json
 import pytest
 
 from grpoflow.tasks.rewards import sandbox, unsafe_mode
-from grpoflow.tasks.rewards.code import CodeTests, build_program, extract_program
+from grpoflow.tasks.rewards.code import CodeTests, build_program, extract_program, question_helpers
 from grpoflow.tasks.rewards.scoring import resolve_reward_funcs, score_completions
 from tests.tasks.rewards.test_sandbox import FAST, HOSTILE, SHORT
 
@@ -27,6 +27,14 @@ def test_build_program_prefixes_a_python_question_only() -> None:
     stub = 'def add(a, b):\n    """Sum."""\n'
     assert build_program(stub, "    return a + b") == stub + "    return a + b\n"
     assert build_program("Write add(a, b).", "def add(a, b): return a + b") == "def add(a, b): return a + b\n"
+
+
+def test_question_helpers_are_what_a_question_with_a_stub_gives() -> None:
+    q = 'import math\nK = 2\ndef helper(x):\n    return K * x\ndef f(x):\n    """Doc."""\n'
+    assert question_helpers(q) == "import math\nK = 2\n\ndef helper(x):\n    return K * x\n"
+    assert question_helpers("def f(x):\n    raise NotImplementedError('write me')\n") == ""
+    assert question_helpers("def g(x):\n    return x - 1\n") == ""  # no stub: a function to fix, say
+    assert question_helpers("Write f(x) returning x + 1.") == ""
 
 
 @pytest.mark.parametrize("name", sorted(HOSTILE))
@@ -56,6 +64,32 @@ def test_humaneval_canonical_solutions_pass_and_wrong_ones_fail() -> None:
     scores = reward(["p"] * 9, good + body_only + wrong, answer=tests * 3, question=questions * 3)
     assert scores == [1.0] * 6 + [0.0] * 3
     assert reward.reasons == {"passed": 6, "failed": 3}
+
+
+# HumanEval's tests that call a helper the question gives (not the function to write): find_zero's test checks
+# poly(coeffs, solution), decode_cyclic's and decode_shift's decode what encode_cyclic and encode_shift made
+HELPER_CHEATS = {
+    32: "def poly(xs, x):\n    return 0\ndef find_zero(xs):\n    return 0.0\n",
+    38: "def encode_cyclic(s):\n    return s\ndef decode_cyclic(s):\n    return s\n",
+    50: "def encode_shift(s):\n    return s\ndef decode_shift(s):\n    return s\n",
+}
+
+
+def test_a_program_cannot_redefine_a_helper_of_the_question_that_the_tests_call() -> None:
+    """The tests run the question's own helpers (in the judge), not the program's redefinitions of them; the
+    canonical solutions, whole or body only, still pass."""
+    rows = [r for i, r in enumerate(_humaneval(51)) if i in HELPER_CHEATS]
+    cheats = [f"```python\n{HELPER_CHEATS[int(r['task_id'].split('/')[1])]}```" for r in rows]
+    good = [f"```python\n{r['prompt']}{r['canonical_solution']}```" for r in rows]
+    body_only = [r["canonical_solution"] for r in rows]
+    reward = CodeTests(FAST)
+    scores = reward(
+        ["p"] * 9,
+        cheats + good + body_only,
+        answer=[r["answer"] for r in rows] * 3,
+        question=[r["prompt"].strip() for r in rows] * 3,
+    )
+    assert scores == [0.0] * 3 + [1.0] * 6, reward.reasons
 
 
 def test_code_tests_through_score_completions() -> None:
