@@ -32,6 +32,7 @@ import traceback  # now: after the uid drop the Python install may be unreadable
 
 MAX_MESSAGE = 16 << 20
 MAX_DEPTH = 200
+_STOPS = (StopIteration, StopAsyncIteration)  # the program's arrive as RuntimeError (PEP 479 does so in generators)
 _LEN = struct.Struct(">I")
 
 
@@ -290,7 +291,8 @@ class Channel:
 
     def ask(self, *request):
         """Send a request, return (found, value); a program's exception is raised here as the builtin exception
-        of that name (else RuntimeError); anything out of protocol breaks the channel."""
+        of that name (else RuntimeError: also StopIteration, which would end a test's map() or filter() as if
+        every case had been checked); anything out of protocol breaks the channel."""
         if self.broken:
             raise ChannelBroken(self.broken)
         try:
@@ -310,7 +312,7 @@ class Channel:
             raise ChannelBroken(self.broken) from None
         self.remote_errors.append(name)
         cls = getattr(builtins, name, None)
-        if not (isinstance(cls, type) and issubclass(cls, Exception)):
+        if not (isinstance(cls, type) and issubclass(cls, Exception)) or issubclass(cls, _STOPS):
             raise RuntimeError(f"{name}: {message}")
         raise cls(message)
 

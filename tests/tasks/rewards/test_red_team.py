@@ -177,6 +177,23 @@ def test_a_right_answer_beside_a_cheat(name: str, mode: str) -> None:
     assert r.status == ("failed" if name == "patch_the_encoder" else "passed"), r
 
 
+# tests that check every case through map() or filter(): a StopIteration out of the call would end their loop
+MAP_TESTS = [
+    "assert all(map(lambda x: f(x) == x + 1, [1, 2, 10]))",
+    "assert not list(filter(lambda x: f(x) != x + 1, [1, 2, 10]))",
+]
+
+
+@pytest.mark.parametrize("tests", MAP_TESTS)
+def test_a_stop_iteration_from_the_program_does_not_end_the_tests_loop(tests: str, mode: str) -> None:
+    """The program's StopIteration reaches the tests as a RuntimeError (as PEP 479 makes it in a generator), so
+    all(map(...)) does not see an empty map and say True."""
+    for cheat in ("def f(x):\n    raise StopIteration\n", "def f(x):\n    raise StopAsyncIteration\n"):
+        r = sandbox.run_python(cheat, LIMITS, mode=mode, tests=tests)
+        assert r.status == "failed", r
+    assert sandbox.run_python("def f(x):\n    return x + 1\n", LIMITS, mode=mode, tests=tests).passed
+
+
 def test_the_judge_never_hands_its_nonce_or_verdict_fd_to_the_program(mode: str) -> None:
     """The program's process holds no fd but stdio and its two pipes, and no 32-hex token in its argv."""
     probe = (
