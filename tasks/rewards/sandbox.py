@@ -33,6 +33,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from dataclasses import dataclass
 from functools import cache
@@ -244,15 +245,30 @@ def _reap_run_uid(uid: int, wait_s: float = 10.0) -> list[int]:
     return []
 
 
+_LIVE_UIDS: set[int] = set()  # the uids of the runs under way in this process (the reward runs several at once)
+_UIDS_LOCK = threading.Lock()
+
+
 def _draw_uids() -> tuple[int, int]:
-    """(program uid, judge uid): as root two different fresh uids, else the caller's uid twice."""
+    """(program uid, judge uid): as root two different fresh uids that no other run under way holds (a run's end
+    kills every process of its uids: those of a run sharing one too), else the caller's uid twice. Each run hands
+    them back (:func:`_release_uids`)."""
     if os.geteuid() != 0:
         return os.geteuid(), os.geteuid()
-    uid = run_uid()
-    judge = run_uid()
-    while judge == uid and uid != NOBODY:
+    with _UIDS_LOCK:
+        uid = run_uid()
+        while uid in _LIVE_UIDS and uid != NOBODY:
+            uid = run_uid()
         judge = run_uid()
+        while (judge == uid or judge in _LIVE_UIDS) and judge != NOBODY:
+            judge = run_uid()
+        _LIVE_UIDS.update({uid, judge} - {NOBODY})
     return uid, judge
+
+
+def _release_uids(*uids: int) -> None:
+    with _UIDS_LOCK:
+        _LIVE_UIDS.difference_update(uids)
 
 
 def _input_file(nonce: str, tests: str | None) -> int:
@@ -323,6 +339,7 @@ def run_python(source: str, limits: Limits, mode: str | None = None, tests: str 
             os.close(fd)
         if group is not None:
             cgroups.release(group, *cgroup_caps(limits))
+        _release_uids(uid, judge_uid)
         shutil.rmtree(top, ignore_errors=True)
 
 

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import os
 import socket
+import time
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
@@ -118,3 +120,22 @@ def test_rlimits_mode_contains_the_bombs() -> None:
         r = sandbox.run_python(program, SHORT_LIMITS, mode="rlimits")
         assert r.status in {"memory", "output_limit", "cpu_limit", "timeout"}, r
         assert not os.path.exists(r.workdir)
+
+
+def test_two_runs_at_once_never_share_a_uid(monkeypatch: pytest.MonkeyPatch) -> None:
+    """As root each run's uids are drawn at random; a uid another live run holds is drawn again: run A's end kills
+    every process of its uids, which were also run B's, and B's right answer was scored killed."""
+    if os.geteuid() != 0 or sandbox.run_uid() == sandbox.NOBODY:
+        pytest.skip("not root, or no uid range of our own: runs keep one uid")
+    sandbox.isolation()  # its probe run draws before the patch
+    base = sandbox.RUN_UIDS[0] + 4242
+    draws = iter([base, base + 1, base, base + 1, base + 2, base + 3])  # the second run draws the first's pair
+    monkeypatch.setattr(sandbox, "run_uid", lambda: next(draws))
+    slow = "import time\ndef f(x):\n    time.sleep(3)\n    return x + 1\n"
+    with ThreadPoolExecutor(2) as pool:
+        first = pool.submit(sandbox.run_python, "import time\ntime.sleep(0.5)", LIMITS)
+        time.sleep(0.2)  # the first has drawn its uids
+        second = pool.submit(sandbox.run_python, slow, LIMITS, tests="assert f(1) == 2")
+        assert first.result().passed
+        r = second.result()
+    assert r.passed and r.uid == base + 2, r
