@@ -205,6 +205,23 @@ class Journal:
             pass
         return out
 
+    def pending_steps(self) -> dict[str, int]:
+        """{metric key: last step} of the unsent lines: steps a reopened run holds once they are sent, so a resumed
+        stage must not log them again (RunLogger.reopened)."""
+        out: dict[str, int] = {}
+        try:
+            with self.path.open("rb") as f:
+                f.seek(self.sent())
+                for raw in f:
+                    if not raw.endswith(b"\n"):
+                        break
+                    for _, op in _parse(raw, 0):
+                        for key, _, _, step in op.get("m", ()) if op["op"] == "batch" else ():
+                            out[key] = max(out.get(key, -1), int(step))
+        except FileNotFoundError:
+            pass
+        return out
+
     def pending_count(self) -> int:
         try:
             with self.path.open("rb") as f:

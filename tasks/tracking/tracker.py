@@ -136,12 +136,21 @@ class RunLogger:
         self._params.update(params)
 
     def reopened(self, run) -> None:
-        """Take over a run an earlier attempt logged to: its params, and the last step of each metric (skipped)."""
+        """Take over a run an earlier attempt logged to: its params, and the last step of each metric (skipped),
+        counting the steps its journals still hold unsent (a replay that ran out of time): they reach the run
+        later, and a step logged again would be a second point."""
+        from grpoflow.tasks.tracking.journal import Journal
+
         self._params.update(run.data.params)
         for key in run.data.metrics:
             steps = [m.step for m in self.client.get_metric_history(self.run_id, key)]
             if steps:
                 self.skip[key] = max(steps)
+        folder = self.journal.folder if self.journal is not None else None
+        for path in sorted(folder.glob(f"{self.run_id}*.jsonl")) if folder is not None else ():
+            if Journal.run_of(path) == self.run_id:
+                for key, step in Journal(folder, self.run_id, path.stem).pending_steps().items():
+                    self.skip[key] = max(self.skip.get(key, -1), step)
 
     def _batch(self, metrics=(), params=(), tags=()) -> None:
         if self.journal is not None:

@@ -162,3 +162,28 @@ def test_one_refused_key_in_a_batch_costs_only_that_key(mlflow_server, tmp_path,
     assert "rewards/<lambda>/mean" in caplog.text
     run = client.get_run(rid)
     assert len(run.data.metrics) == 100 and _steps(client, rid, "m7") == [1, 2, 3]
+
+
+def test_a_reopened_run_does_not_log_again_the_steps_its_journal_still_holds(mlflow_server, tmp_path):
+    """The killed attempt sent steps 1-3 and left 4-6 in the run's journal (resume's replay ran out of
+    tracking.flush_timeout_s); the stage reopens the run, which holds 1-3, and redoes 4-8 from its checkpoint. The
+    journal's steps count as logged: each step once, the killed attempt's values kept (docs/tracking.md)."""
+    client = MlflowClient(mlflow_server)
+    rid = _run(client)
+    folder = tmp_path / JOURNAL_DIR
+    killed = RunLogger(client, rid, folder)
+    for step in range(1, 4):
+        killed.log_metrics({"loss": float(step)}, step=step)
+    assert killed.close()
+    journal = Journal(folder, rid)
+    for step in range(4, 7):
+        journal.append({"op": "batch", "m": [["loss", float(step), 1000 + step, step]], "p": [], "t": []})
+    journal.close()
+    again = RunLogger(client, rid, folder)
+    again.reopened(client.get_run(rid))
+    for step in range(4, 9):
+        again.log_metrics({"loss": 10.0 + step}, step=step)
+    assert again.end(True)
+    history = client.get_metric_history(rid, "loss")
+    assert sorted(m.step for m in history) == list(range(1, 9))
+    assert {m.step: m.value for m in history}[6] == 6.0
