@@ -17,16 +17,20 @@ from typing import Any, TypeVar
 
 T = TypeVar("T")
 REFUSED_CODE = "INVALID_PARAMETER_VALUE"
+# MLflow's answer (same code) for a run or experiment that was deleted: the run's state, not the item; a run
+# deleted in the UI mid-stage can be restored (`mlflow runs restore`), so its records are kept, not dropped one by one
+NOT_ACTIVE = "must be in the 'active' state"
 
 
 def refused(exc: BaseException) -> bool:
-    """True for MLflow's 400 INVALID_PARAMETER_VALUE (a retry cannot fix the item); False for anything else."""
+    """True for MLflow's 400 INVALID_PARAMETER_VALUE about the item (a retry cannot fix it); False for anything
+    else, a deleted run or experiment included."""
     from mlflow.exceptions import MlflowException
 
     if not isinstance(exc, MlflowException):
         return False
     try:
-        return exc.error_code == REFUSED_CODE and exc.get_http_status_code() == 400
+        return exc.error_code == REFUSED_CODE and exc.get_http_status_code() == 400 and NOT_ACTIVE not in str(exc)
     except Exception:
         return False
 

@@ -264,9 +264,10 @@ class Sender:
         left = self.journal.pending_count()
         if left:
             log.warning(
-                "MLflow tracking %s unreachable: %d records of run %s stay in %s; `grpoflow sync RUN_DIR` or "
+                "MLflow tracking %s unreachable (%s): %d records of run %s stay in %s; `grpoflow sync RUN_DIR` or "
                 "`grpoflow resume RUN_DIR` sends them",
                 self.uri,
+                self.last_error or "no answer in time",
                 left,
                 self.journal.run_id,
                 self.journal.path,

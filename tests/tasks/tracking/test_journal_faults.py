@@ -187,3 +187,26 @@ def test_a_reopened_run_does_not_log_again_the_steps_its_journal_still_holds(mlf
     history = client.get_metric_history(rid, "loss")
     assert sorted(m.step for m in history) == list(range(1, 9))
     assert {m.step: m.value for m in history}[6] == 6.0
+
+
+def test_a_run_deleted_mid_stage_keeps_its_records_until_restored(mlflow_server, tmp_path, caplog):
+    """Someone deletes the stage's run (or its experiment) in the UI while it trains. MLflow refuses every line with
+    400 INVALID_PARAMETER_VALUE ("must be in the 'active' state"): that says nothing of the items, so nothing is
+    dropped (nor bisected item by item, two requests per metric); the journal keeps it all, the message gives the
+    reason, and once the run is restored (`mlflow runs restore`) replay sends every step and the status."""
+    client = MlflowClient(mlflow_server)
+    rid = _run(client)
+    logger = RunLogger(client, rid, tmp_path / JOURNAL_DIR, flush_timeout_s=3)
+    logger.log_metrics({f"m{i}": 1.0 for i in range(50)}, step=1)
+    assert logger.flush(60)
+    client.delete_run(rid)
+    for step in range(2, 6):
+        logger.log_metrics({f"m{i}": float(step) for i in range(50)}, step=step)
+    with caplog.at_level(logging.WARNING):
+        assert not logger.end(True)
+    assert logger.sender.dropped == []
+    assert "must be in the 'active' state. Current state is deleted" in caplog.text
+    client.restore_run(rid)
+    done = replay(tmp_path / JOURNAL_DIR, mlflow_server, timeout=60)
+    assert done[rid].left == 0 and done[rid].dropped == []
+    assert _steps(client, rid, "m7") == [1, 2, 3, 4, 5] and client.get_run(rid).info.status == "FINISHED"

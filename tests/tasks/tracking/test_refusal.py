@@ -29,6 +29,12 @@ def test_only_invalid_parameter_value_is_refused_for_good():
         _rest(404, "RESOURCE_DOES_NOT_EXIST"),
         _rest(429, "REQUEST_LIMIT_EXCEEDED"),
         _rest(500, "INTERNAL_ERROR"),
+        RestException(
+            {
+                "error_code": "INVALID_PARAMETER_VALUE",
+                "message": "The run r must be in the 'active' state. Current state is deleted.",
+            }
+        ),  # the run's state (deleted in the UI, restorable), not the item's
         MlflowException("proxy said 400", error_code="BAD_REQUEST"),
         ConnectionError("refused"),
     ):
