@@ -32,5 +32,6 @@ def launch_spec(cfg: PipelineConfig, ws: Workspace, tracker: RunLogger, init_mod
         "init_model": init_model,
         "tracking_uri": redact(tracking_uri(cfg)) if tracker else None,  # the real one: the workers' environment
         "run_id": tracker.run_id,
+        "skip": tracker.skip,  # a reopened run's last step per metric: rank 0 does not log them again
         "summary": str(folder / "summary.json"),
     }

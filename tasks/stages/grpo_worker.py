@@ -139,13 +139,16 @@ def spec_config(spec: dict):
 
 
 def rank_tracker(cfg, spec: dict, comm, ws: Workspace) -> RunLogger:
-    """Rank 0 logs into the stage's MLflow run (journaled under its own name); the other ranks log nothing."""
+    """Rank 0 logs into the stage's MLflow run (journaled under its own name), skipping the steps a reopened run
+    holds (the spec's ``skip``, RunLogger.reopened); the other ranks log nothing."""
     if comm.is_main and spec["run_id"]:
         from mlflow.tracking import MlflowClient
 
         also = " (for a TrainJob: spec.trainer.env of its template)"
         client = MlflowClient(real_uri(spec["tracking_uri"], who="this GRPO process", also=also))
-        return logger_for(cfg, client, spec["run_id"], ws.root, f"{spec['run_id']}.rank0")
+        logger = logger_for(cfg, client, spec["run_id"], ws.root, f"{spec['run_id']}.rank0")
+        logger.skip = {k: int(v) for k, v in (spec.get("skip") or {}).items()}
+        return logger
     return RunLogger.disabled()
 
 

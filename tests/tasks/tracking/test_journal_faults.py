@@ -210,3 +210,33 @@ def test_a_run_deleted_mid_stage_keeps_its_records_until_restored(mlflow_server,
     done = replay(tmp_path / JOURNAL_DIR, mlflow_server, timeout=60)
     assert done[rid].left == 0 and done[rid].dropped == []
     assert _steps(client, rid, "m7") == [1, 2, 3, 4, 5] and client.get_run(rid).info.status == "FINISHED"
+
+
+def test_a_resumed_distributed_stage_does_not_log_its_redone_steps_again(mlflow_server, tmp_path):
+    """With distributed.world_size > 1 rank 0 logs the GRPO steps (its own journal, grpo_worker.rank_tracker). The
+    killed attempt logged steps 1-5; the stage reopens its run and the launch redoes 4-8 from checkpoint-3: rank 0
+    skips what the reopened run holds, as a one-process stage does (docs/tracking.md)."""
+    import json
+
+    from grpoflow.tasks.config import config_from_dict
+    from grpoflow.tasks.launch.dist import Comm
+    from grpoflow.tasks.stages.grpo_launch import launch_spec
+    from grpoflow.tasks.stages.grpo_worker import rank_tracker
+    from grpoflow.tasks.storage.workspace import Workspace
+
+    client = MlflowClient(mlflow_server)
+    rid = _run(client)
+    cfg = config_from_dict({"run": {"output_dir": str(tmp_path), "name": "r"}, "tracking": {"uri": mlflow_server}})
+    ws = Workspace(tmp_path / "r", cfg.storage)
+    killed = rank_tracker(cfg, {"run_id": rid, "tracking_uri": mlflow_server}, Comm(), ws)
+    for step in range(1, 6):
+        killed.log_metrics({"loss": float(step)}, step=step)
+    assert killed.close()
+    stage = RunLogger(client, rid, tmp_path / "r" / JOURNAL_DIR)  # what stage_run does on a resume
+    stage.reopened(client.get_run(rid))
+    spec = json.loads(json.dumps(launch_spec(cfg, ws, stage, "init-model", tmp_path / "launch")))
+    rank0 = rank_tracker(cfg, spec, Comm(), ws)
+    for step in range(4, 9):
+        rank0.log_metrics({"loss": 10.0 + step}, step=step)
+    assert rank0.close() and stage.end(True)
+    assert _steps(client, rid) == list(range(1, 9))
