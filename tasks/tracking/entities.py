@@ -30,20 +30,33 @@ log = logging.getLogger(__name__)
 def log_model_output(
     client: MlflowClient, run_id: str, name: str, path: str, params: dict[str, Any], step: int = 0
 ) -> str:
-    """A READY LoggedModel ``name`` of the run's experiment, produced by ``run_id`` (its output at ``step``)."""
-    from mlflow.entities import LoggedModelOutput
+    """A READY LoggedModel ``name`` of the run's experiment, produced by ``run_id`` (its output at ``step``).
 
-    exp = client.get_run(run_id).info.experiment_id
-    model = client.create_logged_model(
-        exp,
-        name=name,
-        source_run_id=run_id,
-        params={k: str(v)[:6000] for k, v in params.items() if v is not None},
-        tags={"workspace_path": path},
-        model_type="transformers",
+    Several requests, none idempotent on its own: a call that failed midway (its journal line is sent again) finds
+    the model it created (same run, name, params and path) and does only what is left, rather than a second model."""
+    from mlflow.entities import LoggedModelOutput, LoggedModelStatus
+
+    run = client.get_run(run_id)
+    exp = run.info.experiment_id
+    params = {k: str(v)[:6000] for k, v in params.items() if v is not None}
+    created = client.search_logged_models([exp], filter_string=f"source_run_id = '{run_id}'")
+    model = next(
+        (m for m in created if m.name == name and m.params == params and m.tags.get("workspace_path") == path), None
     )
-    client.finalize_logged_model(model.model_id, "READY")
-    client.log_outputs(run_id, [LoggedModelOutput(model.model_id, step)])
+    if model is None:
+        model = client.create_logged_model(
+            exp,
+            name=name,
+            source_run_id=run_id,
+            params=params,
+            tags={"workspace_path": path},
+            model_type="transformers",
+        )
+    if model.status != LoggedModelStatus.READY:
+        client.finalize_logged_model(model.model_id, "READY")
+    linked = run.outputs.model_outputs if run.outputs is not None else []
+    if not any(o.model_id == model.model_id and o.step == step for o in linked):
+        client.log_outputs(run_id, [LoggedModelOutput(model.model_id, step)])
     return model.model_id
 
 

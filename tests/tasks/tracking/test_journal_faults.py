@@ -29,8 +29,9 @@ class FlakyProxy:
     """An HTTP proxy in front of ``upstream`` that answers the first requests with ``failures`` (status codes, in
     order; a plain-text body as a gateway sends) and forwards every later one."""
 
-    def __init__(self, upstream: str, failures: list[int]):
+    def __init__(self, upstream: str, failures: list[int], only: str = ""):
         self.failures = list(failures)
+        self.only = only  # fail only requests whose "METHOD path" holds this (all requests when empty)
         self.answered: list[int] = []
         host = urlsplit(upstream)
         proxy = self
@@ -38,7 +39,7 @@ class FlakyProxy:
         class Handler(BaseHTTPRequestHandler):
             def _any(self):
                 body = self.rfile.read(int(self.headers.get("Content-Length") or 0))
-                if proxy.failures:
+                if proxy.failures and proxy.only in f"{self.command} {self.path}":
                     status = proxy.failures.pop(0)
                     proxy.answered.append(status)
                     self.send_response(status)
@@ -240,3 +241,20 @@ def test_a_resumed_distributed_stage_does_not_log_its_redone_steps_again(mlflow_
         rank0.log_metrics({"loss": 10.0 + step}, step=step)
     assert rank0.close() and stage.end(True)
     assert _steps(client, rid) == list(range(1, 9))
+
+
+def test_a_model_whose_logging_failed_midway_is_logged_once(mlflow_server, tmp_path):
+    """The model a stage logs at its end takes several requests (create, finalize, link to the run). A gateway
+    that answers one of the later ones 403 (an expired token) leaves the line in the journal; sent again, it must
+    not create a second LoggedModel for the run."""
+    client = MlflowClient(mlflow_server)
+    rid = _run(client)
+    with FlakyProxy(mlflow_server, [403], only="PATCH /api/2.0/mlflow/logged-models/") as proxy:
+        logger = RunLogger(MlflowClient(proxy.url), rid, tmp_path / JOURNAL_DIR, flush_timeout_s=60)
+        logger.log_model("grpo-tiny", str(tmp_path / "model"), {"lr": 0.1}, step=8)
+        assert logger.end(True)
+        assert 403 in proxy.answered
+    exp = client.get_run(rid).info.experiment_id
+    models = client.search_logged_models([exp], filter_string=f"source_run_id = '{rid}'")
+    assert [(m.name, str(m.status)) for m in models] == [("grpo-tiny", "READY")]
+    assert [o.model_id for o in client.get_run(rid).outputs.model_outputs] == [models[0].model_id]
