@@ -264,8 +264,14 @@ def _last_line_start(path: Path, size: int) -> int:
 
 
 def _write_atomic(path: Path, data: bytes, tmp: Path | None = None) -> None:
+    """``data`` in ``path`` whole or not at all, across a power loss too: the temporary file is on disk (fsync)
+    before the rename, so the rename never points ``path`` at a file whose blocks were not yet written (an empty
+    sent offset reads 0, and the whole journal, its tables too, would be sent again)."""
     tmp = tmp or path.with_name(f"{path.name}.{os.getpid()}-{threading.get_ident()}.tmp")
-    tmp.write_bytes(data)
+    with tmp.open("wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
     os.replace(tmp, path)
 
 
