@@ -9,7 +9,12 @@ cycle take on the folder they write, held until they end.
                    release (If-Match). A lease not renewed for ``ttl_s`` by the S3 server's clock (its age is
                    the server's Date minus the object's LastModified, so machines' clocks do not matter) is
                    taken over with a warning, again with If-Match: of two takers, one wins; so is, at once, a lease
-                   whose holder ran on this host (same host name) and is gone (kill -9, a crash)
+                   whose holder ran on this host (same host name) and is gone (kill -9, a crash). Each renewal
+                   writes new bytes (a counter), so its ETag differs and a taker's If-Match on the version it read
+                   fails once the holder renewed. The holder fences its own writes: every write, delete or upload
+                   of an S3Store under the workspace first checks the lease (renewing it at once when the last
+                   renewal is over ttl/2 old: a process paused or cut off) and raises :class:`WorkspaceLost` once
+                   it was taken over, so a holder that wakes up after a takeover writes nothing more
 
 A process that cannot take the lock gets :class:`WorkspaceBusy`, whose message names the holder; the CLI exits 2
 with it before any work. The lock is re-entrant within a process (the CLI takes it, then the flow it calls takes
@@ -32,6 +37,7 @@ from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from grpoflow.tasks.storage import store as store_module
 from grpoflow.tasks.storage.s3 import join_uri
 from grpoflow.tasks.storage.store import S3Store, Store
 
@@ -51,6 +57,7 @@ class Holder:
     since: float = field(default_factory=time.time)
     command: str = ""
     owner: str = field(default_factory=lambda: uuid.uuid4().hex)
+    renewals: int = 0  # S3: counted up by each renewal, so every version of the lease has its own ETag
 
     def describe(self) -> str:
         when = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(self.since))
@@ -64,7 +71,7 @@ class Holder:
         """The holder a lock file or lease names; None for an empty or unreadable one (a torn write)."""
         try:
             raw = json.loads(data)
-            return cls(**{k: raw[k] for k in ("pid", "host", "since", "command", "owner") if k in raw})
+            return cls(**{k: raw[k] for k in ("pid", "host", "since", "command", "owner", "renewals") if k in raw})
         except (ValueError, TypeError):
             return None
 
@@ -78,6 +85,20 @@ class WorkspaceBusy(RuntimeError):
         fix = f" (stop it with `kill {holder.pid}` on {holder.host})" if holder else ""
         super().__init__(
             f"workspace {location} is in use by {who}; wait for it to finish{fix}, or use another run.name"
+        )
+
+
+class WorkspaceLost(OSError):
+    """This process held the workspace's S3 lease and another process took it over (it was not renewed for the
+    lease's ttl: this process was paused or cut off from S3); raised before any further write, so the new
+    holder's files are not overwritten. Not an S3Error: an upload is not retried after it."""
+
+    def __init__(self, location: str, ttl_s: float, holder: Holder | None):
+        who = holder.describe() if holder else "another process"
+        super().__init__(
+            f"workspace {location}: this process no longer holds its lease (taken over by {who} after it was not "
+            f"renewed for {ttl_s:.0f} s: this process was paused or cut off from S3); stopped before writing to it "
+            "again. Wait for the new holder to finish, then `grpoflow resume`"
         )
 
 
@@ -129,9 +150,13 @@ class _S3Lease:
         self.me: Holder | None = None
         self.stop = threading.Event()
         self.thread: threading.Thread | None = None
+        self.mutex = threading.Lock()  # one renewal at a time (the thread's, or a write's check)
+        self.renewed_at = 0.0  # time.monotonic() when the last successful write of the lease was sent
+        self.lost = False
 
     def acquire(self, me: Holder) -> None:
         self.me = me
+        sent = time.monotonic()
         for _ in range(3):  # a lease deleted between our put and our read: try again
             etag = self.client.put_if(me.dumps(), self.uri)
             if etag is not None:
@@ -154,28 +179,46 @@ class _S3Lease:
             break
         else:
             raise WorkspaceBusy(self.uri.rsplit("/", 1)[0], None)
-        self.etag = etag
+        self.etag, self.renewed_at = etag, sent
         self.thread = threading.Thread(target=self._renew, name="grpoflow-lease", daemon=True)
         self.thread.start()
 
     def _renew(self) -> None:
-        while not self.stop.wait(self.ttl_s / 3):
+        while not self.stop.wait(self.ttl_s / 3) and not self.lost:
             try:
-                etag = self.client.put_if(self.me.dumps(), self.uri, etag=self.etag)
+                self._renew_once()
             except OSError as e:  # S3 down for a moment: the lease lasts ttl_s, try again at the next tick
                 log.warning("workspace lease %s: renewal failed (%s); retrying", self.uri, e)
-                continue
+
+    def _renew_once(self) -> None:
+        """Write the lease again if it is still ours (If-Match); else mark it lost. OSError when S3 does not answer."""
+        with self.mutex:
+            if self.lost:
+                return
+            self.me.renewals += 1
+            sent = time.monotonic()
+            etag = self.client.put_if(self.me.dumps(), self.uri, etag=self.etag)
             if etag is None:
+                self.lost = True
                 log.error("workspace lease %s: lost (another process took it over after it was not renewed for "
                           "%.0f s); this process no longer owns the workspace", self.uri, self.ttl_s)  # fmt: skip
                 return
-            self.etag = etag
+            self.etag, self.renewed_at = etag, sent
+
+    def check(self) -> None:
+        """Before a write to the workspace: :class:`WorkspaceLost` when the lease was taken over. A lease whose
+        last renewal is overdue (over ttl/2 old; renewed every ttl/3) may have expired: it is renewed first."""
+        if not self.lost and time.monotonic() - self.renewed_at > self.ttl_s / 2:
+            self._renew_once()
+        if self.lost:
+            got = self.client.get_with_etag(self.uri)
+            raise WorkspaceLost(self.uri.rsplit("/", 1)[0], self.ttl_s, Holder.loads(got[0]) if got else None)
 
     def release(self) -> None:
         self.stop.set()
         if self.thread is not None:
             self.thread.join(timeout=30)
-        if self.etag is not None:
+        if self.etag is not None and not self.lost:
             try:
                 self.client.delete_if(self.uri, self.etag)
             except OSError as e:  # it expires by itself
@@ -200,12 +243,15 @@ def workspace_lock(store: Store, command: str, ttl_s: float = LEASE_TTL_S) -> It
             lock = _S3Lease(store, ttl_s) if isinstance(store, S3Store) else _LocalLock(store.local_root)
             lock.acquire(Holder(command=command))
             _held[key] = [lock, 1]
+            if isinstance(lock, _S3Lease):  # the store's writes under this location check the lease first
+                store_module.FENCES[key] = lock.check
     try:
         yield
     finally:
         with _guard:
             _held[key][1] -= 1
             if _held[key][1] == 0:
+                store_module.FENCES.pop(key, None)
                 _held.pop(key)[0].release()
 
 

@@ -36,6 +36,17 @@ from grpoflow.tasks.storage.uploads import retry_outage
 
 T = TypeVar("T")
 
+# s3:// location -> a check that raises while this process must not write there: the workspace lease it held was
+# taken over (tasks/storage/lock.py registers it while it holds the lease); S3Store writes call :func:`fence` first
+FENCES: dict[str, Callable[[], None]] = {}
+
+
+def fence(uri: str) -> None:
+    """Run the check of every lease held on ``uri`` or a prefix above it (:data:`FENCES`)."""
+    for location, check in list(FENCES.items()):
+        if uri == location or uri.startswith(location + "/"):
+            check()
+
 
 @dataclass(frozen=True)
 class Entry:
@@ -258,6 +269,7 @@ class S3Store:
         return s3.join_uri(self.uri, name)
 
     def write(self, name: str, data: bytes) -> None:
+        fence(self.uri)
         write_atomic(self.local_root / name, data)
         self.client.put_bytes(data, self._uri(name))
 
@@ -278,18 +290,21 @@ class S3Store:
         return sorted((Entry(o["uri"][len(base) :], o["size"], o["etag"]) for o in objects), key=lambda e: e.name)
 
     def delete(self, names: Sequence[str]) -> None:
+        fence(self.uri)
         if names:
             self.client.delete_objects([self._uri(n) for n in names])
         for name in names:  # the mirror in step
             _unlink_local(self.local_root, name)
 
     def delete_folder(self, prefix: str, markers: Sequence[str] = ()) -> None:
+        fence(self.uri)
         self.client.delete_prefix(self._uri(prefix) + "/", markers=markers)
         shutil.rmtree(self.local_root / _join(prefix), ignore_errors=True)
 
     def sync_up(
         self, name: str, *, delete: bool = False, markers: Sequence[str] = (), exclude: Sequence[str] = ()
     ) -> list[str]:
+        fence(self.uri)
         base = self._uri(name) + "/"
         sent = self.client.upload_dir(self.local_root / name, base, delete=delete, markers=markers, exclude=exclude)
         return [_join(name, u[len(base) :]) for u in sent]

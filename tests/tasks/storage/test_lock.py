@@ -101,3 +101,58 @@ def test_s3_lease_of_a_dead_process_on_this_host_is_taken_over_at_once(env, capl
     _kill(proc)
     with caplog.at_level(logging.WARNING), workspace_lock(store, "resume"):
         assert f"took over the lease of pid {proc.pid}" in caplog.text and "that process is gone" in caplog.text
+
+
+WRITER = """
+import sys, time
+from grpoflow.tasks.storage.lock import workspace_lock
+from grpoflow.tasks.storage.store import open_store
+store = open_store(sys.argv[1])
+with workspace_lock(store, "writer test", ttl_s=float(sys.argv[2])):
+    print("held", flush=True)
+    for i in range(600):
+        store.write("grpo/owner.txt", f"writer-{i}".encode())  # a stage writing its files, again and again
+        time.sleep(0.1)
+"""
+
+
+def test_s3_holder_stalled_past_its_lease_stops_writing_once_taken_over(env):
+    """A holder alive but stalled (SIGSTOP here; a VM paused, a network partition) past the lease's ttl is taken
+    over, as it should be; when it wakes up it must not write over the new holder's files."""
+    location = f"s3://{env.bucket}/lock-{uuid.uuid4().hex[:8]}/run"
+    store = open_store(location)
+    proc = subprocess.Popen(
+        [sys.executable, "-c", WRITER, location, "3"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
+    try:
+        assert proc.stdout.readline().strip() == "held"
+        time.sleep(0.5)
+        proc.send_signal(signal.SIGSTOP)
+        time.sleep(5)  # past the 3 s ttl by the server's clock (1 s resolution)
+        with workspace_lock(store, "taker", ttl_s=3):
+            store.write("grpo/owner.txt", b"taker")
+            proc.send_signal(signal.SIGCONT)
+            try:
+                proc.wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                pass
+            assert store.read("grpo/owner.txt") == b"taker"  # the stalled holder wrote nothing after waking up
+        assert proc.poll() not in (None, 0)  # it failed, naming why
+        assert "no longer holds" in proc.stderr.read()
+    finally:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGCONT)
+            _kill(proc)
+
+
+def test_s3_a_renewal_gives_the_lease_a_new_etag_so_a_taker_that_read_it_before_loses(env):
+    """A taker reads a lease that looks expired, the holder renews it that moment, the taker writes If-Match the
+    version it read: the renewal must have changed that version (the same bytes again keep S3's MD5 ETag)."""
+    location = f"s3://{env.bucket}/lock-{uuid.uuid4().hex[:8]}/run"
+    store = open_store(location)
+    uri = f"{location}/{LEASE}"
+    with workspace_lock(store, "holder", ttl_s=1.5):  # renewed every 0.5 s
+        _, read, _ = store.client.get_with_etag(uri)  # what a taker read
+        time.sleep(1.5)  # the holder renews meanwhile
+        assert store.client.put_if(b'{"command": "taker"}', uri, etag=read) is None  # the taker's If-Match fails
+        assert b'"holder"' in store.read(LEASE)
