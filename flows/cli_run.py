@@ -87,8 +87,18 @@ def cmd_run(args) -> int:
 
 def refuse_replacing(cfg: PipelineConfig, store, force: bool) -> None:
     """`grpoflow run` onto an existing run whose finished stages this config would rerun: a ConfigError naming
-    them and pointing at `grpoflow resume`; with ``force`` each is named as it is replaced."""
-    if store.read("config.yaml") is None:
+    them and pointing at `grpoflow resume`; with ``force`` each is named as it is replaced. A folder holding other
+    files but no run (no config.yaml) is refused whatever ``force`` says: the stages would empty its folders."""
+    if store.read("config.yaml") is None:  # no run here yet: the folder must hold nothing else either
+        from grpoflow.tasks.storage.lock import LEASE, LOCK_FILE
+
+        if other := [e.name for e in store.list("") if e.name not in (LOCK_FILE, LEASE)]:
+            shown = ", ".join(other[:3]) + (f" and {len(other) - 3} more" if len(other) > 3 else "")
+            raise ConfigError(
+                f"run.name {cfg.run.name!r}: {store.location} holds files of no grpoflow run ({shown}; no "
+                "config.yaml); a run there would empty its data/, sft/, grpo/, eval/ and export/ folders and write "
+                "its config.yaml. Pick another run.name or run.output_dir"
+            )
         return
     from grpoflow.flows.stages import PIPELINE
     from grpoflow.tasks.pipeline.resume import explain, replaced

@@ -6,8 +6,10 @@ complete."""
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -295,3 +297,31 @@ def test_a_read_only_output_dir_is_refused_at_load_naming_it(tmp_path):
     finally:
         locked.chmod(0o755)
         shutil.rmtree(base, ignore_errors=True)
+
+
+def test_run_into_a_folder_of_other_files_is_refused_and_deletes_nothing(tmp_path):
+    """run.output_dir/run.name naming an existing folder that is no grpoflow run (a project with data/ and eval/
+    folders): refused before any stage, naming the folder and a file in it; a stage would empty its data/."""
+    proj = tmp_path / "runs" / "proj"
+    (proj / "data").mkdir(parents=True)
+    (proj / "data" / "notes.txt").write_text("mine")
+    (proj / "README.md").write_text("my project")
+    env = dict(os.environ, OMP_NUM_THREADS="1", PREFECT_HOME=str(tmp_path / "prefect"))
+    cmd = [sys.executable, "-m", "grpoflow.flows.cli", "run", str(MICRO), f"run.output_dir={tmp_path / 'runs'}"]
+    proc = subprocess.Popen(
+        [*cmd, "run.name=proj"], env=env, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        start_new_session=True,
+    )  # fmt: skip
+    try:
+        deadline = time.time() + 300
+        while proc.poll() is None and (proj / "data" / "notes.txt").exists() and time.time() < deadline:
+            time.sleep(0.5)
+        assert (proj / "data" / "notes.txt").read_text() == "mine"
+        assert proc.wait(timeout=60) == 2
+        err = proc.stderr.read()
+        assert f"{proj} holds files of no grpoflow run" in err and "README.md" in err, err[-2000:]
+        assert not (proj / "config.yaml").exists()
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
