@@ -36,7 +36,7 @@ from grpoflow.flows.embedded_server import Terminated, handle_sigterm
 from grpoflow.tasks.config import ConfigError
 from grpoflow.tasks.pipeline.errors import StageError
 from grpoflow.tasks.storage import s3
-from grpoflow.tasks.storage.lock import WorkspaceBusy
+from grpoflow.tasks.storage.lock import WorkspaceBusy, WorkspaceLost
 
 __all__ = [  # the CLI's public names, importable from here as before the commands moved to flows/cli_*.py
     "busy_cores",
@@ -145,7 +145,7 @@ def main(argv: list[str] | None = None) -> int:
     _library_env()
     try:
         return args.fn(args)
-    except (ConfigError, WorkspaceBusy) as e:
+    except (ConfigError, WorkspaceBusy, WorkspaceLost) as e:  # WorkspaceLost: another process took it over
         print(f"grpoflow: {e}", file=sys.stderr)
         return 2
     except s3.S3Error as e:  # a bucket, key, endpoint or credentials problem: the message names it

@@ -202,10 +202,9 @@ def _run_pipeline(cfg: PipelineConfig, before=None, check=None, command: str = "
     timeline.mark("config_loaded")
     preflight(cfg)
     _setup_env(cfg)
-    if s3.is_s3_uri(cfg.run.output_dir):
-        s3.S3Client(cfg.storage).check_access(
-            cfg.run.output_dir
-        )  # bucket, credentials, endpoint: before Prefect and MLflow start
+    for uri in (cfg.run.output_dir, cfg.data.source, cfg.data.eval_source):  # the workspace and data files on S3:
+        if uri and s3.is_s3_uri(uri):  # bucket, credentials, endpoint checked before Prefect and MLflow start
+            s3.S3Client(cfg.storage).check_access(uri)
     from grpoflow.tasks.storage.lock import workspace_lock
 
     store = open_store(join_location(cfg.run.output_dir, cfg.run.name), cfg.storage)

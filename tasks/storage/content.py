@@ -41,20 +41,21 @@ def path_digest(path: str | Path) -> dict[str, dict[str, Any]]:
 
 
 def s3_digest(uri: str, storage: StorageConfig) -> dict[str, dict[str, Any]]:
-    """{key: {size, etag}} of the S3 object at ``uri``, or of every object under it when it is a prefix."""
+    """{key: {size, etag}} of the S3 object at ``uri``, or of every object under it when it is a prefix. S3's
+    refusals are :class:`~s3.S3Error` naming ``uri`` and the endpoint (credentials, bucket, unreachable)."""
     bucket, key = s3.split_s3_uri(uri)
-    client = s3.s3_client(storage)
+    client = s3.S3Client(storage)
     try:
-        head = client.head_object(Bucket=bucket, Key=key)
+        with client._errors(uri):
+            head = client.client.head_object(Bucket=bucket, Key=key)
         return {key: {"size": head["ContentLength"], "etag": head["ETag"].strip('"')}}
-    except client.exceptions.ClientError as e:
-        if e.response.get("Error", {}).get("Code") not in ("404", "NoSuchKey", "NotFound"):
-            raise OSError(f"{uri}: {e}") from e
-    out = {}
+    except s3.S3NoSuchBucketError:
+        raise
+    except s3.S3NotFoundError:
+        pass
     prefix = key.rstrip("/") + "/" if key else ""
-    for page in client.get_paginator("list_objects_v2").paginate(Bucket=bucket, Prefix=prefix):
-        for obj in page.get("Contents", []):
-            out[obj["Key"]] = {"size": obj["Size"], "etag": obj["ETag"].strip('"')}
+    out = {o["uri"][len(f"s3://{bucket}/") :]: {"size": o["size"], "etag": o["etag"]} for o in
+           client.list_objects(f"s3://{bucket}/{prefix}")}  # fmt: skip
     if not out:
         raise FileNotFoundError(f"{uri}: no such S3 object or prefix")
     return out

@@ -190,6 +190,29 @@ def test_wrong_and_missing_credentials(env, monkeypatch, tmp_path, store):
         store.get_json(uri)
 
 
+def test_the_stage_key_of_an_s3_data_file_names_it_when_s3_refuses(env, monkeypatch, tmp_path):
+    """The data stage's key digests data.source on S3 before anything else reads it: missing credentials or a dead
+    endpoint is an S3Error naming the URI (one line from the CLI), not botocore's bare "Unable to locate
+    credentials" with a traceback."""
+    from grpoflow.tasks.storage.content import s3_digest
+
+    uri = _uri(env, "digest", "train.jsonl")
+    s3.S3Client().put_bytes(b'{"q": 1}\n', uri)
+    key = uri.split("/", 3)[3]
+    assert s3_digest(uri, StorageConfig()) == {key: {"size": 9, "etag": hashlib.md5(b'{"q": 1}\n').hexdigest()}}
+    assert list(s3_digest(uri.rsplit("/", 1)[0], StorageConfig())) == [key]  # a prefix: its objects
+    dead = f"http://127.0.0.1:{free_port()}"
+    with pytest.raises(s3.S3Error, match=f"{uri}: cannot reach the S3 endpoint {dead}"):
+        s3_digest(uri, StorageConfig(endpoint_url=dead, max_attempts=1))
+    for k in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_PROFILE", "AWS_SESSION_TOKEN"):
+        monkeypatch.delenv(k, raising=False)
+    monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", str(tmp_path / "none"))
+    monkeypatch.setenv("AWS_CONFIG_FILE", str(tmp_path / "none"))
+    monkeypatch.setenv("AWS_EC2_METADATA_DISABLED", "true")
+    with pytest.raises(s3.S3AccessError, match=f"{uri}: no AWS credentials"):
+        s3_digest(uri, StorageConfig())
+
+
 def test_unreachable_endpoint_names_it(env, monkeypatch):
     dead = f"http://127.0.0.1:{free_port()}"
     store = s3.S3Client(StorageConfig(endpoint_url=dead, max_attempts=2))
@@ -353,6 +376,12 @@ def test_run_on_a_missing_bucket_fails_before_starting(env, tmp_path, capsys):
     assert main(args) == 1
     err = capsys.readouterr().err
     assert f"grpoflow: s3://no-such-bucket/runs: bucket 'no-such-bucket' does not exist at {env.endpoint}" in err
+    out = tmp_path / "runs"  # a local workspace, its data file in a missing bucket: refused before anything starts
+    args = ["run", MICRO, f"run.output_dir={out}", "run.name=d", "data.source=s3://no-such-bucket/train.jsonl"]
+    assert main(args) == 1
+    err = capsys.readouterr().err
+    assert f"grpoflow: s3://no-such-bucket/train.jsonl: bucket 'no-such-bucket' does not exist at {env.endpoint}" in err
+    assert not (out / "d").exists()
 
 
 SKEWED = (
