@@ -13,13 +13,15 @@ tasks/config/fingerprint.py. The content digests (tasks/storage/content.py) are:
 
     data.source, data.eval_source   a local file or folder: {file: size + sha256}; s3://: {object: size + ETag};
                                     a hub id or builtin source: none (the config names it)
-    model.name                      a local model folder or .gguf file: {file: size + sha256}, or size + mtime_ns
-                                    for files over 64 MiB; a hub id: none (model.revision is in the config)
+    model.name                      a local model folder or .gguf file: {file: size + sha256}, every file hashed
+                                    (its sha256 cached per machine for files of 64 MiB or more: a copy with new
+                                    mtimes keeps the key); a hub id: none (model.revision is in the config)
     reward <module>                 the source file (size + sha256) of each custom reward module of
                                     grpo.reward_funcs (``module:function`` entries)
 
 A changed key changes every downstream key. The code version of grpoflow itself is not in the key. The manifest of
-a published stage records its fingerprint, so :func:`explain` can say what changed since.
+a published stage records its fingerprint, so :func:`explain` can say what changed since. Keys recorded before big
+files were hashed (size + mtime_ns over 64 MiB) are recognised and adopted by tasks/pipeline/legacy.py.
 """
 
 from __future__ import annotations
@@ -49,7 +51,7 @@ def model_files(cfg: PipelineConfig) -> dict[str, Any]:
     """The content of model.name when it is a local folder or .gguf file."""
     path = Path(cfg.model.name).expanduser()
     if cfg.model.name != "tiny" and (path.is_dir() or (path.is_file() and path.suffix.lower() == ".gguf")):
-        return {"model.name": path_digest(path)}
+        return {"model.name": path_digest(path, cfg.storage.cache_dir)}
     return {}
 
 

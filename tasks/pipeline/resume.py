@@ -19,12 +19,17 @@ import yaml
 from grpoflow.tasks.config import PipelineConfig
 from grpoflow.tasks.config.secrets import redact
 from grpoflow.tasks.pipeline.fingerprint import continue_key, extents, fingerprints, key_of
+from grpoflow.tasks.pipeline.legacy import legacy_continue_key, legacy_fingerprints, legacy_key
 from grpoflow.tasks.pipeline.spec import Pipeline
 from grpoflow.tasks.storage.workspace import Workspace
 from grpoflow.tasks.tracking.tracker import RunLogger, flatten, logger_for, start_pipeline_run, tracking_uri
 
 log = logging.getLogger(__name__)
 RUN_FILE = "run.json"
+LEGACY_CHANGE = (
+    "recorded by size + mtime_ns (grpoflow before files over 64 MiB were hashed); its mtime changed since, so its "
+    "content may have"
+)
 
 
 def _short(value: Any) -> str:
@@ -49,6 +54,8 @@ def _file_changes(label: str, old: dict[str, Any], new: dict[str, Any]) -> list[
             out.append(f"code: {label.removeprefix('reward ')} (reward module, {name}) changed")
         elif a is None or b is None:
             out.append(f"file: {label} {name} {'added' if a is None else 'removed'}")
+        elif "mtime_ns" in a and "sha256" in b and a.get("size") == b.get("size"):
+            out.append(f"file: {label} {name}: {LEGACY_CHANGE}")
         else:
             what = [k for k in ("size", "sha256", "mtime_ns", "etag") if a.get(k) != b.get(k)]
             detail = ", ".join(f"{k} {_digest(a.get(k))} -> {_digest(b.get(k))}" for k in what)
@@ -79,6 +86,7 @@ def explain(pipeline: Pipeline, cfg: PipelineConfig, ws: Workspace, forget: tupl
     """{stage: why it reruns} for each stage of ``pipeline`` that a run of ``cfg`` in ``ws`` does not skip, in run
     order; stages in ``forget`` (``--from-stage``) rerun whatever they hold."""
     fps = fingerprints(pipeline, cfg)
+    old = legacy_fingerprints(pipeline, cfg, fps)  # keys older grpoflow recorded, still good (tasks/pipeline/legacy.py)
     out: dict[str, list[str]] = {}
     rerun: dict[str, None] = {}
     for spec in pipeline.specs:
@@ -90,7 +98,7 @@ def explain(pipeline: Pipeline, cfg: PipelineConfig, ws: Workspace, forget: tupl
             out[name] = ["--from-stage"]
         elif manifest is None or "summary" not in manifest:
             out[name] = ["no complete earlier attempt"]
-        elif manifest.get("key") == key_of(fp):
+        elif manifest.get("key") in {key_of(fp), legacy_key(old, name)} - {None}:
             if not rerun:
                 continue
             out[name] = [f"earlier stage {next(iter(rerun))} reruns (the stages after it rerun too)"]
@@ -105,6 +113,7 @@ def replaced(pipeline: Pipeline, cfg: PipelineConfig, ws: Workspace, stages) -> 
     """{stage: what its rerun does to its finished results} for each of ``stages`` (the ones that rerun) that has
     finished results in ``ws``: replaces them, or trains on from them (a raised ``extends`` value: grpo.max_steps)."""
     fps = fingerprints(pipeline, cfg)
+    old = legacy_fingerprints(pipeline, cfg, fps)
     out = {}
     for name in stages:
         manifest = ws.read_manifest(name)
@@ -113,7 +122,8 @@ def replaced(pipeline: Pipeline, cfg: PipelineConfig, ws: Workspace, stages) -> 
         when = time.strftime("%Y-%m-%d %H:%M", time.localtime(manifest.get("finished_at", 0)))
         spec = pipeline[name]
         key = continue_key(fps[name], spec.extends) if spec.extends else None
-        if key and ws.continues(name, key, extents(spec, cfg)):
+        keys = (key, legacy_continue_key(pipeline, old, name))
+        if any(key and ws.continues(name, key, extents(spec, cfg)) for key in keys):
             out[name] = f"continues from its finished attempt of {when} (its checkpoints are kept)"
         else:
             out[name] = f"replaces its finished results of {when}"

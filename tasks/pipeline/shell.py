@@ -31,6 +31,7 @@ from grpoflow.tasks.dataio.sources import split_origins
 from grpoflow.tasks.dataio.splits import split_path
 from grpoflow.tasks.pipeline.errors import StageError
 from grpoflow.tasks.pipeline.fingerprint import continue_key, extents, fingerprints, key_of
+from grpoflow.tasks.pipeline.legacy import adopt_legacy_keys
 from grpoflow.tasks.pipeline.spec import Pipeline, StageSpec
 from grpoflow.tasks.storage.workspace import Workspace
 from grpoflow.tasks.tracking.entities import system_metrics
@@ -75,6 +76,7 @@ def run_stage(
     name = spec.name
     ws = Workspace(workspace_root, cfg.storage)
     fps = fingerprints(pipeline, cfg)
+    adopt_legacy_keys(pipeline, cfg, ws, (name, *(w.name for w in spec.writes)), fps)  # keys of older grpoflow
     keys = {k: key_of(fp) for k, fp in fps.items()}
     key = keys[name]
     stored = ws.completed(name, key)

@@ -1,43 +1,64 @@
 """What a stage reads, by content: local files and folders (size + sha256) and S3 objects (size + ETag).
 
 Stage keys (tasks/pipeline/fingerprint.py) include these digests, so an edited data file, a model folder
-replaced in place or a rewritten S3 object reruns the stages that read it. Files larger than
-:data:`HASH_LIMIT` are identified by size and mtime_ns instead of their sha256: hashing a multi-GB checkpoint on
-every ``grpoflow run`` would cost minutes, and a replaced weight file practically always changes its mtime.
-S3 objects are not read at all: their ETag (an MD5 for a single-part upload, a digest of the parts' MD5s for a
-multipart one) changes with their content.
+replaced in place or a rewritten S3 object reruns the stages that read it, and the same bytes elsewhere (a model
+folder copied to another machine, restored from a backup or checked out again: new mtimes) rerun nothing. Every
+file is hashed; the sha256 of files of 64 MiB or more is remembered per machine in the hash cache under
+storage.cache_dir (tasks/storage/hash_cache.py), so a multi-GB checkpoint is read once, not on every
+``grpoflow run``. S3 objects are not read at all: their ETag (an MD5 for a single-part upload, a digest of the
+parts' MD5s for a multipart one) changes with their content.
+
+Keys recorded before that named files over :data:`LEGACY_LIMIT` by size + mtime_ns; :func:`legacy_digests`
+computes digests that way again, so such keys can still be recognised and adopted (tasks/pipeline/legacy.py).
 """
 
 from __future__ import annotations
 
-import hashlib
+import contextlib
+import contextvars
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 from grpoflow.tasks.config.storage import StorageConfig
 from grpoflow.tasks.storage import s3
+from grpoflow.tasks.storage.hash_cache import HashCache
 
-HASH_LIMIT = 64 * 2**20  # bytes: larger files are identified by size + mtime_ns
+LEGACY_LIMIT = 64 * 2**20  # bytes: files larger than this were named by size + mtime_ns in keys of older grpoflow
+_LEGACY = contextvars.ContextVar("grpoflow_legacy_digests", default=False)
 
 
-def file_digest(path: Path) -> dict[str, Any]:
-    """{size, sha256} of one file; {size, mtime_ns} above HASH_LIMIT."""
+@contextlib.contextmanager
+def legacy_digests() -> Iterator[None]:
+    """Within it, files over LEGACY_LIMIT are digested as older grpoflow did ({size, mtime_ns}), to recompute
+    the keys it recorded; nothing is hashed or cached for them."""
+    token = _LEGACY.set(True)
+    try:
+        yield
+    finally:
+        _LEGACY.reset(token)
+
+
+def file_digest(path: Path, cache: HashCache | None = None) -> dict[str, Any]:
+    """{size, sha256} of one file, its hash from ``cache`` while the file is unchanged (:func:`legacy_digests`:
+    {size, mtime_ns} above LEGACY_LIMIT)."""
     st = path.stat()
-    if st.st_size > HASH_LIMIT:
+    if _LEGACY.get() and st.st_size > LEGACY_LIMIT:
         return {"size": st.st_size, "mtime_ns": st.st_mtime_ns}
-    h = hashlib.sha256()
-    with path.open("rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return {"size": st.st_size, "sha256": h.hexdigest()}
+    return {"size": st.st_size, "sha256": (cache or HashCache(None)).sha256(path, st)}
 
 
-def path_digest(path: str | Path) -> dict[str, dict[str, Any]]:
-    """{file name: file_digest} of a file, or of every file under a folder (names relative to it, sorted)."""
+def path_digest(path: str | Path, cache_dir: str | Path | None = None) -> dict[str, dict[str, Any]]:
+    """{file name: file_digest} of a file, or of every file under a folder (names relative to it, sorted); the
+    hashes of big files kept in the hash cache of ``cache_dir`` (storage.cache_dir; None: no cache)."""
     p = Path(path).expanduser()
+    cache = HashCache(cache_dir)
     if p.is_file():
-        return {p.name: file_digest(p)}
-    return {str(f.relative_to(p)): file_digest(f) for f in sorted(p.rglob("*")) if f.is_file()}
+        out = {p.name: file_digest(p, cache)}
+    else:
+        out = {str(f.relative_to(p)): file_digest(f, cache) for f in sorted(p.rglob("*")) if f.is_file()}
+    cache.save()
+    return out
 
 
 def s3_digest(uri: str, storage: StorageConfig) -> dict[str, dict[str, Any]]:
@@ -67,5 +88,5 @@ def source_digest(source: str, storage: StorageConfig) -> dict[str, dict[str, An
     if s3.is_s3_uri(source):
         return s3_digest(source, storage)
     if Path(source).expanduser().exists():
-        return path_digest(source)
+        return path_digest(source, storage.cache_dir)
     return None

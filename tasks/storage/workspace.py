@@ -293,6 +293,42 @@ class Workspace:
         old = manifest.get("root")
         return reroot(manifest["summary"], old, str(self.root)) if old else manifest["summary"]
 
+    def rekey(
+        self, stage: str, keys: tuple[str, str], continues: tuple[str | None, str | None], record: dict[str, Any]
+    ) -> bool:
+        """Give the stage's manifest and attempt record that hold key ``keys[0]`` (or continue key
+        ``continues[0]``) the new one instead, the manifest with the fields of ``record`` (its fingerprint) too:
+        the same stage under a key computed another way (tasks/pipeline/legacy.py). Whether anything changed."""
+        try:
+            manifest = self.read_manifest(stage)
+        except CorruptManifest:
+            manifest = None  # completed() reports it; the stage reruns
+        changed = False
+        if manifest is not None and manifest.get("key") == keys[0]:
+            self._rewrite(_name(stage, MANIFEST), manifest, {**manifest, **record, "key": keys[1]})
+            changed = True
+        last = self.last_attempt(stage)
+        renamed = {"key": keys[1]} if last.get("key") == keys[0] else {}
+        if continues[0] and last.get("continues") == continues[0]:
+            renamed["continues"] = continues[1]
+        if renamed:
+            self._rewrite(_name(stage, ATTEMPT), last, {**last, **renamed})
+            changed = True
+        return changed
+
+    def _rewrite(self, name: str, old: dict[str, Any], new: dict[str, Any]) -> None:
+        """Replace record ``name`` (``old``) with ``new`` through the store. The local mirror's copy stays only
+        when it held ``old``: a mirror's manifest or attempt record says its files are that attempt's (fetch
+        and begin trust it), which they are not when the mirror held another copy, or none."""
+        local = self.root / name
+        try:
+            kept = json.loads(local.read_text()) == old
+        except (OSError, ValueError):
+            kept = False
+        self.store.write(name, _dumps(new))
+        if not kept:
+            local.unlink(missing_ok=True)
+
     def forget(self, stages: tuple[str, ...], attempts: bool = False) -> None:
         """Remove the manifests (and with ``attempts`` the attempt records) of these stages."""
         names = (MANIFEST, ATTEMPT) if attempts else (MANIFEST,)

@@ -2,14 +2,17 @@
 model folder replaced in place and an edited reward module change the keys of the stages that read them, and
 explain() (tasks/pipeline/resume.py) names the change."""
 
+import hashlib
 import os
+import shutil
 
 import pytest
 
 from grpoflow.flows.stages import PIPELINE
 from grpoflow.tasks.config import load_config
 from grpoflow.tasks.pipeline.fingerprint import continue_key, fingerprints, key_of, stage_keys
-from grpoflow.tasks.pipeline.resume import explain
+from grpoflow.tasks.pipeline.legacy import adopt_legacy_keys
+from grpoflow.tasks.pipeline.resume import explain, replaced
 from grpoflow.tasks.storage import content
 from grpoflow.tasks.storage.workspace import Workspace
 from tests.paths import MICRO
@@ -82,14 +85,88 @@ def test_a_model_folder_replaced_in_place_changes_the_training_keys(tmp_path):
     )
 
 
-def test_large_files_are_identified_by_size_and_mtime(tmp_path, monkeypatch):
-    monkeypatch.setattr(content, "HASH_LIMIT", 4)
-    big = tmp_path / "w.bin"
-    big.write_bytes(b"12345678")
-    first = content.file_digest(big)
-    assert set(first) == {"size", "mtime_ns"}
-    os.utime(big, ns=(first["mtime_ns"] + 10**9, first["mtime_ns"] + 10**9))
-    assert content.file_digest(big) != first
+BIG = 64 * 2**20 + 4096  # over the 64 MiB above which keys used to take size + mtime_ns
+
+
+def _model_with_big_weights(folder):
+    """A model folder whose weights file is over 64 MiB (sparse: cheap to write and to hash)."""
+    folder.mkdir()
+    (folder / "config.json").write_text('{"hidden_size": 8}')
+    with (folder / "model.safetensors").open("wb") as f:
+        f.truncate(BIG)
+        f.seek(BIG // 2)
+        f.write(b"weights")
+    return folder
+
+
+def test_a_model_folder_restored_with_new_mtimes_keeps_the_training_keys(tmp_path):
+    """A copy to another machine, a restore from a backup, `git lfs` checking the weights out again: the same
+    bytes with new mtimes (and inodes) rerun nothing."""
+    model = _model_with_big_weights(tmp_path / "model")
+    cfg = _cfg(f"model.name={model}", f"storage.cache_dir={tmp_path / 'cache'}")
+    before = stage_keys(PIPELINE, cfg)
+    ws = Workspace(tmp_path / "ws")
+    _publish_all(ws, cfg)
+    shutil.copytree(model, tmp_path / "backup", copy_function=shutil.copyfile)
+    shutil.rmtree(model)
+    shutil.copytree(tmp_path / "backup", model, copy_function=shutil.copyfile)
+    os.utime(model / "model.safetensors", ns=(10**18, 10**18))
+    assert stage_keys(PIPELINE, cfg) == before
+    assert explain(PIPELINE, cfg, ws) == {}
+    with (model / "model.safetensors").open("r+b") as f:  # other weights, same size
+        f.seek(BIG // 2)
+        f.write(b"WEIGHTS")
+    assert {"sft", "grpo", "eval", "export"} <= _changed(before, stage_keys(PIPELINE, cfg))
+    assert explain(PIPELINE, cfg, ws)["sft"][0].startswith("file: model.name model.safetensors changed (sha256 ")
+
+
+def _legacy_file_digest(path, *args, **kwargs):
+    """file_digest as grpoflow had it before every file was hashed: size + mtime_ns above 64 MiB."""
+    st = path.stat()
+    if st.st_size > 64 * 2**20:
+        return {"size": st.st_size, "mtime_ns": st.st_mtime_ns}
+    return {"size": st.st_size, "sha256": hashlib.sha256(path.read_bytes()).hexdigest()}
+
+
+def test_a_run_keyed_by_mtimes_is_adopted_not_rerun_and_then_survives_a_copy(tmp_path, monkeypatch):
+    """Manifests and attempt records an older grpoflow wrote (big files as size + mtime_ns) still count while the
+    files keep their mtimes; adopting them rewrites their keys, after which a restore with new mtimes keeps them."""
+    model = _model_with_big_weights(tmp_path / "model")
+    cfg = _cfg(f"model.name={model}", f"storage.cache_dir={tmp_path / 'cache'}", "grpo.max_steps=2")
+    ws = Workspace(tmp_path / "ws")
+    with monkeypatch.context() as m:
+        m.setattr(content, "file_digest", _legacy_file_digest)
+        old = fingerprints(PIPELINE, cfg)
+        ws.begin("grpo", key_of(old["grpo"]), continue_key(old["grpo"], ("grpo.max_steps",)), {"grpo.max_steps": 2})
+        _publish_all(ws, cfg)
+    new = stage_keys(PIPELINE, cfg)
+    assert new["sft"] != key_of(old["sft"])  # the weights are named by their sha256 now
+    assert explain(PIPELINE, cfg, ws) == {}  # the old keys still count: nothing reruns
+    more = _cfg(f"model.name={model}", f"storage.cache_dir={tmp_path / 'cache'}", "grpo.max_steps=4")
+    assert replaced(PIPELINE, more, ws, ["grpo"])["grpo"].startswith("continues from its finished attempt")
+
+    assert adopt_legacy_keys(PIPELINE, cfg, ws) == ["sft", "grpo", "eval", "export"]  # data reads no model
+    assert all(ws.read_manifest(s)["key"] == new[s] for s in PIPELINE.names)
+    assert ws.read_manifest("sft")["fingerprint"] == fingerprints(PIPELINE, cfg)["sft"]
+    assert ws.last_attempt("grpo")["key"] == new["grpo"]
+    assert adopt_legacy_keys(PIPELINE, cfg, ws) == []  # done once
+    os.utime(model / "model.safetensors", ns=(10**18, 10**18))  # restored from a backup: new mtimes
+    assert explain(PIPELINE, cfg, ws) == {}
+    assert replaced(PIPELINE, more, ws, ["grpo"])["grpo"].startswith("continues from its finished attempt")
+
+
+def test_a_run_keyed_by_mtimes_whose_weights_were_touched_since_reruns_and_says_why(tmp_path, monkeypatch):
+    model = _model_with_big_weights(tmp_path / "model")
+    cfg = _cfg(f"model.name={model}", f"storage.cache_dir={tmp_path / 'cache'}")
+    ws = Workspace(tmp_path / "ws")
+    with monkeypatch.context() as m:
+        m.setattr(content, "file_digest", _legacy_file_digest)
+        _publish_all(ws, cfg)
+    os.utime(model / "model.safetensors", ns=(10**18, 10**18))  # the old key cannot tell this from new weights
+    assert adopt_legacy_keys(PIPELINE, cfg, ws) == []  # no stage holds the key its files give now
+    why = explain(PIPELINE, cfg, ws)["sft"]
+    assert why == ["file: model.name model.safetensors: recorded by size + mtime_ns (grpoflow before files over "
+                   "64 MiB were hashed); its mtime changed since, so its content may have"]  # fmt: skip
 
 
 def test_an_edited_reward_module_reruns_grpo_not_data(tmp_path, monkeypatch):

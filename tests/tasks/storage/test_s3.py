@@ -314,6 +314,25 @@ def test_s3_workspace_publishes_files_then_the_manifest(env, tmp_path, monkeypat
     assert store.get_json(f"{uri}/grpo/attempt.json")["key"] == "k2"
 
 
+def test_a_stage_rekeyed_from_an_empty_cache_is_still_pulled_whole(env, tmp_path):
+    """A key rewritten (tasks/pipeline/legacy.py) by a machine whose mirror lacks the stage's files leaves no
+    manifest in that mirror, so fetch still pulls them; the records on S3 hold the new key."""
+    uri = _uri(env, "ws-rekey", "r1")
+    ws = Workspace(uri, StorageConfig(cache_dir=str(tmp_path / "c1")))
+    ws.begin("sft", "old", "old-c", {"n": 1})
+    (ws.stage_dir("sft") / "model.safetensors").write_bytes(b"w")
+    ws.publish("sft", "old", {"steps": 1}, record={"fingerprint": {"v": 1}})
+    fresh = Workspace(uri, StorageConfig(cache_dir=str(tmp_path / "c2")))
+    assert fresh.rekey("sft", ("old", "new"), ("old-c", "new-c"), {"fingerprint": {"v": 2}})
+    assert not (fresh.root / "sft" / MANIFEST).exists() and not (fresh.root / "sft" / "attempt.json").exists()
+    assert fresh.completed("sft", "new") == {"steps": 1} and fresh.read_manifest("sft")["fingerprint"] == {"v": 2}
+    assert fresh.last_attempt("sft")["continues"] == "new-c" and fresh.last_attempt("sft")["key"] == "new"
+    fresh.fetch(("sft",))
+    assert (fresh.root / "sft" / "model.safetensors").read_bytes() == b"w"
+    assert not fresh.rekey("sft", ("old", "new"), ("old-c", "new-c"), {"fingerprint": {"v": 2}})  # once
+    assert ws.completed("sft", "new") == {"steps": 1}  # the first machine reads the new key from S3
+
+
 def test_nodes_add_their_checkpoint_files_and_node_0_keeps_them(env, tmp_path):
     """A TrainJob's nodes, each with its own mirror: node 1 adds its shards (deleting nothing), node 0's push keeps
     them in the checkpoints it holds and removes a pruned checkpoint with every node's files."""
