@@ -128,7 +128,10 @@ def cmd_resume(args) -> int:
     missing = f"{args.run_dir}: no config.yaml; RUN_DIR must be a run workspace (<output_dir>/<name>)"
     # the workspace's store (an s3:// one reached with the endpoint of the env or of storage.* overrides)
     storage = config_from_dict({"storage": apply_overrides({}, list(args.overrides)).get("storage", {})}).storage
-    store = open_store(args.run_dir, storage)
+    try:
+        store = open_store(args.run_dir, storage)
+    except ValueError as e:  # an s3:// RUN_DIR that is no usable URI (bucket name, '..' segments)
+        raise ConfigError(f"RUN_DIR: {e}") from None
     if store.read("config.yaml") is None:
         raise ConfigError(missing)
     from grpoflow.tasks.storage.lock import workspace_lock

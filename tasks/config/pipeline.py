@@ -19,7 +19,7 @@ from pydantic import Field, field_validator, model_validator
 from grpoflow.tasks.config.base import _Section
 from grpoflow.tasks.config.distributed import DistributedConfig
 from grpoflow.tasks.config.model import ModelConfig
-from grpoflow.tasks.config.storage import StorageConfig
+from grpoflow.tasks.config.storage import StorageConfig, check_s3_uri
 from grpoflow.tasks.config.training import GRPOConfig, SFTConfig
 
 # --------------------------------------------------------------------------------------------
@@ -64,6 +64,11 @@ class RunConfig(_Section):
         if not v or "/" in v or v in {".", ".."}:
             raise ValueError("must be a non-empty name without '/'")
         return v
+
+    @field_validator("output_dir")
+    @classmethod
+    def _s3_output_dir(cls, v: str) -> str:
+        return check_s3_uri(v)  # now, not when the first stage writes under a mirror path that lies elsewhere
 
 
 class ArithmeticConfig(_Section):
@@ -134,6 +139,11 @@ class DataConfig(_Section):
         "error", description="A row without a usable question/answer: fail naming the row, or skip and count it."
     )
     arithmetic: ArithmeticConfig = Field(default_factory=ArithmeticConfig)
+
+    @field_validator("source", "eval_source")
+    @classmethod
+    def _s3_sources(cls, v: str | None) -> str | None:
+        return check_s3_uri(v)  # an s3:// file is downloaded to <storage.cache_dir>/<bucket>/<key>
 
 
 class GenerationConfig(_Section):

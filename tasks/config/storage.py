@@ -2,9 +2,44 @@
 
 from __future__ import annotations
 
+import re
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
+
+_BUCKET = re.compile(r"^[a-z0-9][a-z0-9.-]{1,61}[a-z0-9]$")
+
+
+def s3_uri_problem(uri: str) -> str | None:
+    """Why ``uri`` is not a usable s3://bucket/key (a sentence that does not repeat it), None when it is one.
+
+    The key's segments must be names: S3 stores 'runs/../x', 'runs/./x' and 'runs//x' as they are, but the local
+    copy of a key is <storage.cache_dir>/<bucket>/<key>, where '..' climbs into another run's mirror (or out of
+    the cache folder), and '.' or an empty segment names the same folder as another key: two runs would share,
+    and empty, one mirror. A trailing '/' (a prefix) is fine."""
+    if not uri.startswith("s3://"):
+        return "not an S3 URI (expected s3://bucket/key)"
+    bucket, _, key = uri[len("s3://") :].partition("/")
+    if not _BUCKET.match(bucket):
+        return (
+            f"{bucket!r} is not a valid bucket name (3-63 lowercase letters, digits, '.' or '-'); "
+            "expected s3://bucket/key"
+        )
+    segments = key.split("/")[:-1] if key.endswith("/") else key.split("/")
+    for bad, what in (("", "empty path segment ('//')"), (".", "'.' path segment"), ("..", "'..' path segment")):
+        if key and bad in segments:
+            return (
+                f"{what} in the key: its local copy under storage.cache_dir would not be <bucket>/<key> (it would "
+                "lie in another run's folder, or outside the cache); name the key without '.', '..' or '//'"
+            )
+    return None
+
+
+def check_s3_uri(value: str | None) -> str | None:
+    """A field validator's body: ``value`` unchanged unless it is an s3:// URI with a problem (ValueError)."""
+    if isinstance(value, str) and value.startswith("s3://") and (problem := s3_uri_problem(value)):
+        raise ValueError(problem)
+    return value
 
 
 class StorageConfig(BaseModel):

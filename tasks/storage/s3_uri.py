@@ -1,12 +1,11 @@
-"""S3 URIs: ``s3://bucket/key`` recognised, split (the bucket name checked), joined, and mapped to the local copy
-under a cache folder."""
+"""S3 URIs: ``s3://bucket/key`` recognised, split (the bucket name and the key's segments checked), joined, and
+mapped to the local copy under a cache folder."""
 
 from __future__ import annotations
 
-import re
 from pathlib import Path
 
-_BUCKET = re.compile(r"^[a-z0-9][a-z0-9.-]{1,61}[a-z0-9]$")
+from grpoflow.tasks.config.storage import s3_uri_problem
 
 
 def is_s3_uri(s: str) -> bool:
@@ -14,17 +13,11 @@ def is_s3_uri(s: str) -> bool:
 
 
 def split_s3_uri(uri: str) -> tuple[str, str]:
-    """'s3://bucket/a/b' -> ('bucket', 'a/b'); 's3://bucket' -> ('bucket', '')."""
-    if not is_s3_uri(uri):
-        raise ValueError(f"{uri!r} is not an S3 URI (expected s3://bucket/key)")
+    """'s3://bucket/a/b' -> ('bucket', 'a/b'); 's3://bucket' -> ('bucket', ''). A bad bucket name and '.', '..' or
+    empty key segments are a ValueError naming the URI (tasks/config/storage.py s3_uri_problem says why)."""
+    if problem := s3_uri_problem(uri) if isinstance(uri, str) else "not an S3 URI (expected s3://bucket/key)":
+        raise ValueError(f"{uri!r}: {problem}")
     bucket, _, key = uri[len("s3://") :].partition("/")
-    if not _BUCKET.match(bucket):
-        raise ValueError(
-            f"{uri!r}: {bucket!r} is not a valid bucket name (3-63 lowercase letters, digits, '.' or '-'); "
-            "expected s3://bucket/key"
-        )
-    if "//" in key:
-        raise ValueError(f"{uri!r}: empty path segment ('//') in the key")
     return bucket, key
 
 
