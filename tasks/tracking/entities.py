@@ -1,10 +1,14 @@
-"""MLflow entities of a stage run beyond params and metrics: logged model outputs, system metrics (the dataset
-inputs: tasks/tracking/dataset_inputs.py).
+"""MLflow entities of a stage run beyond params and metrics: logged model outputs, tables, system metrics (the
+dataset inputs: tasks/tracking/dataset_inputs.py).
 
 logged model    the model a training stage wrote, as a LoggedModel of the run's experiment, linked to the run as
                 an output (``log_outputs``): the UI lists the run as a training run, also in its GenAI view. The
                 weights stay in the workspace (and, for the export stage, in the run's artifacts); the model's
                 ``workspace_path`` tag says where
+table           a file in MLflow's table format (pandas' "split" JSON), listed in the run's
+                ``mlflow.loggedArtifacts`` tag (the UI's Evaluation view). Written whole each time, not appended
+                to as MLflow's log_table does: that download, join and upload is not idempotent, so a journal line
+                sent again after a failure past the upload appended its rows twice
 system metrics  MLflow's SystemMetricsMonitor (CPU, memory, disk, network; GPU with nvidia-ml-py on a GPU worker)
                 on the run, sampled every max(1, min(15, elapsed / 30)) seconds: about 30 samples over the
                 first minutes of any stage, and a last sample when the stage ends, so even a short stage has one.
@@ -17,7 +21,9 @@ system metrics  MLflow's SystemMetricsMonitor (CPU, memory, disk, network; GPU w
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
+import posixpath
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -58,6 +64,33 @@ def log_model_output(
     if not any(o.model_id == model.model_id and o.step == step for o in linked):
         client.log_outputs(run_id, [LoggedModelOutput(model.model_id, step)])
     return model.model_id
+
+
+def joined_table(prev, data: dict[str, list]):
+    """The DataFrame of ``data`` (columns) after the rows of ``prev`` (a DataFrame, or None), as MLflow's log_table
+    joins a table to the one a run holds."""
+    import pandas as pd
+
+    try:
+        frame = pd.DataFrame(data)
+    except ValueError:  # every value a scalar: one row, as MLflow reads it
+        frame = pd.DataFrame([data])
+    return frame if prev is None else pd.concat([prev, frame], ignore_index=True)
+
+
+def log_table_file(client: MlflowClient, run_id: str, path: str, artifact_file: str) -> None:
+    """The whole table in file ``path`` (named as ``artifact_file``'s last part) written over the run's artifact
+    ``artifact_file``, which the run lists among its tables. Each request is idempotent (an upload over the same
+    name, a tag set only when the entry is missing), so a call sent again after a failure midway leaves each row
+    once."""
+    from mlflow.utils.mlflow_tags import MLFLOW_LOGGED_ARTIFACTS
+
+    folder = posixpath.dirname(posixpath.normpath(artifact_file))
+    client.log_artifact(run_id, path, folder or None)
+    listed = json.loads(client.get_run(run_id).data.tags.get(MLFLOW_LOGGED_ARTIFACTS, "[]"))
+    entry = {"path": artifact_file, "type": "table"}
+    if entry not in listed:
+        client.set_tag(run_id, MLFLOW_LOGGED_ARTIFACTS, json.dumps([*listed, entry]))
 
 
 def adaptive_interval(elapsed: float) -> float:

@@ -16,8 +16,9 @@ survives the process, nothing is replayed. Here a killed process loses nothing i
 Nothing is lost or duplicated: the offset advances only after the store accepted a line, so a crash between the
 two resends that line, and the store absorbs the repeat: a metric point is keyed by (key, step, timestamp, value)
 (the timestamp is taken when the point is logged and kept in the journal; MLflow's SQL store ignores a point it
-already holds), a param may be logged again with the same value, tags, artifacts and status overwrite. Only an item
-the store refuses as invalid is dropped (tasks/tracking/refusal.py); every other failure is retried.
+already holds), a param may be logged again with the same value, tags, artifacts, whole tables and status overwrite,
+and a model line finds the model it created (tasks/tracking/entities.py). Only an item the store refuses as invalid
+is dropped (tasks/tracking/refusal.py); every other failure is retried.
 
 Durability: each line is written and flushed at once (the sender, and a process that dies next, see it whole);
 :meth:`Journal.sync` (fsync) runs at the end of each logged step and on close, so a machine that loses power loses

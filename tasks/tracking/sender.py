@@ -108,7 +108,11 @@ def send(client: FastClient, run_id: str, op: dict[str, Any]) -> None:
             client.client.log_artifacts(run_id, str(path), op.get("dir"))
         else:
             client.client.log_artifact(run_id, str(path), op.get("dir"))
-    elif kind == "table":
+    elif kind == "table" and op.get("whole"):
+        from grpoflow.tasks.tracking.entities import log_table_file
+
+        log_table_file(client.client, run_id, op["path"], op["file"])
+    elif kind == "table":  # a line of an older journal: its rows, which MLflow appends to the run's table
         import json
 
         client.client.log_table(run_id, data=json.loads(Path(op["path"]).read_text()), artifact_file=op["file"])

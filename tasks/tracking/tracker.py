@@ -100,6 +100,7 @@ class RunLogger:
         self._params: dict[str, str] = {}
         self.skip: dict[str, int] = {}
         self._non_finite: set[str] = set()  # metrics already warned about a NaN or infinite value
+        self._tables: dict[str, Any] = {}  # artifact file -> the DataFrame logged to it so far (log_table)
         self.flush_timeout_s = flush_timeout_s
         self.journal = self.sender = None
         if client is not None and journal is not None:
@@ -252,12 +253,21 @@ class RunLogger:
         self._blob(text.encode(), artifact_file)
 
     def log_table(self, data: dict[str, list], artifact_file: str) -> None:
+        """The rows of ``data`` added to the run's table ``artifact_file`` (MLflow's table format, listed in the
+        run's Evaluation view). Through the journal, each line holds the whole table this logger logged to that
+        file so far and the sender writes it over the artifact: a line sent again (a failure after the upload)
+        writes the same rows again rather than appending them twice, as MLflow's own log_table would. So a reopened
+        run that logs a file again (a resumed stage redoing its middle step) replaces that file's earlier rows."""
         if self.client is None:
             return
         if self.journal is None:
             return self.client.log_table(self.run_id, data=data, artifact_file=artifact_file)
-        path = self.journal.blob(artifact_file, json.dumps(data, default=str).encode())
-        self.journal.append({"op": "table", "path": str(path), "file": artifact_file})
+        from grpoflow.tasks.tracking.entities import joined_table
+
+        whole = self._tables[artifact_file] = joined_table(self._tables.get(artifact_file), data)
+        text = whole.to_json(orient="split", index=False, date_format="iso", default_handler=str)
+        path = self.journal.blob(artifact_file, text.encode())
+        self.journal.append({"op": "table", "path": str(path), "file": artifact_file, "whole": True})
         self.sender.wake()
 
     def log_artifact(self, path: str | Path, artifact_path: str | None = None) -> None:

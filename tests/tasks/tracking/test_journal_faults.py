@@ -29,9 +29,10 @@ class FlakyProxy:
     """An HTTP proxy in front of ``upstream`` that answers the first requests with ``failures`` (status codes, in
     order; a plain-text body as a gateway sends) and forwards every later one."""
 
-    def __init__(self, upstream: str, failures: list[int], only: str = ""):
+    def __init__(self, upstream: str, failures: list[int], only: str = "", after: str = ""):
         self.failures = list(failures)
         self.only = only  # fail only requests whose "METHOD path" holds this (all requests when empty)
+        self.after = after  # and only once a request whose "METHOD path" holds this was forwarded
         self.answered: list[int] = []
         host = urlsplit(upstream)
         proxy = self
@@ -39,7 +40,8 @@ class FlakyProxy:
         class Handler(BaseHTTPRequestHandler):
             def _any(self):
                 body = self.rfile.read(int(self.headers.get("Content-Length") or 0))
-                if proxy.failures and proxy.only in f"{self.command} {self.path}":
+                request = f"{self.command} {self.path}"
+                if proxy.failures and proxy.only in request and not proxy.after:
                     status = proxy.failures.pop(0)
                     proxy.answered.append(status)
                     self.send_response(status)
@@ -54,6 +56,8 @@ class FlakyProxy:
                 resp = conn.getresponse()
                 data = resp.read()
                 proxy.answered.append(resp.status)
+                if proxy.after and proxy.after in request:
+                    proxy.after = ""
                 self.send_response(resp.status)
                 self.send_header("Content-Type", resp.getheader("Content-Type", "application/json"))
                 self.send_header("Content-Length", str(len(data)))
@@ -258,3 +262,35 @@ def test_a_model_whose_logging_failed_midway_is_logged_once(mlflow_server, tmp_p
     models = client.search_logged_models([exp], filter_string=f"source_run_id = '{rid}'")
     assert [(m.name, str(m.status)) for m in models] == [("grpo-tiny", "READY")]
     assert [o.model_id for o in client.get_run(rid).outputs.model_outputs] == [models[0].model_id]
+
+
+def _table(client: MlflowClient, rid: str, path: str, tmp: Path) -> list[list]:
+    """The rows of the run's table artifact ``path`` (MLflow's format: pandas' "split" JSON)."""
+    import pandas as pd
+
+    return pd.read_json(client.download_artifacts(rid, path, str(tmp)), orient="split").values.tolist()
+
+
+@pytest.mark.parametrize(
+    "fail",
+    ["POST /api/2.0/mlflow/runs/set-tag", "GET /api/2.0/mlflow/runs/get"],  # each the first after the upload
+    ids=["on-the-tag", "on-the-run-read"],
+)
+def test_a_table_whose_logging_failed_after_its_upload_holds_each_row_once(mlflow_server, tmp_path, fail):
+    """log_table is several requests (MLflow lists, downloads, joins and uploads the table, then reads the run and
+    tags it). A gateway that answers a request after the upload 403 leaves the line in the journal; sent again,
+    it must not append the rows a second time. Two tables logged to one file in one stage both stay, once each."""
+    import json
+
+    client = MlflowClient(mlflow_server)
+    rid = _run(client)
+    with FlakyProxy(mlflow_server, [403], only=fail, after="PUT /api/2.0/mlflow-artifacts/") as proxy:
+        logger = RunLogger(MlflowClient(proxy.url), rid, tmp_path / JOURNAL_DIR, flush_timeout_s=60)
+        logger.log_table({"step": [1, 1], "completion": ["a", "b"]}, "completions/start.json")
+        assert logger.flush(60)
+        assert 403 in proxy.answered
+        logger.log_table({"step": [2], "completion": ["c"]}, "completions/start.json")
+        assert logger.end(True)
+    assert _table(client, rid, "completions/start.json", tmp_path) == [[1, "a"], [1, "b"], [2, "c"]]
+    logged = json.loads(client.get_run(rid).data.tags["mlflow.loggedArtifacts"])
+    assert logged == [{"path": "completions/start.json", "type": "table"}]
