@@ -336,8 +336,10 @@ class TrackingConfig(_Section):
     request_timeout_s: float = Field(
         10.0,
         gt=0,
-        description="Timeout of one request of the background sender to an http(s) tracking server; it makes one "
-        "try per request and backs off itself (1, 2, 4 ... 30 s) while the server does not answer.",
+        description="Timeout of one request of the background sender to an http(s) tracking server (an artifact "
+        "upload or download: MLflow's MLFLOW_HTTP_REQUEST_TIMEOUT, 120 s by default); it makes one try per request "
+        "and backs off itself (1, 2, 4 ... 30 s) while the server does not answer. No request outlasts "
+        "tracking.flush_timeout_s at a stage's end, nor `grpoflow sync --timeout`.",
     )
 
     @model_validator(mode="before")

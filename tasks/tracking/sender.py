@@ -3,7 +3,8 @@ previous process left unsent (``grpoflow sync``, ``grpoflow resume``).
 
 While the server does not answer, the thread warns once, then every minute (how long, how much is buffered, where),
 and once more when it answers again. :meth:`Sender.close` waits at most ``timeout`` seconds for the journal to be
-sent; what is left stays in the journal with a one-line message.
+sent, ``replay`` at most its ``timeout``: each stops between lines at its deadline, and every request it makes is
+one try that ends by then (tasks/tracking/bounds.py); what is left stays in the journal with a one-line message.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from grpoflow.tasks.tracking.bounds import bounded, out_of_time
 from grpoflow.tasks.tracking.journal import WARN_EVERY_S, Journal, backoff_s, group
 from grpoflow.tasks.tracking.journal_store import describe, other_store
 from grpoflow.tasks.tracking.refusal import first_line, send_splitting
@@ -25,12 +27,14 @@ log = logging.getLogger("grpoflow.tracking")
 class FastClient:
     """What the sender calls: log_batch, update_run, artifacts. For an http(s) server the run calls go through
     MLflow's REST store with no retries of its own and a ``request_timeout_s`` timeout; other stores (SQLite)
-    through MlflowClient."""
+    through MlflowClient. The rest (artifacts, tables, models) through MlflowClient, bounded the same way while the
+    sender sends (tasks/tracking/bounds.py)."""
 
     def __init__(self, uri: str, request_timeout_s: float):
         from mlflow.tracking import MlflowClient
 
         self.uri = uri
+        self.request_timeout_s = request_timeout_s
         self.client = MlflowClient(uri)
         self.rest = None
         if uri.lower().startswith(("http://", "https://")):
@@ -175,17 +179,22 @@ class Sender:
         return self.down_since is None
 
     def drain_once(self) -> bool:
-        """Send what is pending now; True when the journal is fully sent, False after a failed send."""
+        """Send what is pending now; True when the journal is fully sent, False after a failed send or at the
+        deadline (checked between lines; each request ends by it too)."""
         while ops := self.journal.pending():
             for end, op in group(ops):
+                if time.monotonic() >= self._deadline:
+                    return False
                 if op["op"] == "bad":
                     self.journal.quarantine(op["offset"], op["text"].encode(), "a line that is not JSON")
                     self.journal.mark_sent(end)
                     continue
                 try:
-                    refused = deliver(self.client, self.journal.run_id, op)
+                    with bounded(self.client.request_timeout_s, self._deadline):
+                        refused = deliver(self.client, self.journal.run_id, op)
                 except Exception as e:
-                    self._failed(e)
+                    if not out_of_time(e):  # the time ran out before a request: says nothing of the server
+                        self._failed(e)
                     return False
                 for what, reason in refused:
                     self.dropped.append(what)
@@ -267,11 +276,14 @@ class Sender:
         self._thread.join(timeout + 1.0)
         left = self.journal.pending_count()
         if left:
+            why = f"not all sent in {timeout:g} s"  # it answers, but the backlog outlasted the time
+            if self.down_since is not None:
+                why = f"unreachable ({self.last_error or 'no answer in time'})"
             log.warning(
-                "MLflow tracking %s unreachable (%s): %d records of run %s stay in %s; `grpoflow sync RUN_DIR` or "
+                "MLflow tracking %s %s: %d records of run %s stay in %s; `grpoflow sync RUN_DIR` or "
                 "`grpoflow resume RUN_DIR` sends them",
                 self.uri,
-                self.last_error or "no answer in time",
+                why,
                 left,
                 self.journal.run_id,
                 self.journal.path,
@@ -324,7 +336,7 @@ def replay(
             out[journal.name] = Replayed(journal.pending_count(), other_store=describe(record))
             continue
         client = client or FastClient(uri, request_timeout_s)
-        sender = _Replayer(journal, client)
+        sender = _Replayer(journal, client, deadline)
         while not sender.drain_once() and time.monotonic() < deadline:
             time.sleep(min(backoff_s(sender.failures), max(deadline - time.monotonic(), 0)))
         left = journal.pending_count()
@@ -337,7 +349,7 @@ def replay(
 class _Replayer(Sender):
     """A Sender without its thread (``replay`` drives it)."""
 
-    def __init__(self, journal: Journal, client: FastClient):  # noqa: D107
-        self.journal, self.uri, self._client = journal, client.uri, client
+    def __init__(self, journal: Journal, client: FastClient, deadline: float):  # noqa: D107
+        self.journal, self.uri, self._client, self._deadline = journal, client.uri, client, deadline
         self.down_since, self.failures, self._next_try, self._last_warn, self.last_error = None, 0, 0.0, 0.0, ""
         self.dropped = []

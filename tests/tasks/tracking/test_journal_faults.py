@@ -3,16 +3,12 @@ store has it. `grpoflow sync` refuses a journal written for another store; an au
 answering 401/403/429 before forwarding) loses nothing; a torn last line costs only itself; one key MLflow refuses
 costs only that key, not its batch."""
 
-import http.client
 import logging
 import os
 import re
 import subprocess
 import sys
-import threading
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
-from urllib.parse import urlsplit
 
 import pytest
 from mlflow.tracking import MlflowClient
@@ -21,66 +17,9 @@ from grpoflow.tasks.tracking.journal import JOURNAL_DIR, Journal
 from grpoflow.tasks.tracking.journal_store import store_record
 from grpoflow.tasks.tracking.sender import replay
 from grpoflow.tasks.tracking.tracker import RunLogger
+from tests.proxies import FlakyProxy
 
 pytestmark = [pytest.mark.faults, pytest.mark.slow]
-
-
-class FlakyProxy:
-    """An HTTP proxy in front of ``upstream`` that answers the first requests with ``failures`` (status codes, in
-    order; a plain-text body as a gateway sends) and forwards every later one."""
-
-    def __init__(self, upstream: str, failures: list[int], only: str = "", after: str = ""):
-        self.failures = list(failures)
-        self.only = only  # fail only requests whose "METHOD path" holds this (all requests when empty)
-        self.after = after  # and only once a request whose "METHOD path" holds this was forwarded
-        self.answered: list[int] = []
-        host = urlsplit(upstream)
-        proxy = self
-
-        class Handler(BaseHTTPRequestHandler):
-            def _any(self):
-                body = self.rfile.read(int(self.headers.get("Content-Length") or 0))
-                request = f"{self.command} {self.path}"
-                if proxy.failures and proxy.only in request and not proxy.after:
-                    status = proxy.failures.pop(0)
-                    proxy.answered.append(status)
-                    self.send_response(status)
-                    self.send_header("Content-Type", "text/plain")
-                    self.send_header("Content-Length", "9")
-                    self.end_headers()
-                    self.wfile.write(b"Forbidden")
-                    return
-                conn = http.client.HTTPConnection(host.hostname, host.port, timeout=30)
-                headers = {k: v for k, v in self.headers.items() if k.lower() not in ("host", "connection")}
-                conn.request(self.command, self.path, body=body or None, headers=headers)
-                resp = conn.getresponse()
-                data = resp.read()
-                proxy.answered.append(resp.status)
-                if proxy.after and proxy.after in request:
-                    proxy.after = ""
-                self.send_response(resp.status)
-                self.send_header("Content-Type", resp.getheader("Content-Type", "application/json"))
-                self.send_header("Content-Length", str(len(data)))
-                self.end_headers()
-                self.wfile.write(data)
-                conn.close()
-
-            do_GET = do_POST = do_PATCH = do_DELETE = do_PUT = _any
-
-            def log_message(self, *args):
-                pass
-
-        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
-        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
-
-    def __enter__(self):
-        self.thread.start()
-        return self
-
-    def __exit__(self, *exc):
-        self.server.shutdown()
-        self.server.server_close()
 
 
 def _run(client: MlflowClient) -> str:
