@@ -91,6 +91,8 @@ def _sync(args, run_dir: Path) -> int:
         dropped = f"; {len(r.dropped)} refused by the store and dropped: {', '.join(r.dropped)}" if r.dropped else ""
         if r.left == 0:
             print(f"{name}: sent{dropped}")
+        elif r.deleted:  # its run or experiment is deleted: not an outage
+            print(f"{name}: {r.deleted}{dropped}")
         else:
             why = f"written for {r.other_store}" if r.other_store else r.error or "no answer"
             print(f"{name}: {r.left} records remain in {folder / (name + '.jsonl')} ({why}){dropped}")

@@ -31,6 +31,7 @@ from grpoflow.tasks.stages.sft import sft_task
 from grpoflow.tasks.storage.lock import workspace_lock
 from grpoflow.tasks.storage.workspace import Workspace
 from grpoflow.tasks.tracking import timeline
+from grpoflow.tasks.tracking.deleted import registration_skipped
 from grpoflow.tasks.tracking.registry import register_pipeline_model
 from grpoflow.tasks.tracking.run_meta import describe_pipeline
 from grpoflow.tasks.tracking.tracker import NOTE, end_run, run_url, unsent
@@ -110,7 +111,8 @@ def _pipeline(cfg: PipelineConfig, ws: Workspace, init_model: str | None, init_v
                 is_adapter=grpo["adapter"],
             )
         # the calls below need the server's answers and the stages' artifacts on it (nothing left in a journal)
-        answering = parent.flush() and not unsent(ws.root)
+        flushed = parent.flush()
+        answering = flushed and not unsent(ws.root)
         if "eval" in result:
             accuracy = {k: result["eval"][k] for k in ("accuracy_before", "accuracy_after")}
             logged = parent.client.get_run(parent.run_id).data.metrics if answering else {}
@@ -128,8 +130,8 @@ def _pipeline(cfg: PipelineConfig, ws: Workspace, init_model: str | None, init_v
             )
             if registered is not None:
                 result["registry"] = registered.__dict__
-        elif cfg.tracking.register_model and cfg.export.enabled:
-            log.warning("MLflow tracking does not answer: the model is not registered; `grpoflow resume` does it")
+        elif cfg.tracking.register_model and cfg.export.enabled:  # the server does not answer, or a run is deleted
+            log.warning(registration_skipped(ws.root, parent.client, flushed, cfg.tracking.request_timeout_s))
         parent.set_tags({NOTE: describe_pipeline(cfg, names, result.get("eval"))})
         result["timeline"] = log_timeline(parent, result)
         ok = True

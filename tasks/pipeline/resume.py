@@ -179,8 +179,11 @@ def replay_journal(cfg: PipelineConfig, root, uri: str) -> dict[str, int]:
 
     done = replay(root / JOURNAL_DIR, uri, cfg.tracking.flush_timeout_s, cfg.tracking.request_timeout_s)
     left = {name: r.left for name, r in done.items()}
-    if n := sum(r.left for r in done.values() if not r.other_store):
-        errors = sorted({r.error for r in done.values() if r.error})
+    for r in done.values():
+        if r.deleted:  # a deleted run or experiment, not an outage: say which, and how to restore or drop
+            log.warning("tracking journal: %s", r.deleted)
+    if n := sum(r.left for r in done.values() if not r.other_store and not r.deleted):
+        errors = sorted({r.error for r in done.values() if r.error and not r.deleted})
         log.warning(
             "tracking journal: %d records still unsent to %s (%s)", n, redact(uri), "; ".join(errors) or "no answer"
         )

@@ -19,7 +19,7 @@ from typing import Any
 from grpoflow.tasks.tracking.bounds import bounded, out_of_time
 from grpoflow.tasks.tracking.journal import WARN_EVERY_S, Journal, backoff_s, group
 from grpoflow.tasks.tracking.journal_store import describe, other_store
-from grpoflow.tasks.tracking.refusal import first_line, send_splitting
+from grpoflow.tasks.tracking.refusal import NOT_ACTIVE, first_line, send_splitting
 
 log = logging.getLogger("grpoflow.tracking")
 
@@ -307,12 +307,14 @@ class Sender:
 class Replayed:
     """What ``replay`` did with one journal: records ``left`` unsent and why (``error``: the store's last answer;
     ``other_store``: the store it was written for, when that is not the one given and not forced), and the items
-    the store refused for good (``dropped``: "metric 'key'", ...)."""
+    the store refused for good (``dropped``: "metric 'key'", ...); ``deleted``: what to do when the records wait
+    because their run or its experiment is deleted (tasks/tracking/deleted.py)."""
 
     left: int
     dropped: list[str] = field(default_factory=list)
     error: str = ""
     other_store: str = ""
+    deleted: str = ""
 
 
 def replay(
@@ -341,6 +343,10 @@ def replay(
             time.sleep(min(backoff_s(sender.failures), max(deadline - time.monotonic(), 0)))
         left = journal.pending_count()
         out[journal.name] = Replayed(left, sender.dropped, sender.last_error if left else "")
+        if left and NOT_ACTIVE in sender.last_error:
+            from grpoflow.tasks.tracking.deleted import deleted_note
+
+            out[journal.name].deleted = deleted_note(client.client, journal, request_timeout_s)
         if left == 0:
             log.info("run %s: journal %s sent", journal.run_id, path)
     return out

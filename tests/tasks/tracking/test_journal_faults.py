@@ -233,3 +233,37 @@ def test_a_table_whose_logging_failed_after_its_upload_holds_each_row_once(mlflo
     assert _table(client, rid, "completions/start.json", tmp_path) == [[1, "a"], [1, "b"], [2, "c"]]
     logged = json.loads(client.get_run(rid).data.tags["mlflow.loggedArtifacts"])
     assert logged == [{"path": "completions/start.json", "type": "table"}]
+
+
+@pytest.mark.parametrize("deleted", ["run", "experiment"])
+def test_records_of_a_deleted_run_say_so_and_how_to_restore_or_drop_them(mlflow_server, tmp_path, deleted):
+    """The journal keeps a deleted run's records (above); what sync, resume and the model registration then say
+    must be true: not that the server does not answer, but which run (or experiment) is deleted, how many records
+    wait, how to restore it and send them, or which files to delete to drop them."""
+    from grpoflow.tasks.tracking.deleted import registration_skipped
+
+    client = MlflowClient(mlflow_server)
+    exp = client.create_experiment(f"gone-{deleted}-{tmp_path.name}")
+    rid = client.create_run(exp).info.run_id
+    run_dir = tmp_path / "runs" / "r"
+    folder = run_dir / JOURNAL_DIR
+    journal = Journal(folder, rid, store=store_record(mlflow_server, "faults"))
+    for step in range(1, 4):
+        journal.append({"op": "batch", "m": [["loss", 1.0, 1000 + step, step]], "p": [], "t": []})
+    journal.close()
+    if deleted == "run":
+        client.delete_run(rid)
+        want = [f"MLflow run {rid} is deleted", f"mlflow runs restore --run-id {rid}"]
+    else:
+        client.delete_experiment(exp)
+        want = [
+            f"experiment {exp} (",
+            f"of MLflow run {rid} is deleted",
+            f"mlflow experiments restore --experiment-id {exp}",
+        ]
+    want += [f"3 records wait in {journal.path}", f"grpoflow sync {run_dir}", f"rm -r {folder}/{rid}.*"]
+    done = replay(folder, mlflow_server, timeout=3)
+    assert done[rid].left == 3 and all(w in done[rid].deleted for w in want), done[rid].deleted
+    text = registration_skipped(run_dir, client, flushed=True)
+    assert "does not answer" not in text and all(w in text for w in want), text
+    assert "does not answer" in registration_skipped(run_dir, client, flushed=False)
