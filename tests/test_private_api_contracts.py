@@ -118,6 +118,19 @@ def check_mlflow_rest_store() -> None:
     expect_params(get_default_host_creds, "store_uri")
 
 
+def check_mlflow_request_function() -> None:
+    import mlflow.store.artifact.http_artifact_repo as artifact_repo
+    from mlflow.utils import rest_utils
+
+    fn = rest_utils._get_http_response_with_retries
+    got = params(getattr(fn, "__wrapped__", fn))  # bounds.py wraps it in place once the sender has sent
+    wanted = ["method", "url", "max_retries", "backoff_factor", "backoff_jitter", "retry_codes"]
+    assert got[:6] == wanted, f"_get_http_response_with_retries{got}: not (method, url, max_retries, ...)"
+    assert "timeout" in got or any(p == "kwargs" for p in got), f"_get_http_response_with_retries{got}: no timeout"
+    expect_in_source(rest_utils.http_request, "_get_http_response_with_retries(")
+    expect_in_source(artifact_repo, "http_request")  # artifact transfers go through the same function
+
+
 def check_mlflow_system_metrics() -> None:
     from mlflow.system_metrics.system_metrics_monitor import SystemMetricsMonitor
 
@@ -411,6 +424,13 @@ CONTRACTS = [
         "RestStore(get_host_creds) with _call_endpoint(api, json_body, endpoint, retry_timeout_seconds, "
         "response_proto) and _METHOD_TO_INFO[LogBatch/UpdateRun] -> (path, method); http_request's retry kwargs",
         check_mlflow_rest_store, ("_call_endpoint", "_METHOD_TO_INFO"),
+    ),
+    Contract(
+        "mlflow", "rest_utils._get_http_response_with_retries", ("tasks/tracking/bounds.py",),
+        "rest_utils.http_request (the REST store's and the HTTP artifact repository's requests) calls the module's "
+        "_get_http_response_with_retries(method, url, max_retries, backoff_factor, backoff_jitter, retry_codes, "
+        "..., timeout=...), which bounds.py wraps to give the sender thread one try and its own timeout",
+        check_mlflow_request_function, ("_get_http_response_with_retries",),
     ),
     Contract(
         "mlflow", "SystemMetricsMonitor internals", ("tasks/tracking/entities.py",),

@@ -81,6 +81,9 @@ def question_helpers(question: str | None) -> str:
     return ast.unparse(ast.Module(body=kept, type_ignores=[])) + "\n" if kept else ""
 
 
+SANDBOX_START_S = 1.0  # seconds a sandbox run takes beyond its timeout: bwrap, python -I -S, the reap
+
+
 class CodeTests:
     """The ``code_tests`` reward: 1.0 when the completion's program passes the row's tests (the ``answer``
     column: Python that raises on a failure) in the sandbox (:mod:`grpoflow.tasks.rewards.sandbox`), 0.0 when it
@@ -95,6 +98,12 @@ class CodeTests:
         self.limits = sandbox.Limits(c.timeout_s, c.cpu_s, c.memory_mb, c.max_processes, c.max_output_bytes, c.tmpfs_mb)
         self.reasons: Counter[str] = Counter()
         self._unreported: Counter[str] = Counter()
+
+    def worst_case_s(self, n: int) -> float:
+        """The longest one call on ``n`` completions can take: ceil(n / workers) waves of programs, each killed at
+        ``timeout_s`` (plus SANDBOX_START_S to start and reap). grpo.reward_timeout_s is raised to it for this
+        reward (scoring.reward_bound): a policy writing infinite loops scores 0 for them, it does not fail the run."""
+        return -(-n // self.cfg.workers) * (self.cfg.timeout_s + SANDBOX_START_S)
 
     def take_counts(self) -> dict[str, float]:
         """The outcomes counted since the last call (the trainer logs them per step as rewards/<name>/<outcome>)."""

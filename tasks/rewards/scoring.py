@@ -212,6 +212,16 @@ def call_with_timeout(name: str, fn: Callable[[], Any], timeout: float | None) -
     return box.get("value")
 
 
+def reward_bound(fn: RewardFunc, timeout: float | None, n: int) -> float | None:
+    """The bound of one call of ``fn`` on ``n`` completions: ``timeout`` (grpo.reward_timeout_s; None or 0: none),
+    raised to the reward's own worst case when it states one (``worst_case_s(n)``: code_tests, whose programs are
+    each killed at their timeout), so a round of completions that all run to their limit is scored, not failed."""
+    worst = getattr(fn, "worst_case_s", None)
+    if not timeout or worst is None:
+        return timeout
+    return max(timeout, worst(n))
+
+
 def score_completions(
     funcs: list[tuple[str, RewardFunc]],
     prompts: list[Any],
@@ -227,7 +237,8 @@ def score_completions(
         if name in scores:
             raise ValueError(f"two reward functions are named {name!r}; reward names must be unique")
         try:
-            out = call_with_timeout(name, partial(fn, prompts=prompts, completions=completions, **columns), timeout)
+            call = partial(fn, prompts=prompts, completions=completions, **columns)
+            out = call_with_timeout(name, call, reward_bound(fn, timeout, len(completions)))
         except RewardError:
             raise
         except Exception as e:

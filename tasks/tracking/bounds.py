@@ -58,7 +58,7 @@ def _install() -> None:
         if original is None:
             log.warning("MLflow has no rest_utils._get_http_response_with_retries: the sender keeps MLflow's retries")
             return
-        if not getattr(original, "_grpoflow_bounded", False):
+        if not getattr(original, "grpoflow_bounded", False):
             rest_utils._get_http_response_with_retries = _wrap(original)
 
 
@@ -71,7 +71,7 @@ def _wrap(original):
         kwargs["timeout"] = request_timeout(url, kwargs.get("timeout"), *limits)
         return original(method, url, 0, 0, 0, retry_codes, *args, **kwargs)
 
-    request._grpoflow_bounded = True
+    request.grpoflow_bounded = True
     return request
 
 

@@ -11,7 +11,7 @@ import pytest
 
 from grpoflow.tasks.rewards import sandbox, unsafe_mode
 from grpoflow.tasks.rewards.code import CodeTests, build_program, extract_program, question_helpers
-from grpoflow.tasks.rewards.scoring import resolve_reward_funcs, score_completions
+from grpoflow.tasks.rewards.scoring import resolve_reward_funcs, reward_bound, score_completions
 from tests.tasks.rewards.test_sandbox import FAST, HOSTILE, SHORT
 
 
@@ -104,6 +104,22 @@ def test_code_tests_through_score_completions() -> None:
     assert scores["code_tests"] == [1.0, 0.0, 0.0]
     assert scores["soft_format"] == [0.0, 0.0, 0.0]
     assert sum(funcs[0][1].reasons.values()) == 3
+
+
+def test_a_round_of_looping_programs_past_the_reward_bound_is_scored_not_failed() -> None:
+    """grpo.reward_timeout_s (here 1 s) fails the stage for a reward that does not return; code_tests always does,
+    its programs each killed at timeout_s, but a round of loops on few workers takes longer than a small bound: 3
+    loops on 1 worker at 1.5 s. Its bound is raised to its worst case, 3 * (1.5 + 1) s, and they score 0."""
+    one = SHORT.model_copy(update={"workers": 1})
+    funcs = resolve_reward_funcs(["code_tests"], one)
+    assert funcs[0][1].worst_case_s(3) == 3 * (1.5 + 1.0)
+    assert reward_bound(funcs[0][1], 1.0, 3) == 7.5 and reward_bound(funcs[0][1], 0, 3) == 0
+    loop = [{"role": "assistant", "content": "```python\nwhile True:\n    pass\n```"}]
+    columns = {"answer": ["assert f(1) == 2"] * 3, "question": ["Write f."] * 3}
+    scores = score_completions(funcs, ["p"] * 3, [loop] * 3, columns, timeout=1.0)
+    assert scores["code_tests"] == [0.0, 0.0, 0.0]
+    assert sum(funcs[0][1].reasons.values()) == 3 and set(funcs[0][1].reasons) <= {"timeout", "cpu_limit"}
+    assert reward_bound(lambda **_: [0.0], 1.0, 3) == 1.0  # a reward without a worst case keeps the bound
 
 
 def test_refuses_without_isolation_unless_unsafe(monkeypatch: pytest.MonkeyPatch) -> None:
