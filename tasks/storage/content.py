@@ -66,14 +66,8 @@ def s3_digest(uri: str, storage: StorageConfig) -> dict[str, dict[str, Any]]:
     refusals are :class:`~s3.S3Error` naming ``uri`` and the endpoint (credentials, bucket, unreachable)."""
     bucket, key = s3.split_s3_uri(uri)
     client = s3.S3Client(storage)
-    try:
-        with client._errors(uri):
-            head = client.client.head_object(Bucket=bucket, Key=key)
-        return {key: {"size": head["ContentLength"], "etag": head["ETag"].strip('"')}}
-    except s3.S3NoSuchBucketError:
-        raise
-    except s3.S3NotFoundError:
-        pass
+    if (head := client.head(uri)) is not None:
+        return {key: head}
     prefix = key.rstrip("/") + "/" if key else ""
     out = {o["uri"][len(f"s3://{bucket}/") :]: {"size": o["size"], "etag": o["etag"]} for o in
            client.list_objects(f"s3://{bucket}/{prefix}")}  # fmt: skip

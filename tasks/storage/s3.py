@@ -212,17 +212,22 @@ class S3Client(FolderSync, ConditionalWrites):
         with self._errors(uri):
             client.list_objects_v2(Bucket=bucket, Prefix=key, MaxKeys=1)
 
-    def exists(self, uri: str) -> bool:
+    def head(self, uri: str) -> dict[str, Any] | None:
+        """{size, etag} of the object at ``uri``; None when there is no such key (a missing bucket, refused
+        credentials or a dead endpoint raise, naming the URI)."""
         bucket, key = split_s3_uri(uri)
         client = self.client
         try:
             with self._errors(uri):
-                client.head_object(Bucket=bucket, Key=key)
+                head = client.head_object(Bucket=bucket, Key=key)
         except S3NoSuchBucketError:
             raise
         except S3NotFoundError:
-            return False
-        return True
+            return None
+        return {"size": head["ContentLength"], "etag": head["ETag"].strip('"')}
+
+    def exists(self, uri: str) -> bool:
+        return self.head(uri) is not None
 
     def download_file(self, uri: str, path: str | Path) -> Path:
         """Copy one object to ``path`` (written beside it and renamed, so a failed download leaves no file)."""

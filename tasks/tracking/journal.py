@@ -36,6 +36,7 @@ from __future__ import annotations
 import fcntl
 import json
 import logging
+import math
 import os
 import threading
 import time
@@ -184,7 +185,7 @@ class Journal:
         except OSError:
             return 0
 
-    def pending(self, limit: int = 2000) -> list[tuple[int, dict[str, Any]]]:
+    def pending(self, limit: float = 2000) -> list[tuple[int, dict[str, Any]]]:
         """Up to ``limit`` unsent lines as (offset after the line, op); a partial last line (being written) waits.
         A complete line that is not JSON comes as ``{"op": "bad", "offset", "text"}`` (the sender quarantines it);
         one that holds a whole line after a torn one (an older journal appended after a crash) keeps that line."""
@@ -210,17 +211,9 @@ class Journal:
         """{metric key: last step} of the unsent lines: steps a reopened run holds once they are sent, so a resumed
         stage must not log them again (RunLogger.reopened)."""
         out: dict[str, int] = {}
-        try:
-            with self.path.open("rb") as f:
-                f.seek(self.sent())
-                for raw in f:
-                    if not raw.endswith(b"\n"):
-                        break
-                    for _, op in _parse(raw, 0):
-                        for key, _, _, step in op.get("m", ()) if op["op"] == "batch" else ():
-                            out[key] = max(out.get(key, -1), int(step))
-        except FileNotFoundError:
-            pass
+        for _, op in self.pending(limit=math.inf):
+            for key, _, _, step in op.get("m", ()) if op["op"] == "batch" else ():
+                out[key] = max(out.get(key, -1), int(step))
         return out
 
     def pending_count(self) -> int:

@@ -176,16 +176,21 @@ def test_missing_key_and_bucket_name_the_uri(env, tmp_path, store):
         store.upload_file(MICRO, "s3://no-such-bucket/micro.yaml")
 
 
-def test_wrong_and_missing_credentials(env, monkeypatch, tmp_path, store):
-    uri = _uri(env, "x.json")
-    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "wrong")
-    with pytest.raises(PermissionError, match=f"{uri}: access denied by {env.endpoint}.*check the credentials"):
-        store.list_objects(uri)
+def _no_credentials(monkeypatch, tmp_path) -> None:
+    """No AWS credentials anywhere boto3 looks: environment, shared files, instance metadata."""
     for k in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_PROFILE", "AWS_SESSION_TOKEN"):
         monkeypatch.delenv(k, raising=False)
     monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", str(tmp_path / "none"))
     monkeypatch.setenv("AWS_CONFIG_FILE", str(tmp_path / "none"))
     monkeypatch.setenv("AWS_EC2_METADATA_DISABLED", "true")
+
+
+def test_wrong_and_missing_credentials(env, monkeypatch, tmp_path, store):
+    uri = _uri(env, "x.json")
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "wrong")
+    with pytest.raises(PermissionError, match=f"{uri}: access denied by {env.endpoint}.*check the credentials"):
+        store.list_objects(uri)
+    _no_credentials(monkeypatch, tmp_path)
     with pytest.raises(s3.S3AccessError, match=f"{uri}: no AWS credentials.*AWS_ACCESS_KEY_ID"):
         store.get_json(uri)
 
@@ -204,11 +209,7 @@ def test_the_stage_key_of_an_s3_data_file_names_it_when_s3_refuses(env, monkeypa
     dead = f"http://127.0.0.1:{free_port()}"
     with pytest.raises(s3.S3Error, match=f"{uri}: cannot reach the S3 endpoint {dead}"):
         s3_digest(uri, StorageConfig(endpoint_url=dead, max_attempts=1))
-    for k in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_PROFILE", "AWS_SESSION_TOKEN"):
-        monkeypatch.delenv(k, raising=False)
-    monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", str(tmp_path / "none"))
-    monkeypatch.setenv("AWS_CONFIG_FILE", str(tmp_path / "none"))
-    monkeypatch.setenv("AWS_EC2_METADATA_DISABLED", "true")
+    _no_credentials(monkeypatch, tmp_path)
     with pytest.raises(s3.S3AccessError, match=f"{uri}: no AWS credentials"):
         s3_digest(uri, StorageConfig())
 
