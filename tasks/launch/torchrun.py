@@ -13,7 +13,8 @@ exits. A non-zero exit raises the error of the rank that failed first: ValueErro
 caused (a bad reward function, ...), so the stage fails with it as it would on one process; RuntimeError with the
 rank's traceback for a bug; ChildProcessError (an OSError: an environment failure) when no rank reported one (a
 rank killed by a signal, a collective that timed out), naming torchrun's root cause (rank, exit code, signal). A
-rank whose collective failed because another rank died or hung (:func:`lost_peer`) is never taken for the cause.
+rank whose collective failed because another rank died or hung, or that torchrun stopped with SIGTERM after
+another rank failed (:func:`lost_peer`), is never taken for the cause.
 """
 
 from __future__ import annotations
@@ -41,7 +42,11 @@ PEER_MESSAGES = ("Connection reset by peer", "Connection closed by peer", "gloo/
 
 def lost_peer(exc: BaseException) -> bool:
     """Whether ``exc`` is a collective failing because another rank died or hung (gloo reports it as a plain
-    RuntimeError naming its transport; NCCL and the c10d store as torch.distributed.DistError)."""
+    RuntimeError naming its transport; NCCL and the c10d store as torch.distributed.DistError), or this rank
+    exiting 143 on the SIGTERM torchrun sends the group once a rank failed (tasks/storage/uploads.py
+    drain_on_sigterm): a rank killed by SIGKILL may be noticed by torchrun before its peers' collectives fail."""
+    if isinstance(exc, SystemExit) and exc.code == 128 + signal.SIGTERM:
+        return True
     if type(exc).__name__ in PEER_ERRORS:
         return True
     return isinstance(exc, RuntimeError) and any(m in str(exc) for m in PEER_MESSAGES)

@@ -31,7 +31,7 @@ from grpoflow.tasks.launch.dist import Comm, process_group
 from grpoflow.tasks.model.loading import add_lora
 from grpoflow.tasks.model.optim import build_scheduler
 from grpoflow.tasks.model.tiny import build_tiny_model, train_tiny_tokenizer
-from tests.tasks.grpo.distributed_cases import eos_prone, record, trainable
+from tests.tasks.grpo.distributed_cases import eos_prone, record, scratch, trainable
 from tests.tasks.grpo.test_trainer import TEXTS, addition_rows, make_trainer
 
 ROWS_PER_ROUND = 12
@@ -107,7 +107,7 @@ def run_case(
         cfg,
         tok,
         model,
-        checkpoints or Path("/nonexistent-checkpoints"),  # save_steps 100: nothing is written
+        checkpoints or scratch(comm),  # save_steps 100: only the last step's checkpoint is written
         n_rows=8,
         generator=generator,
         is_correction=True,  # as the stage runs a separate engine: the sampler's log-probs enter the loss

@@ -17,6 +17,7 @@ The RESUMED cases also write sharded checkpoints (tasks/grpo/dist_checkpoint.py)
 from __future__ import annotations
 
 import sys
+import tempfile
 from pathlib import Path
 
 import torch
@@ -47,6 +48,14 @@ CASES = [  # (name, loss_type, lora, scale_rewards, strategy)
 def full(p: torch.Tensor) -> torch.Tensor:
     """A parameter's whole value (FSDP2 holds a shard per rank: gathered, a collective every rank makes)."""
     return p.full_tensor() if hasattr(p, "full_tensor") else p
+
+
+def scratch(comm: Comm) -> Path:
+    """A fresh folder every rank of ``comm`` shares, for a case that saves no checkpoint along the way: train()
+    still saves the last step's, and cases run at once (one process and two ranks) must not publish into one
+    folder."""
+    made = tempfile.mkdtemp(prefix="grpo-case-") if comm.is_main else None
+    return Path(comm.all_gather_object(made)[0])
 
 
 def trainable(model) -> dict[str, torch.Tensor]:
@@ -125,7 +134,7 @@ def run_case(
     )
     cfg = GRPOConfig.model_validate(settings, context={"num_processes": comm.world})
     root = wrap_root(PolicyLogProbs(model), comm, strategy)
-    out = checkpoints or Path("/nonexistent-checkpoints")  # save_steps 100: nothing is written
+    out = checkpoints or scratch(comm)  # save_steps 100: only the last step's checkpoint is written
     # checkpoint-1 is what the RESUMED cases continue from: kept although newer ones (the last step's too) are saved
     hooks = CheckpointHooks(pinned=lambda: {"checkpoint-1"})
     trainer = make_trainer(cfg, tok, model, out, n_rows=8, comm=comm, root=root, row_seeded=True, hooks=hooks)

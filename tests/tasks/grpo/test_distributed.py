@@ -238,6 +238,25 @@ def test_a_failed_launch_raises_the_first_failing_ranks_error(tmp_path):
     assert json.loads((tmp_path / "rank0.error.json").read_text())["user_error"] is False
 
 
+def test_a_rank_stopped_by_torchruns_sigterm_is_not_taken_for_the_cause(tmp_path):
+    """rank 1 killed by SIGKILL writes no record; torchrun notices first and SIGTERMs rank 0, whose checkpoint
+    drain exits 143 (SystemExit): the launch names the killed rank, not rank 0's exit."""
+    try:
+        raise SystemExit(143)
+    except SystemExit as e:
+        write_rank_error(tmp_path, 0, e, USER_ERRORS)
+    assert rank_errors(tmp_path)[0]["lost_peer"]
+    exc = failure(1, rank_errors(tmp_path), TORCHRUN_FAILURE.splitlines(keepends=True), 2)
+    assert isinstance(exc, ChildProcessError), exc
+    assert "rank 1 (local_rank: 1), exitcode -9" in str(exc) and "then rank 0: SystemExit: 143" in str(exc)
+    (tmp_path / "rank0.error.json").unlink()
+    try:
+        raise SystemExit(1)  # any other exit is this rank's own
+    except SystemExit as e:
+        write_rank_error(tmp_path, 0, e, USER_ERRORS)
+    assert not rank_errors(tmp_path)[0]["lost_peer"]
+
+
 def test_a_launched_child_dies_with_its_parent(tmp_path):
     """die_with_parent (the torchrun launch's and the Prefect server's preexec): a kill -9 of the parent takes
     the child, even one in a session of its own, down with it."""
