@@ -70,6 +70,13 @@ class CodeRewardConfig(_Section):
 
     timeout_s: float = Field(5.0, gt=0, le=600, description="Wall-clock limit; the process group is killed.")
     cpu_s: int = Field(5, ge=1, le=600, description="RLIMIT_CPU seconds (SIGXCPU, then SIGKILL 1 s later).")
+    cpus: float = Field(
+        1.0,
+        ge=0.01,
+        le=256,
+        description="CPU bandwidth cap of the run's cgroup, all its processes together (cpu.max or "
+        "cpu.cfs_quota_us), in CPUs; none where no cpu controller is writable (the sandbox logs which).",
+    )
     memory_mb: int = Field(
         512, ge=64, description="RLIMIT_AS (address space) in MiB; the run's cgroup cap is this + 2 tmpfs + 64 MiB."
     )

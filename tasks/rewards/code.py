@@ -95,7 +95,9 @@ class CodeTests:
     def __init__(self, cfg: CodeRewardConfig | None = None) -> None:
         self.cfg = cfg or CodeRewardConfig()
         c = self.cfg
-        self.limits = sandbox.Limits(c.timeout_s, c.cpu_s, c.memory_mb, c.max_processes, c.max_output_bytes, c.tmpfs_mb)
+        self.limits = sandbox.Limits(
+            c.timeout_s, c.cpu_s, c.memory_mb, c.max_processes, c.max_output_bytes, c.tmpfs_mb, c.cpus
+        )
         self.reasons: Counter[str] = Counter()
         self._unreported: Counter[str] = Counter()
 

@@ -13,11 +13,11 @@ Isolation, strongest available (:func:`isolation` probes once and logs which is 
   isolation; only with ``allow_unsafe``, refused when not root while credentials are readable
   (:func:`unsafe_mode.unsafe_refusal`).
 
-In both, every process of a run is in a cgroup of its own with memory and pids caps where the machine lets us
-make one (:mod:`cgroups`). The launcher (:mod:`verdict_launcher`) forks the program's process, which sets the
-rlimits and runs the program; the parent, the judge, runs the tests, looking the program's names up over a
-pipe of plain data, and writes the verdict with the run's nonce on an fd the program never holds. A run is
-'passed' only on that verdict; 'sandbox_error' (not scored) only when the judge never said it started.
+In both, every process of a run is in a cgroup of its own with memory, pids and CPU bandwidth caps where the
+machine lets us make one (:mod:`cgroups`). The launcher (:mod:`verdict_launcher`) forks the program's process,
+which sets the rlimits and runs the program; the parent, the judge, runs the tests, looking the program's names
+up over a pipe of plain data, and writes the verdict with the run's nonce on an fd the program never holds. A
+run is 'passed' only on that verdict; 'sandbox_error' (not scored) only when the judge never said it started.
 """
 
 from __future__ import annotations
@@ -66,12 +66,23 @@ def run_uid() -> int:
 
 @dataclass(frozen=True)
 class Limits:
+    """One run's limits (grpo.code_reward, docs/rewards.md). ``cpus``: the CPU bandwidth of the run's cgroup, all
+    its processes and threads together (so one run's busy processes cannot starve the runs beside it, its GRPO
+    siblings, into their wall-clock timeout; where no cpu controller is writable there is none, as
+    :func:`isolation` logs).
+
+    ``cpu_s`` stays a per-process RLIMIT_CPU rather than a per-run CPU-time budget: with the bandwidth cap a run
+    uses at most cpus x timeout_s CPU seconds in all, which is that budget, kept by the kernel with no poller
+    reading the cgroup's usage; the rlimit still ends a lone busy loop early, as 'cpu_limit' (SIGXCPU), and is
+    the only CPU bound of each process where there is no cgroup."""
+
     timeout_s: float = 5.0
     cpu_s: int = 5
     memory_mb: int = 512
     max_processes: int = 16
     max_output_bytes: int = 65536
     tmpfs_mb: int = 64
+    cpus: float = 1.0
 
 
 @dataclass(frozen=True)
@@ -149,15 +160,21 @@ def caps(mode: str) -> dict[str, str]:
     """The caps in force for ``mode`` beyond the per-process rlimits, each with what it is or why it is off."""
     h = cgroups.detect()
     group = f"cgroup v{h.version} memory+pids per run" if h else "off (no writable cgroup hierarchy): rlimits only"
+    cpu = "off (no writable cpu controller): runs share the CPUs, RLIMIT_CPU per process only"
+    if h and h.cpu:
+        cap = "cpu.max" if h.version == 2 else "cpu.cfs_quota_us"
+        cpu = f"on: cgroup v{h.version} {cap} per run (grpo.code_reward.cpus CPUs, all its processes together)"
     bpf = seccomp.filter_bytes() is not None
     if mode != "bwrap":
         return {
             "cgroup": group,
+            "cpu": cpu,
             "seccomp": "on, in the program's process (ptrace, mount, unshare/setns, ...)" if bpf else "off (arch)",
             "userns": "unshare/clone(NEWUSER) denied" if bpf else "not blocked",
         }
     return {
         "cgroup": group,
+        "cpu": cpu,
         "seccomp": "on (ptrace, mount, unshare/setns, keyctl, bpf, perf_event_open, ...)" if bpf else "off (arch)",
         "userns": "--disable-userns" if os.geteuid() != 0 else "no user namespace; unshare/clone(NEWUSER) denied",
     }
@@ -422,11 +439,13 @@ def _read_until_eof(fd: int, timeout_s: float, cap: int = 65536) -> tuple[bytes,
     return data, True
 
 
-def cgroup_caps(limits: Limits) -> tuple[int, int]:
-    """(memory.max, pids.max) of one run: the program's address-space limit plus both tmpfs (their pages are
-    charged to the run) plus 64 MiB for the launcher and bwrap; the program's process limit plus 4 for bwrap,
-    its init and the judge."""
-    return (limits.memory_mb + 2 * limits.tmpfs_mb + 64) << 20, limits.max_processes + 4
+def cgroup_caps(limits: Limits) -> tuple[int, int, int]:
+    """(memory.max, pids.max, CPU quota) of one run: the program's address-space limit plus both tmpfs (their
+    pages are charged to the run) plus 64 MiB for the launcher and bwrap; the program's process limit plus 4 for
+    bwrap, its init and the judge; ``cpus`` in microseconds per cgroups.CPU_PERIOD_US (at least 1 ms, the
+    kernel's least)."""
+    memory = (limits.memory_mb + 2 * limits.tmpfs_mb + 64) << 20
+    return memory, limits.max_processes + 4, max(1000, round(limits.cpus * cgroups.CPU_PERIOD_US))
 
 
 def _verdict(report: bytes, nonce: str) -> dict | None:

@@ -11,7 +11,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 
 from grpoflow.tasks.config import CodeRewardConfig
-from grpoflow.tasks.rewards import sandbox
+from grpoflow.tasks.rewards import cgroups, sandbox
 from grpoflow.tasks.rewards.code import CodeTests
 
 # allow_unsafe: the containment tests also run where bwrap cannot isolate (each says what it needs). FAST has
@@ -139,3 +139,35 @@ def test_two_runs_at_once_never_share_a_uid(monkeypatch: pytest.MonkeyPatch) -> 
         assert first.result().passed
         r = second.result()
     assert r.passed and r.uid == base + 2, r
+
+
+# 4 children busy until WALL_S after the start, then the CPU time they used and the wall time, as the program saw
+BUSY = (
+    "import os, resource, time\nstart = time.monotonic()\npids = []\n"
+    "for _ in range(4):\n"
+    "    pid = os.fork()\n"
+    "    if pid == 0:\n"
+    "        while time.monotonic() < start + 1.5:\n            pass\n"
+    "        os._exit(0)\n"
+    "    pids.append(pid)\n"
+    "for p in pids:\n    os.waitpid(p, 0)\n"
+    "used = resource.getrusage(resource.RUSAGE_CHILDREN)\n"
+    "print(used.ru_utime + used.ru_stime, time.monotonic() - start)\n"
+)
+
+
+@pytest.mark.parametrize("mode", ["bwrap", "rlimits"])
+def test_a_run_gets_at_most_its_cpus(mode: str) -> None:
+    """Busy processes of one run share its CPU cap (here half a CPU), so they cannot starve the runs beside it
+    into a timeout; uncapped, 4 of them use up to 4 CPUs (as many as the host has). CPU time used, not wall
+    time: robust on a loaded machine (the margin covers the 100 ms bandwidth periods and the program's start)."""
+    if mode == "bwrap" and sandbox.isolation() != "bwrap":
+        pytest.skip("bwrap cannot create namespaces here")
+    hierarchy = cgroups.detect()
+    if hierarchy is None or not hierarchy.cpu:
+        pytest.skip("no writable cgroup cpu controller here: no per-run CPU cap")
+    cfg = FAST.model_copy(update={"cpu_s": 5, "cpus": 0.5})
+    r = sandbox.run_python(BUSY, CodeTests(cfg).limits, mode=mode)
+    assert r.passed, r
+    used_s, wall_s = map(float, r.stdout.split())
+    assert used_s < 1.6 * cfg.cpus * wall_s, (used_s, wall_s)
