@@ -10,6 +10,11 @@ here: they change the order of floating-point sums, and so the sampled completio
 
 The list is typed per config class and checked against each class's ``model_fields`` at import: a renamed or
 removed field raises here instead of silently dropping out of (or into) every key.
+
+A field added after runs recorded their keys goes in :data:`ADDED` with the value that behaves as before it
+existed: while it holds that value it is left out of the key, so upgrading grpoflow reruns no finished stage of
+an existing run (a key holds every field of a section, so any new field would change it); set to anything else
+it is keyed like any other field. Checked at import too, against each field's default.
 """
 
 from __future__ import annotations
@@ -24,7 +29,7 @@ from pydantic_core import to_jsonable_python
 from grpoflow.tasks.config.distributed import DistributedConfig
 from grpoflow.tasks.config.model import ModelConfig
 from grpoflow.tasks.config.pipeline import PipelineConfig, RunConfig
-from grpoflow.tasks.config.training import GRPOConfig, OptimizerFields
+from grpoflow.tasks.config.training import CodeRewardConfig, GRPOConfig, OptimizerFields
 
 # {config class: {field: why it cannot change a result}}; a class's entries apply to its subclasses too
 IGNORED: dict[type[BaseModel], dict[str, str]] = {
@@ -56,11 +61,27 @@ IGNORED: dict[type[BaseModel], dict[str, str]] = {
 }
 
 
+# {config class: {field added after keys were first recorded: (the value that keys as before it existed, why)}}
+ADDED: dict[type[BaseModel], dict[str, tuple[Any, str]]] = {
+    CodeRewardConfig: {
+        "cpus": (1.0, "the per-run CPU cap; before it a run's processes shared the CPUs uncapped"),
+    },
+}
+
+
 def _check() -> None:
-    for cls, fields in IGNORED.items():
-        unknown = sorted(set(fields) - set(cls.model_fields))
-        if unknown:
-            raise AttributeError(f"tasks/config/fingerprint.py IGNORED: {cls.__name__} has no field {unknown}")
+    for table, listed in (("IGNORED", IGNORED), ("ADDED", ADDED)):
+        for cls, fields in listed.items():
+            unknown = sorted(set(fields) - set(cls.model_fields))
+            if unknown:
+                raise AttributeError(f"tasks/config/fingerprint.py {table}: {cls.__name__} has no field {unknown}")
+    for cls, fields in ADDED.items():
+        for name, (value, _) in fields.items():
+            if cls.model_fields[name].default != value:
+                raise AttributeError(
+                    f"tasks/config/fingerprint.py ADDED: {cls.__name__}.{name} defaults to "
+                    f"{cls.model_fields[name].default!r}, not {value!r}: every existing key would change"
+                )
 
 
 _check()
@@ -71,11 +92,17 @@ def ignored_fields(cls: type[BaseModel]) -> set[str]:
     return {name for base in cls.__mro__ for name in IGNORED.get(base, {})}
 
 
+def added_at_default(model: BaseModel) -> set[str]:
+    """The ADDED fields of ``model`` (its class's and its bases') that hold the value keyed as before they existed."""
+    added = {name: value for base in type(model).__mro__ for name, (value, _) in ADDED.get(base, {}).items()}
+    return {name for name, value in added.items() if getattr(model, name) == value}
+
+
 def keyed_values(value: Any, exclude: frozenset[str] = frozenset()) -> Any:
-    """``value`` as JSON-able data without the IGNORED fields of any config model in it (and without ``exclude``,
-    fields of ``value`` itself when it is a model)."""
+    """``value`` as JSON-able data without the IGNORED fields of any config model in it, nor the ADDED ones at
+    their old value (and without ``exclude``, fields of ``value`` itself when it is a model)."""
     if isinstance(value, BaseModel):
-        skip = ignored_fields(type(value)) | exclude
+        skip = ignored_fields(type(value)) | added_at_default(value) | exclude
         return {name: keyed_values(getattr(value, name)) for name in type(value).model_fields if name not in skip}
     if isinstance(value, (list, tuple)):
         return [keyed_values(v) for v in value]

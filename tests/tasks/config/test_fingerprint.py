@@ -74,3 +74,19 @@ def test_paths_are_checked_against_the_config_classes():
     with pytest.raises(AttributeError, match="ModelConfig has no field 'nmae'"):
         fp.check_path("model.nmae")
     assert fp.section_value(PipelineConfig(), "run") == {"seed": 42, "device": "auto", "torch_threads": None}
+
+
+def test_a_field_added_at_its_old_value_keeps_every_recorded_key():
+    """grpo.code_reward.cpus came after runs recorded their keys: at its default the grpo section keys exactly as
+    it did without the field; set otherwise it is keyed."""
+    code = PipelineConfig().grpo.code_reward
+    before = {name: fp.keyed_values(getattr(code, name)) for name in type(code).model_fields if name != "cpus"}
+    assert fp.keyed_values(code) == before
+    assert _digest("grpo", code_reward={"cpus": 2.0}) != _digest()
+    assert fp.keyed_values(config_from_dict({"grpo": {"code_reward": {"cpus": 2.0}}}).grpo.code_reward)["cpus"] == 2.0
+
+
+def test_an_added_field_whose_default_moved_raises_at_import(monkeypatch):
+    monkeypatch.setitem(fp.ADDED, fp.CodeRewardConfig, {"cpus": (4.0, "x")})
+    with pytest.raises(AttributeError, match=r"CodeRewardConfig.cpus defaults to 1.0, not 4.0"):
+        fp._check()
