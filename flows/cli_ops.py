@@ -58,6 +58,10 @@ def cmd_sync(args) -> int:
         raise ConfigError(
             f"{args.run_dir}: no config.yaml; RUN_DIR must be a local run workspace (<output_dir>/<name>)"
         )
+    from grpoflow.tasks.pipeline.run_folder import foreign_config
+
+    if foreign := foreign_config(open_store(run_dir)):  # another tool's folder: no lock file left there
+        raise ConfigError(f"RUN_DIR: {foreign}; RUN_DIR must be a local run workspace (<output_dir>/<name>)")
     from grpoflow.tasks.storage.lock import workspace_lock
 
     with workspace_lock(open_store(run_dir), "grpoflow sync"):  # a live run sends its own journal

@@ -87,18 +87,15 @@ def cmd_run(args) -> int:
 
 def refuse_replacing(cfg: PipelineConfig, store, force: bool) -> None:
     """`grpoflow run` onto an existing run whose finished stages this config would rerun: a ConfigError naming
-    them and pointing at `grpoflow resume`; with ``force`` each is named as it is replaced. A folder holding other
-    files but no run (no config.yaml) is refused whatever ``force`` says: the stages would empty its folders."""
-    if store.read("config.yaml") is None:  # no run here yet: the folder must hold nothing else either
-        from grpoflow.tasks.storage.lock import LEASE, LOCK_FILE
+    them and pointing at `grpoflow resume`; with ``force`` each is named as it is replaced. A folder that is no
+    grpoflow run (files but no config.yaml, or another tool's config.yaml: tasks/pipeline/run_folder.py) is
+    refused whatever ``force`` says: the stages would empty its folders."""
+    from grpoflow.tasks.pipeline.run_folder import run_folder_problem
 
-        if other := [e.name for e in store.list("") if e.name not in (LOCK_FILE, LEASE)]:
-            shown = ", ".join(other[:3]) + (f" and {len(other) - 3} more" if len(other) > 3 else "")
-            raise ConfigError(
-                f"run.name {cfg.run.name!r}: {store.location} holds files of no grpoflow run ({shown}; no "
-                "config.yaml); a run there would empty its data/, sft/, grpo/, eval/ and export/ folders and write "
-                "its config.yaml. Pick another run.name or run.output_dir"
-            )
+    config = store.read("config.yaml")
+    if problem := run_folder_problem(store, config):
+        raise ConfigError(f"run.name {cfg.run.name!r}: {problem}. Pick another run.name or run.output_dir")
+    if config is None:  # no run here yet
         return
     from grpoflow.flows.stages import PIPELINE
     from grpoflow.tasks.pipeline.resume import explain, replaced
@@ -134,6 +131,10 @@ def cmd_resume(args) -> int:
         raise ConfigError(f"RUN_DIR: {e}") from None
     if store.read("config.yaml") is None:
         raise ConfigError(missing)
+    from grpoflow.tasks.pipeline.run_folder import WOULD_EMPTY, foreign_config
+
+    if foreign := foreign_config(store):  # another tool's folder: refused before the lock file is written there
+        raise ConfigError(f"RUN_DIR: {foreign}; {WOULD_EMPTY}. RUN_DIR must be a run workspace (<output_dir>/<name>)")
     from grpoflow.tasks.storage.lock import workspace_lock
 
     with workspace_lock(store, "grpoflow resume"):  # before anything is read: another process may be writing it
@@ -211,6 +212,12 @@ def _run_pipeline(cfg: PipelineConfig, before=None, check=None, command: str = "
     from grpoflow.tasks.storage.lock import workspace_lock
 
     store = open_store(join_location(cfg.run.output_dir, cfg.run.name), cfg.storage)
+    from grpoflow.tasks.pipeline.run_folder import WOULD_EMPTY, foreign_config
+
+    if foreign := foreign_config(store):  # another tool's folder: refused before the lock file is written there
+        raise ConfigError(
+            f"run.name {cfg.run.name!r}: {foreign}; {WOULD_EMPTY}. Pick another run.name or run.output_dir"
+        )
     with workspace_lock(store, command):  # a second process: exit 2 naming this one, before any work
         if check is not None:
             check(store)

@@ -15,7 +15,9 @@ from __future__ import annotations
 from prefect import flow, get_run_logger
 
 from grpoflow.flows.run_logs import show_grpoflow_info
-from grpoflow.tasks.config import PipelineConfig, load_run_config
+from grpoflow.tasks.config import ConfigError, PipelineConfig, load_run_config
+from grpoflow.tasks.pipeline.run_folder import run_folder_problem
+from grpoflow.tasks.storage.store import open_store
 from grpoflow.tasks.storage.workspace import join_location
 
 
@@ -24,6 +26,15 @@ def workspace_of(cfg: PipelineConfig) -> str:
     (relative to the flow run's working directory: the checkout, or /app in the images), an s3:// URI kept as a
     URI (a Path would turn it into the local folder <cwd>/s3:/bucket/..., silently)."""
     return join_location(cfg.run.output_dir, cfg.run.name)
+
+
+def refuse_other_folders(cfg: PipelineConfig, workspace: str) -> None:
+    """A ConfigError when ``workspace`` is a folder of no grpoflow run (another tool's config.yaml, or files but no
+    config.yaml: tasks/pipeline/run_folder.py), as `grpoflow run` refuses it: the stages would empty its folders.
+    A grpoflow run there is resumed, as the pipeline flow does."""
+    store = open_store(workspace, cfg.storage)
+    if problem := run_folder_problem(store, store.read("config.yaml")):
+        raise ConfigError(f"run.name {cfg.run.name!r}: {problem}. Pick another run.name or run.output_dir")
 
 
 @flow(name="grpo-pipeline")
@@ -37,6 +48,7 @@ def grpo_pipeline(config: str | None = None, overrides: list[str] | None = None)
     show_grpoflow_info()
     cfg = load_run_config(config, overrides)
     workspace = workspace_of(cfg)
+    refuse_other_folders(cfg, workspace)
     get_run_logger().info("config %s + %s: workspace %s", config or "(default)", list(overrides or []), workspace)
     # the body, not the flow object: this deployment run is the pipeline's flow run (no nested run of the same name)
     result = pipeline.grpo_pipeline.fn(config=cfg, workspace=workspace)

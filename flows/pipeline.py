@@ -21,8 +21,9 @@ import yaml
 from prefect import flow, runtime
 
 from grpoflow.flows.stages import PIPELINE
-from grpoflow.tasks.config import PipelineConfig
+from grpoflow.tasks.config import ConfigError, PipelineConfig
 from grpoflow.tasks.pipeline.resume import open_pipeline_run
+from grpoflow.tasks.pipeline.run_folder import WOULD_EMPTY, foreign_config
 from grpoflow.tasks.stages.data import data_task
 from grpoflow.tasks.stages.evaluate import eval_task
 from grpoflow.tasks.stages.export import export_task
@@ -71,6 +72,8 @@ def grpo_pipeline(
     timeline.mark("flow_start")
     cfg = config
     ws = Workspace(workspace, cfg.storage)
+    if foreign := foreign_config(ws.store):  # another tool's folder (the CLI refused it already; a deployed run)
+        raise ConfigError(f"workspace {ws.location}: {foreign}; {WOULD_EMPTY} and overwrite it")
     with workspace_lock(ws.store, "grpo-pipeline flow"):  # the CLI holds it already; a deployed run takes it here
         return _pipeline(cfg, ws, init_model, init_version)
 

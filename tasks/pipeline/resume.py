@@ -20,12 +20,12 @@ from grpoflow.tasks.config import PipelineConfig
 from grpoflow.tasks.config.secrets import redact
 from grpoflow.tasks.pipeline.fingerprint import continue_key, extents, fingerprints, key_of
 from grpoflow.tasks.pipeline.legacy import legacy_continue_key, legacy_fingerprints, legacy_key
+from grpoflow.tasks.pipeline.run_folder import RUN_FILE
 from grpoflow.tasks.pipeline.spec import Pipeline
 from grpoflow.tasks.storage.workspace import Workspace
 from grpoflow.tasks.tracking.tracker import RunLogger, flatten, logger_for, start_pipeline_run, tracking_uri
 
 log = logging.getLogger(__name__)
-RUN_FILE = "run.json"
 LEGACY_CHANGE = (
     "recorded by size + mtime_ns (grpoflow before files over 64 MiB were hashed); its mtime changed since, so its "
     "content may have"

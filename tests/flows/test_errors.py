@@ -325,3 +325,37 @@ def test_run_into_a_folder_of_other_files_is_refused_and_deletes_nothing(tmp_pat
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
+
+
+FOREIGN_CONFIG = b"model: resnet50\nepochs: 3\n"
+
+
+def _foreign_folder(path: Path) -> dict[str, bytes]:
+    """A folder of another tool that happens to hold a config.yaml of its own (not grpoflow's), and a data/ folder."""
+    files = {"config.yaml": FOREIGN_CONFIG, "data/notes.txt": b"mine", "eval/scores.csv": b"a,b\n1,2\n"}
+    for name, data in files.items():
+        (path / name).parent.mkdir(parents=True, exist_ok=True)
+        (path / name).write_bytes(data)
+    return files
+
+
+def _files(path: Path) -> dict[str, bytes]:
+    return {p.relative_to(path).as_posix(): p.read_bytes() for p in sorted(path.rglob("*")) if p.is_file()}
+
+
+@pytest.mark.parametrize("force", [False, True])
+def test_run_into_a_folder_with_another_tools_config_yaml_is_refused_and_deletes_nothing(tmp_path, force):
+    """A folder whose config.yaml is not one grpoflow wrote (`model: resnet50`) and that holds no stage record is
+    no run: `grpoflow run` refuses it (with or without --force) before the lock, naming the file; every file is
+    left byte for byte and nothing is added (no lock file, no config.yaml rewritten)."""
+    proj = tmp_path / "runs" / "proj"
+    files = _foreign_folder(proj)
+    env = dict(os.environ, OMP_NUM_THREADS="1", PREFECT_HOME=str(tmp_path / "prefect"))
+    cmd = [sys.executable, "-m", "grpoflow.flows.cli", "run", str(MICRO), f"run.output_dir={tmp_path / 'runs'}"]
+    cmd += ["run.name=proj", *(["--force"] if force else [])]
+    res = subprocess.run(cmd, env=env, cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert res.returncode == 2, res.stderr[-3000:]
+    last = res.stderr.strip().splitlines()[-1]
+    assert f"{proj / 'config.yaml'} is no config grpoflow wrote" in last and "epochs" in last, last
+    assert "Traceback" not in res.stderr
+    assert _files(proj) == files

@@ -143,6 +143,20 @@ def test_resume_errors(tmp_path, capsys):
     assert "unknown stage 'train'" in capsys.readouterr().err
 
 
+def test_resume_and_sync_refuse_a_folder_with_another_tools_config_yaml(tmp_path, capsys):
+    """RUN_DIR holding a config.yaml that grpoflow did not write (and no stage record): no run. `grpoflow resume`
+    and `grpoflow sync` exit 2 naming the file, and the folder is left byte for byte (no lock file either)."""
+    files = {"config.yaml": b"model: resnet50\nepochs: 3\n", "data/notes.txt": b"mine", "export/model.bin": b"w"}
+    for name, data in files.items():
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).write_bytes(data)
+    for args in (["resume", str(tmp_path)], ["resume", str(tmp_path), "--from-stage", "data"], ["sync", str(tmp_path)]):
+        assert main(args) == 2, args
+        err = capsys.readouterr().err
+        assert f"{tmp_path / 'config.yaml'} is no config grpoflow wrote" in err and "epochs" in err, err
+        assert {p.relative_to(tmp_path).as_posix(): p.read_bytes() for p in tmp_path.rglob("*") if p.is_file()} == files
+
+
 # ------------------------------------------------------------------------------- the real CLI
 def _cli(*args: str) -> list[str]:
     return [sys.executable, "-m", "grpoflow.flows.cli", *args]
