@@ -2,32 +2,18 @@
 earlier version, or a stage record; a folder with another tool's config.yaml is not one, locally as on S3."""
 
 import json
+import uuid
 
 import pytest
 import yaml
 
 from grpoflow.flows.stages import PIPELINE
-from grpoflow.tasks.config import ConfigError, load_config
+from grpoflow.tasks.config import ConfigError, StorageConfig, load_config
 from grpoflow.tasks.pipeline.run_folder import STAGES, config_problem, foreign_config, run_folder_problem
-from grpoflow.tasks.storage.store import Entry, open_store
+from grpoflow.tasks.storage.store import open_store
 from tests.paths import MICRO
 
 FOREIGN = b"model: resnet50\nepochs: 3\n"
-
-
-class MemoryStore:
-    """The reads run_folder makes, on an in-memory s3:// location (what it names in its messages)."""
-
-    location = "s3://bkt/runs/proj"
-
-    def __init__(self, files: dict[str, bytes]):
-        self.files = files
-
-    def read(self, name: str) -> bytes | None:
-        return self.files.get(name)
-
-    def list(self, prefix: str = "") -> list[Entry]:
-        return [Entry(n, len(d), "") for n, d in sorted(self.files.items()) if n.startswith(prefix)]
 
 
 def _written() -> dict:
@@ -64,12 +50,19 @@ def test_grpoflow_configs_of_this_and_earlier_versions_are_recognised():
     assert config_problem(yaml.safe_dump(old).encode()) is None
 
 
-def test_a_folder_with_a_foreign_config_is_refused_naming_the_file_on_s3_too():
-    store = MemoryStore({"config.yaml": FOREIGN, "data/notes.txt": b"mine"})
+def test_a_folder_with_a_foreign_config_is_refused_naming_the_file_on_s3_too(seaweedfs, monkeypatch, tmp_path):
+    for k, v in seaweedfs.env().items():
+        monkeypatch.setenv(k, v)
+    location = f"s3://{seaweedfs.bucket}/runs/{uuid.uuid4().hex[:8]}"
+    store = open_store(location, StorageConfig(cache_dir=str(tmp_path / "cache")))
+    store.write("config.yaml", FOREIGN)
+    store.write("data/notes.txt", b"mine")
     foreign = foreign_config(store)
-    assert foreign.startswith("s3://bkt/runs/proj/config.yaml is no config grpoflow wrote (") and "epochs" in foreign
+    assert foreign.startswith(f"{location}/config.yaml is no config grpoflow wrote (") and "epochs" in foreign
     problem = run_folder_problem(store, store.read("config.yaml"))
     assert problem.startswith(foreign) and "empty its data/" in problem and "\n" not in problem
+    store.write("grpo/manifest.json", json.dumps({"stage": "grpo"}).encode())  # a run's record: it is a run
+    assert foreign_config(store) is None
 
 
 @pytest.mark.parametrize(
@@ -80,9 +73,11 @@ def test_a_folder_with_a_foreign_config_is_refused_naming_the_file_on_s3_too():
         ("run.json", {"mlflow_run_id": "abc", "tracking_uri": "sqlite:///x"}),
     ],
 )
-def test_a_stage_record_makes_it_a_run_whatever_its_config_yaml(name, record):
+def test_a_stage_record_makes_it_a_run_whatever_its_config_yaml(name, record, tmp_path):
     """A run whose config.yaml no longer reads as grpoflow's (edited by hand) is still the run its records say."""
-    store = MemoryStore({"config.yaml": FOREIGN, name: json.dumps(record).encode()})
+    store = open_store(tmp_path)
+    store.write("config.yaml", FOREIGN)
+    store.write(name, json.dumps(record).encode())
     assert foreign_config(store) is None and run_folder_problem(store, FOREIGN) is None
 
 
