@@ -18,6 +18,7 @@ from datasets import Dataset
 from grpoflow.tasks.config import DataConfig
 from grpoflow.tasks.config.storage import StorageConfig
 from grpoflow.tasks.storage import s3
+from grpoflow.tasks.storage.mirror import claim_mirror
 
 BUILTIN_SOURCE = "arithmetic"
 HUMANEVAL_SOURCE = "humaneval"
@@ -59,6 +60,7 @@ def fetch_s3_file(uri: str, storage: StorageConfig | None = None) -> Path:
     """Download an s3:// data file into the local cache (<storage.cache_dir>/<bucket>/<key>); its local path."""
     _builder(uri, Path(s3.split_s3_uri(uri)[1]).suffix)  # an unsupported suffix fails before any download
     store = s3.S3Client(storage)
+    claim_mirror(uri, store.settings.cache_dir, s3.endpoint_url(store.settings))  # not another endpoint's mirror
     try:
         return store.download_file(uri, store.local_path(uri))
     except s3.S3NotFoundError as e:

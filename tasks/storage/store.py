@@ -32,6 +32,7 @@ from typing import Protocol, TypeVar, runtime_checkable
 
 from grpoflow.tasks.config.storage import StorageConfig
 from grpoflow.tasks.storage import s3
+from grpoflow.tasks.storage.mirror import claim_mirror
 from grpoflow.tasks.storage.uploads import retry_outage
 
 T = TypeVar("T")
@@ -245,7 +246,8 @@ class LocalStore:
 
 class S3Store:
     """s3://bucket/prefix, reached with the ``settings`` (endpoint, retries, multipart sizes); local_root is its
-    mirror <storage.cache_dir>/<bucket>/<prefix>. S3 is the source of truth: reads go to S3, writes go to both."""
+    mirror <storage.cache_dir>/<bucket>/<prefix>. S3 is the source of truth: reads go to S3, writes go to both.
+    The mirror belongs to one endpoint: every call that touches it first :meth:`claim` s it."""
 
     def __init__(self, location: str, settings: StorageConfig | None = None):
         self.client = s3.S3Client(settings)
@@ -253,6 +255,15 @@ class S3Store:
         self.uri = s3.join_uri(location)
         s3.split_s3_uri(self.uri)  # a clear error for a malformed URI
         self.local_root = s3.local_path(self.uri, self.settings.cache_dir)
+        self._claimed = False
+
+    def claim(self) -> None:
+        """Check (once) that the mirror belongs to this store's endpoint, recording it on first use: a
+        :class:`~grpoflow.tasks.storage.mirror.MirrorEndpointError` when another endpoint's files are there
+        (tasks/storage/mirror.py)."""
+        if not self._claimed:
+            claim_mirror(self.uri, self.settings.cache_dir, s3.endpoint_url(self.settings))
+            self._claimed = True
 
     def __repr__(self) -> str:
         return f"S3Store({self.uri!r} at {self.where})"
@@ -270,6 +281,7 @@ class S3Store:
 
     def write(self, name: str, data: bytes) -> None:
         fence(self.uri)
+        self.claim()
         write_atomic(self.local_root / name, data)
         self.client.put_bytes(data, self._uri(name))
 
@@ -291,6 +303,7 @@ class S3Store:
 
     def delete(self, names: Sequence[str]) -> None:
         fence(self.uri)
+        self.claim()
         if names:
             self.client.delete_objects([self._uri(n) for n in names])
         for name in names:  # the mirror in step
@@ -298,6 +311,7 @@ class S3Store:
 
     def delete_folder(self, prefix: str, markers: Sequence[str] = ()) -> None:
         fence(self.uri)
+        self.claim()
         self.client.delete_prefix(self._uri(prefix) + "/", markers=markers)
         shutil.rmtree(self.local_root / _join(prefix), ignore_errors=True)
 
@@ -306,12 +320,14 @@ class S3Store:
     ) -> list[str]:
         fence(self.uri)
         base = self._uri(name) + "/"
+        self.claim()
         sent = self.client.upload_dir(self.local_root / name, base, delete=delete, markers=markers, exclude=exclude)
         return [_join(name, u[len(base) :]) for u in sent]
 
     def sync_down(
         self, name: str, *, delete: bool = False, markers: Sequence[str] = (), exclude: Sequence[str] = ()
     ) -> list[str]:
+        self.claim()
         folder = self.local_root / name
         got = self.client.download_dir(self._uri(name), folder, delete=delete, markers=markers, exclude=exclude)
         return [_join(name, p.relative_to(folder).as_posix()) for p in got]

@@ -43,7 +43,7 @@ from pathlib import Path
 from typing import Any
 
 from grpoflow.tasks.config.storage import StorageConfig
-from grpoflow.tasks.storage.store import Store, open_store, write_atomic
+from grpoflow.tasks.storage.store import S3Store, Store, open_store, write_atomic
 from grpoflow.tasks.storage.store import join_location as join_location  # re-exported: callers name it here
 
 log = logging.getLogger(__name__)
@@ -131,6 +131,8 @@ class Workspace:
         """A local folder, or an s3://bucket/prefix URI reached with the ``storage`` settings (endpoint, retries)
         and mirrored under storage.cache_dir: :func:`~grpoflow.tasks.storage.store.open_store` decides."""
         self.store: Store = open_store(root, storage)
+        if isinstance(self.store, S3Store):
+            self.store.claim()  # another endpoint's mirror is refused before anything in it is touched
         self.root = self.store.local_root
         self.root.mkdir(parents=True, exist_ok=True)
 
