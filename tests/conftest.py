@@ -12,6 +12,9 @@ os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
 os.environ.setdefault("HF_DATASETS_DISABLE_PROGRESS_BARS", "1")
 # Prefect reads its settings when first imported (test collection imports it): set them now.
 os.environ.setdefault("PREFECT_HOME", tempfile.mkdtemp(prefix="grpoflow-prefect-"))
+# Tests never touch the user's home: the default storage.cache_dir (~/.cache/grpoflow/s3) records which S3 endpoint
+# each bucket's mirror belongs to (tasks/storage/mirror.py), and each session's SeaweedFS listens on a fresh port.
+os.environ["HOME"] = tempfile.mkdtemp(prefix="grpoflow-home-")
 os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "180")
 os.environ.setdefault("PREFECT_LOGGING_LEVEL", "WARNING")
 # bf16 training tests run on any CPU: their shapes are tiny, a CPU without bf16 matmul instructions only slows them
