@@ -58,7 +58,8 @@ class StorageConfig(BaseModel):
         "~/.cache/grpoflow/s3",
         description="Local copies of s3:// workspaces and data files (<cache_dir>/<bucket>/<key>), and the sha256 of "
         "big local files that stage keys name (.sha256-cache.json). A bucket's copies belong to the S3 endpoint first "
-        "used with them (.<bucket>.endpoint): use another cache_dir per endpoint. Safe to delete.",
+        "used with them (.<bucket>.endpoint): use another cache_dir per endpoint. Safe to delete once no run has a "
+        "checkpoint waiting to upload (`grpoflow resume` uploads it).",
     )
     multipart_threshold_mb: int = Field(64, ge=5, description="Files at least this large are uploaded in parts.")
     multipart_chunksize_mb: int = Field(16, ge=5, description="Part size of multipart uploads (S3's minimum: 5).")
