@@ -9,7 +9,9 @@ cycle take on the folder they write, held until they end.
                    release (If-Match). A lease not renewed for ``ttl_s`` by the S3 server's clock (its age is
                    the server's Date minus the object's LastModified, so machines' clocks do not matter) is
                    taken over with a warning, again with If-Match: of two takers, one wins; so is, at once, a lease
-                   whose holder ran on this host (same host name) and is gone (kill -9, a crash). Each renewal
+                   whose holder ran on this host and is gone (kill -9, a crash): same host name, same boot and
+                   same PID namespace (:func:`current_pid_space`; containers sharing the host's name, as with
+                   ``network_mode: host``, each have their own PIDs), and no process has its pid. Each renewal
                    writes new bytes (a counter), so its ETag differs and a taker's If-Match on the version it read
                    fails once the holder renewed. The holder fences its own writes: every write, delete or upload
                    of an S3Store under the workspace first checks the lease (renewing it at once when the last
@@ -58,6 +60,15 @@ class Holder:
     command: str = ""
     owner: str = field(default_factory=lambda: uuid.uuid4().hex)
     renewals: int = 0  # S3: counted up by each renewal, so every version of the lease has its own ETag
+    pid_space: str = field(default_factory=lambda: current_pid_space())  # where ``pid`` means this process ("" unknown)
+
+    def gone(self, me: Holder) -> bool:
+        """Whether this holder provably died: it ran where ``me`` runs (host, boot and PID namespace all the same,
+        so its pid means the same process here) and no process has its pid now. A holder of another container
+        under the same host name, or one that recorded no namespace (older grpoflow), is never taken for gone:
+        only its lease's expiry tells."""
+        same = self.host == me.host and bool(self.pid_space) and self.pid_space == me.pid_space
+        return same and not _alive(self.pid)
 
     def describe(self) -> str:
         when = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(self.since))
@@ -71,7 +82,8 @@ class Holder:
         """The holder a lock file or lease names; None for an empty or unreadable one (a torn write)."""
         try:
             raw = json.loads(data)
-            return cls(**{k: raw[k] for k in ("pid", "host", "since", "command", "owner", "renewals") if k in raw})
+            keys = ("pid", "host", "since", "command", "owner", "renewals", "pid_space")
+            return cls(**{k: raw[k] for k in keys if k in raw})
         except (ValueError, TypeError):
             return None
 
@@ -102,6 +114,17 @@ class WorkspaceLost(OSError):
         )
 
 
+def current_pid_space() -> str:
+    """This process's PID namespace on this boot, "<boot id>:<pid namespace inode>": two processes whose pids can
+    be compared have the same one (a reboot or another container gives another); "" where Linux's /proc does not
+    tell."""
+    try:
+        boot = Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+        return f"{boot}:{os.stat('/proc/self/ns/pid').st_ino}"
+    except OSError:
+        return ""
+
+
 def _alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)
@@ -128,7 +151,7 @@ class _LocalLock:
             raise WorkspaceBusy(str(self.path.parent), Holder.loads(data)) from None
         left = Holder.loads(os.pread(fd, 4096, 0))
         if left is not None and left.owner != me.owner:
-            state = "gone" if left.host == me.host and not _alive(left.pid) else "no longer holds it"
+            state = "gone" if left.gone(me) else "no longer holds it"
             log.warning("workspace %s: took over the lock left by %s (that process is %s)", self.path.parent,
                         left.describe(), state)  # fmt: skip
         os.ftruncate(fd, 0)
@@ -166,7 +189,7 @@ class _S3Lease:
                 continue
             data, old, age = got
             holder = Holder.loads(data)
-            dead = holder is not None and holder.host == me.host and not _alive(holder.pid)
+            dead = holder is not None and holder.gone(me)
             if age < self.ttl_s and not dead:  # a live lease; one of a dead process on this host is not
                 raise WorkspaceBusy(self.uri.rsplit("/", 1)[0], holder)
             etag = self.client.put_if(me.dumps(), self.uri, etag=old)

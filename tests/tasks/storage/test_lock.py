@@ -1,6 +1,7 @@
 """One owner per workspace (tasks/storage/lock.py): a second process is refused naming the holder, a dead holder's
 lock is taken over with a warning; on S3 the lease is renewed while its holder lives and taken over once expired."""
 
+import json
 import logging
 import os
 import signal
@@ -12,7 +13,7 @@ import uuid
 
 import pytest
 
-from grpoflow.tasks.storage.lock import LEASE, LOCK_FILE, WorkspaceBusy, holds, workspace_lock
+from grpoflow.tasks.storage.lock import LEASE, LOCK_FILE, WorkspaceBusy, current_pid_space, holds, workspace_lock
 from grpoflow.tasks.storage.store import open_store
 
 HOLD = """
@@ -99,6 +100,14 @@ def test_s3_lease_of_a_dead_process_on_this_host_is_taken_over_at_once(env, capl
     store = open_store(location)
     proc = _holder(location)  # ttl 60 s
     _kill(proc)
+    lease = store.read(LEASE)
+    assert json.loads(lease)["pid_space"] == current_pid_space() != ""
+    # the same host name in another PID namespace (a container on the host's network): its pid means nothing here
+    for other in ("", f"{current_pid_space()}0"):  # none recorded (older grpoflow), another namespace
+        store.write(LEASE, lease.replace(current_pid_space().encode(), other.encode()))
+        with pytest.raises(WorkspaceBusy, match=f"pid {proc.pid} on host"), workspace_lock(store, "t"):
+            pass
+    store.write(LEASE, lease)
     with caplog.at_level(logging.WARNING), workspace_lock(store, "resume"):
         assert f"took over the lease of pid {proc.pid}" in caplog.text and "that process is gone" in caplog.text
 
