@@ -20,7 +20,7 @@ from grpoflow.tasks.config import PipelineConfig
 from grpoflow.tasks.pipeline.fingerprint import continue_key, fingerprints, key_of
 from grpoflow.tasks.pipeline.spec import Pipeline
 from grpoflow.tasks.storage.content import LEGACY_LIMIT, legacy_digests
-from grpoflow.tasks.storage.workspace import Workspace
+from grpoflow.tasks.storage.workspace import CorruptManifest, Workspace
 
 log = logging.getLogger(__name__)
 
@@ -56,6 +56,15 @@ def legacy_continue_key(pipeline: Pipeline, old: dict[str, Any], name: str) -> s
     return continue_key(old[name], spec.extends) if name in old and spec.extends else None
 
 
+def _holds_another_key(ws: Workspace, stage: str, key: str) -> bool:
+    """Whether the stage's manifest or attempt record holds a key other than ``key`` (maybe an older one)."""
+    try:
+        manifest = ws.read_manifest(stage) or {}
+    except CorruptManifest:
+        manifest = {}
+    return bool({manifest.get("key"), ws.last_attempt(stage).get("key")} - {None, key})
+
+
 def adopt_legacy_keys(
     pipeline: Pipeline,
     cfg: PipelineConfig,
@@ -68,9 +77,12 @@ def adopt_legacy_keys(
     are kept: the content they were made from is the same (its size and mtime still match). ``fps``: today's
     fingerprints, when the caller has them."""
     fps = fps if fps is not None else fingerprints(pipeline, cfg)
+    wanted = [s for s in (stages if stages is not None else pipeline.names) if s in fps]
+    if not _has_big_files(fps) or not any(_holds_another_key(ws, s, key_of(fps[s])) for s in wanted):
+        return []  # nothing an older key could name: the old-way fingerprints (a rehash, S3 lists) are not needed
     old = legacy_fingerprints(pipeline, cfg, fps)
     done = []
-    for name in old if stages is None else [s for s in stages if s in old]:
+    for name in [s for s in wanted if s in old]:
         spec = pipeline[name]
         new_continues = continue_key(fps[name], spec.extends) if spec.extends else None
         keys = (key_of(old[name]), key_of(fps[name]))

@@ -9,6 +9,7 @@ reruns, or that there is no complete earlier attempt.
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import time
@@ -86,7 +87,8 @@ def explain(pipeline: Pipeline, cfg: PipelineConfig, ws: Workspace, forget: tupl
     """{stage: why it reruns} for each stage of ``pipeline`` that a run of ``cfg`` in ``ws`` does not skip, in run
     order; stages in ``forget`` (``--from-stage``) rerun whatever they hold."""
     fps = fingerprints(pipeline, cfg)
-    old = legacy_fingerprints(pipeline, cfg, fps)  # keys older grpoflow recorded, still good (tasks/pipeline/legacy.py)
+    # keys older grpoflow recorded, still good (tasks/pipeline/legacy.py): computed only if a recorded key differs
+    old = functools.cache(lambda: legacy_fingerprints(pipeline, cfg, fps))
     out: dict[str, list[str]] = {}
     rerun: dict[str, None] = {}
     for spec in pipeline.specs:
@@ -98,7 +100,9 @@ def explain(pipeline: Pipeline, cfg: PipelineConfig, ws: Workspace, forget: tupl
             out[name] = ["--from-stage"]
         elif manifest is None or "summary" not in manifest:
             out[name] = ["no complete earlier attempt"]
-        elif manifest.get("key") in {key_of(fp), legacy_key(old, name)} - {None}:
+        elif (held := manifest.get("key")) is not None and (
+            held == key_of(fp) or held == legacy_key(old(), name)  # the old one computed only if needed
+        ):
             if not rerun:
                 continue
             out[name] = [f"earlier stage {next(iter(rerun))} reruns (the stages after it rerun too)"]
@@ -113,7 +117,7 @@ def replaced(pipeline: Pipeline, cfg: PipelineConfig, ws: Workspace, stages) -> 
     """{stage: what its rerun does to its finished results} for each of ``stages`` (the ones that rerun) that has
     finished results in ``ws``: replaces them, or trains on from them (a raised ``extends`` value: grpo.max_steps)."""
     fps = fingerprints(pipeline, cfg)
-    old = legacy_fingerprints(pipeline, cfg, fps)
+    old = functools.cache(lambda: legacy_fingerprints(pipeline, cfg, fps))
     out = {}
     for name in stages:
         manifest = ws.read_manifest(name)
@@ -122,8 +126,11 @@ def replaced(pipeline: Pipeline, cfg: PipelineConfig, ws: Workspace, stages) -> 
         when = time.strftime("%Y-%m-%d %H:%M", time.localtime(manifest.get("finished_at", 0)))
         spec = pipeline[name]
         key = continue_key(fps[name], spec.extends) if spec.extends else None
-        keys = (key, legacy_continue_key(pipeline, old, name))
-        if any(key and ws.continues(name, key, extents(spec, cfg)) for key in keys):
+        continues = key is not None and ws.continues(name, key, extents(spec, cfg))
+        if key is not None and not continues:  # the continue key an older grpoflow recorded, only then computed
+            legacy = legacy_continue_key(pipeline, old(), name)
+            continues = legacy is not None and ws.continues(name, legacy, extents(spec, cfg))
+        if continues:
             out[name] = f"continues from its finished attempt of {when} (its checkpoints are kept)"
         else:
             out[name] = f"replaces its finished results of {when}"

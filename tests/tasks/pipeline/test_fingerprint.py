@@ -10,6 +10,7 @@ import pytest
 
 from grpoflow.flows.stages import PIPELINE
 from grpoflow.tasks.config import load_config
+from grpoflow.tasks.pipeline import legacy, resume
 from grpoflow.tasks.pipeline.fingerprint import continue_key, fingerprints, key_of, stage_keys
 from grpoflow.tasks.pipeline.legacy import adopt_legacy_keys
 from grpoflow.tasks.pipeline.resume import explain, replaced
@@ -149,10 +150,14 @@ def test_a_run_keyed_by_mtimes_is_adopted_not_rerun_and_then_survives_a_copy(tmp
     assert all(ws.read_manifest(s)["key"] == new[s] for s in PIPELINE.names)
     assert ws.read_manifest("sft")["fingerprint"] == fingerprints(PIPELINE, cfg)["sft"]
     assert ws.last_attempt("grpo")["key"] == new["grpo"]
+    computed = []  # once adopted, no key is an old one: the old-way fingerprints are never computed again
+    for module in (legacy, resume):
+        monkeypatch.setattr(module, "legacy_fingerprints", lambda *a: computed.append(a) or {})
     assert adopt_legacy_keys(PIPELINE, cfg, ws) == []  # done once
     os.utime(model / "model.safetensors", ns=(10**18, 10**18))  # restored from a backup: new mtimes
     assert explain(PIPELINE, cfg, ws) == {}
     assert replaced(PIPELINE, more, ws, ["grpo"])["grpo"].startswith("continues from its finished attempt")
+    assert computed == []
 
 
 def test_a_run_keyed_by_mtimes_whose_weights_were_touched_since_reruns_and_says_why(tmp_path, monkeypatch):
