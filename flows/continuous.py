@@ -97,15 +97,17 @@ def _cycle(cfg: PipelineConfig, source: str, state: str, logger) -> dict:
     # the new rows and the champion are this worker's local inputs of the cycle (beside an S3 workspace's cache)
     incoming = (local_path(ws, cfg.storage.cache_dir) if is_s3_uri(ws) else Path(ws)) / "incoming"
     check = functools.partial(check_file, cfg=cfg)
-    data_file, rows, bad = gather(new, incoming / "train.jsonl", cfg.storage, check=check)
+    data_file, rows, bad, changed = gather(new, incoming / "train.jsonl", cfg.storage, check=check)
+    for f in changed:  # rewritten since listed: neither trained nor recorded; the next cycle lists the new version
+        logger.warning("%s changed since it was listed: left for the next cycle", f.name)
     for f, error in bad:  # one line each, naming the landed file and line; the good files train
         logger.error("quarantined %s: %s (fix it and land it again under its name)", f.name, error)
     if bad:
         ledger.quarantine(bad, cycle=name)
-        new = [f for f in new if f not in {b for b, _ in bad}]
+    new = [f for f in new if f not in {b for b, _ in bad} and f not in changed]
     quarantined = [{"name": f.name, "uri": f.uri, "error": e} for f, e in bad]
     if not new:
-        logger.info("no new data file can train (%d quarantined): nothing to do", len(bad))
+        logger.info("no new data file can train (%d quarantined, %d changed): nothing to do", len(bad), len(changed))
         return {"consumed": [], "quarantined": quarantined, "decision": None}
     logger.info("%d new data files (%d rows) in %s: %s", len(new), rows, source, [f.name for f in new])
     champion = champion_task(cfg, str(incoming / "champion"))

@@ -20,7 +20,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from grpoflow.tasks.config import ConfigError, PipelineConfig, StorageConfig
-from grpoflow.tasks.ops.datasource import DataFile, fetch
+from grpoflow.tasks.ops.datasource import DataFile, DataFileChanged, fetch
 
 log = logging.getLogger(__name__)
 
@@ -63,19 +63,28 @@ def gather(
     dest: Path,
     storage: StorageConfig | None = None,
     check: Callable[[DataFile, Path], str | None] | None = None,
-) -> tuple[Path, int, list[tuple[DataFile, str]]]:
+) -> tuple[Path, int, list[tuple[DataFile, str]], list[DataFile]]:
     """Every row of ``files`` (any format the data stage reads; S3 ones fetched with ``storage``) in one JSON-lines
-    file: (path, rows, the files left out with why). ``check(file, local path)`` (:func:`check_file`) says why a
-    file cannot train; such a file, or one that does not load, is left out rather than failing the others."""
+    file: (path, rows, the files left out with why, the files changed since listed). ``check(file, local path)``
+    (:func:`check_file`) says why a file cannot train; such a file, or one that does not load, is left out rather
+    than failing the others. Each file is read from one snapshot of the listed bytes (:func:`fetch`); one that
+    changed since it was listed is left out too, neither trained nor to be recorded: the next cycle lists its new
+    version."""
     from grpoflow.tasks.dataio.sources import load_source
 
     download_dir = dest.parent / "downloads"
     rows = 0
     bad: list[tuple[DataFile, str]] = []
+    changed: list[DataFile] = []
     dest.parent.mkdir(parents=True, exist_ok=True)
     with open(dest, "w") as out:
         for f in files:
-            path = fetch(f, download_dir, storage)
+            try:
+                path = fetch(f, download_dir, storage)
+            except DataFileChanged as e:
+                log.warning("%s: left for the next cycle", e)
+                changed.append(f)
+                continue
             problem = check(f, path) if check is not None else None
             if problem is None:
                 try:
@@ -88,7 +97,7 @@ def gather(
             for row in ds:
                 out.write(json.dumps(row, default=str) + "\n")
                 rows += 1
-    return dest, rows, bad
+    return dest, rows, bad, changed
 
 
 def champion_model(cfg: PipelineConfig, dest: Path) -> tuple[str, dict] | None:

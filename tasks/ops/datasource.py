@@ -3,8 +3,11 @@ it has already trained on.
 
 A file is identified by its name (path relative to the source), size and content hash (sha256 for local files,
 the ETag for S3 objects), so a file rewritten in place with new content counts as new, and the same bytes under
-another name count as new too. The ledger is one JSON file, replaced atomically (write a temporary file, then
-``os.replace``), and the continuous flow adds to it only after a cycle succeeded: a failed cycle consumes nothing.
+another name count as new too. The ledger is one JSON file, replaced atomically and durably (a temporary file,
+fsynced, then ``os.replace`` and an fsync of the folder), and the continuous flow adds to it only after a cycle
+succeeded: a failed cycle consumes nothing. A cycle reads each file from one snapshot of the bytes its listing
+identified (:func:`fetch`), so what it trains on is what the ledger records; a file changed since it was listed is
+left for the next cycle.
 
 Only data files the data stage reads are listed (.jsonl, .json, .csv, .parquet); names starting with "." or
 "_", and everything in such folders, are skipped (in a local folder and under an S3 prefix alike), so a writer
@@ -15,7 +18,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -80,14 +82,48 @@ def list_source(source: str, storage: StorageConfig | None = None) -> list[DataF
     return files
 
 
+class DataFileChanged(Exception):
+    """A listed file's bytes are no longer the ones its listing identified (rewritten, appended to or deleted
+    since): the cycle leaves it out and records nothing for it, so the next cycle lists and trains the new
+    version once. The message names the file."""
+
+
 def fetch(file: DataFile, dest_dir: Path, storage: StorageConfig | None = None) -> Path:
-    """A local path holding ``file``'s bytes: the file itself when local, else a download into ``dest_dir``."""
-    if not is_s3_uri(file.uri):
-        return Path(file.uri)
+    """A local snapshot in ``dest_dir`` of exactly the bytes ``file`` names (its size and hash), which the cycle
+    checks, trains on and then records: a local file is copied while hashed, an S3 object downloaded only while
+    its ETag is still the listed one (If-Match). :class:`DataFileChanged` when the file changed since it was
+    listed, so the ledger never records one version for rows read from another."""
     dest = dest_dir / file.name
     dest.parent.mkdir(parents=True, exist_ok=True)
-    S3Client(storage).download_file(file.uri, str(dest))
+    if is_s3_uri(file.uri):
+        from grpoflow.tasks.storage.s3 import S3ChangedError, S3NoSuchBucketError, S3NotFoundError
+
+        try:
+            return S3Client(storage).download_file(file.uri, dest, if_match=file.hash)
+        except S3NoSuchBucketError:
+            raise
+        except (S3ChangedError, S3NotFoundError) as e:
+            raise DataFileChanged(f"{file.uri}: changed since it was listed ({e})") from None
+    try:
+        size, digest = _copy_hashed(Path(file.uri), dest)
+    except FileNotFoundError:
+        raise DataFileChanged(f"{file.uri}: deleted since it was listed") from None
+    if (size, digest) != (file.size, file.hash):
+        dest.unlink()
+        raise DataFileChanged(f"{file.uri}: changed since it was listed ({file.size} -> {size} bytes)")
     return dest
+
+
+def _copy_hashed(src: Path, dest: Path, chunk: int = 1 << 20) -> tuple[int, str]:
+    """Copy ``src`` to ``dest``; the size and sha256 of the bytes copied (one read: what was hashed is what
+    was copied)."""
+    h, size = hashlib.sha256(), 0
+    with open(src, "rb") as f, open(dest, "wb") as out:
+        while block := f.read(chunk):
+            h.update(block)
+            out.write(block)
+            size += len(block)
+    return size, h.hexdigest()
 
 
 class Ledger:
@@ -156,10 +192,9 @@ class Ledger:
         if self.store is not None:
             self.store.put_bytes(text.encode(), self.location)
             return
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = self.path.with_name(f".{self.path.name}.{os.getpid()}.tmp")
-        tmp.write_text(text)
-        os.replace(tmp, self.path)
+        from grpoflow.tasks.storage.store import write_atomic
+
+        write_atomic(self.path, text.encode())  # fsynced, renamed, folder fsynced: a power loss keeps a whole ledger
 
 
 STATE_PREFIX = "_grpoflow-continuous"  # under an s3:// source: skipped by list_source (a name starting with "_")

@@ -42,6 +42,7 @@ from grpoflow.tasks.storage.s3_connection import (
 )
 from grpoflow.tasks.storage.s3_errors import (
     S3AccessError,
+    S3ChangedError,
     S3ClockSkewError,
     S3Error,
     S3NoSuchBucketError,
@@ -57,6 +58,7 @@ __all__ = [  # the S3 layer's public names, importable from here whichever s3_*.
     "READ_TIMEOUT_S",
     "S3AccessError",
     "S3Client",
+    "S3ChangedError",
     "S3ClockSkewError",
     "S3Error",
     "S3NoSuchBucketError",
@@ -166,6 +168,8 @@ class S3Client(FolderSync, ConditionalWrites):
             if check_bucket and not _bucket_exists(self.client, bucket):
                 return S3NoSuchBucketError(f"{uri}: bucket {bucket!r} does not exist at {where}")
             return S3NotFoundError(f"{uri}: no such object at {where}")
+        if code == "PreconditionFailed" or status == 412:
+            return S3ChangedError(f"{uri}: the object changed at {where} since its ETag was read ({code or status})")
         if code == "RequestTimeTooSkewed":
             times = ", ".join(f"{k} {err[k]}" for k in ("RequestTime", "ServerTime") if err.get(k))
             return S3ClockSkewError(
@@ -229,8 +233,9 @@ class S3Client(FolderSync, ConditionalWrites):
     def exists(self, uri: str) -> bool:
         return self.head(uri) is not None
 
-    def download_file(self, uri: str, path: str | Path) -> Path:
-        """Copy one object to ``path`` (written beside it and renamed, so a failed download leaves no file)."""
+    def download_file(self, uri: str, path: str | Path, *, if_match: str | None = None) -> Path:
+        """Copy one object to ``path`` (written beside it and renamed, so a failed download leaves no file); with
+        ``if_match`` (an ETag), only that version: :class:`S3ChangedError` when the object was overwritten since."""
         bucket, key = split_s3_uri(uri)
         path = Path(path)
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -238,7 +243,13 @@ class S3Client(FolderSync, ConditionalWrites):
         client = self.client
         try:
             with self._errors(uri):
-                client.download_file(bucket, key, str(tmp), Config=self._transfer_config())
+                if if_match:  # one GET (the managed transfer takes no If-Match): one version, start to end
+                    body = client.get_object(Bucket=bucket, Key=key, IfMatch=f'"{if_match}"')["Body"]
+                    with open(tmp, "wb") as f:
+                        for block in body.iter_chunks(MiB):
+                            f.write(block)
+                else:
+                    client.download_file(bucket, key, str(tmp), Config=self._transfer_config())
             os.replace(tmp, path)
         finally:
             tmp.unlink(missing_ok=True)

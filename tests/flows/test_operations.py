@@ -42,7 +42,7 @@ def test_gather_puts_every_format_into_one_jsonl(tmp_path):
     src.mkdir()
     (src / "a.jsonl").write_text(json.dumps({"question": "What is 1 + 2?", "answer": "3"}) + "\n")
     (src / "b.csv").write_text("question,answer\nWhat is 2 + 2?,4\nWhat is 5 + 1?,6\n")
-    path, rows, bad = gather(list_source(str(src)), tmp_path / "cycle" / "train.jsonl")
+    path, rows, bad, _ = gather(list_source(str(src)), tmp_path / "cycle" / "train.jsonl")
     assert bad == []
     lines = [json.loads(line) for line in path.read_text().splitlines()]
     assert rows == 3 and [r["question"] for r in lines] == ["What is 1 + 2?", "What is 2 + 2?", "What is 5 + 1?"]
@@ -50,7 +50,7 @@ def test_gather_puts_every_format_into_one_jsonl(tmp_path):
 
 def test_gather_names_a_bad_file(tmp_path):
     (tmp_path / "bad.parquet").write_text("not parquet")
-    _, rows, bad = gather(list_source(str(tmp_path)), tmp_path / "out" / "train.jsonl")
+    _, rows, bad, _ = gather(list_source(str(tmp_path)), tmp_path / "out" / "train.jsonl")
     assert rows == 0 and [f.name for f, _ in bad] == ["bad.parquet"] and "bad.parquet" in bad[0][1]
 
 
@@ -66,8 +66,8 @@ def test_each_landed_file_is_checked_alone_and_a_bad_one_is_quarantined_by_its_o
     _landed(src)
     cfg = load_config(MICRO, [f"run.output_dir={tmp_path}", "data.eval_source=heldout.jsonl"])
     files = list_source(str(src))
-    path, rows, bad = gather(files, tmp_path / "cycle" / "train.jsonl", check=partial(check_file, cfg=cfg))
-    assert rows == 1 and json.loads(path.read_text())["question"] == "What is 1 + 2?"  # the good file trains
+    path, rows, bad, changed = gather(files, tmp_path / "cycle" / "train.jsonl", check=partial(check_file, cfg=cfg))
+    assert rows == 1 and changed == [] and json.loads(path.read_text())["question"] == "What is 1 + 2?"  # good trains
     ((file, error),) = bad
     assert file.name == "bad.jsonl" and error.startswith(f"{src / 'bad.jsonl'} line 2: answer is missing"), error
 

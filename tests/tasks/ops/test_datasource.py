@@ -110,7 +110,99 @@ def test_s3_prefix_source_lists_fetches_and_gathers(seaweedfs, monkeypatch, tmp_
     with pytest.raises(ValueError, match=f"ledger {state}/ledger.json: not a grpoflow ledger"):
         restarted.keys()
 
-    out, rows, bad = gather(list_source(prefix), tmp_path / "cycle" / "train.jsonl")
-    assert bad == []
+    out, rows, bad, changed = gather(list_source(prefix), tmp_path / "cycle" / "train.jsonl")
+    assert bad == [] and changed == []
     assert rows == 2
     assert [json.loads(line)["answer"] for line in out.read_text().splitlines()] == ["10", "4"]
+
+
+def _trained_answers(path):
+    return [json.loads(line)["answer"] for line in path.read_text().splitlines()]
+
+
+def test_a_file_rewritten_after_listing_is_left_for_the_next_cycle(tmp_path):
+    """The cycle lists a.jsonl (version 1), then the writer rewrites it before the cycle reads it: the cycle must not
+    train on version 2 while the ledger records version 1's identity (version 2 would then train again next cycle);
+    it leaves the file out, unrecorded, and the next cycle trains version 2 once."""
+    from grpoflow.tasks.ops.continuous import gather
+
+    src = tmp_path / "src"
+    write(src / "a.jsonl", [{"question": "q1", "answer": "1"}])
+    write(src / "b.jsonl", [{"question": "q2", "answer": "2"}])
+    ledger = Ledger(tmp_path / "state" / "ledger.json")
+    listed = ledger.new_files(list_source(str(src)))
+    write(src / "a.jsonl", [{"question": "q1", "answer": "1"}, {"question": "q3", "answer": "3"}])  # appended
+    out, rows, bad, changed = gather(listed, tmp_path / "cycle" / "train.jsonl")
+    assert bad == [] and [f.name for f in changed] == ["a.jsonl"]
+    assert _trained_answers(out) == ["2"] and rows == 1  # version 2 of a.jsonl not trained under version 1's name
+    ledger.record([f for f in listed if f not in changed], cycle="c1")
+    again = ledger.new_files(list_source(str(src)))
+    assert [f.name for f in again] == ["a.jsonl"]  # the next cycle: version 2, once
+    out, rows, bad, changed = gather(again, tmp_path / "cycle2" / "train.jsonl")
+    assert _trained_answers(out) == ["1", "3"] and changed == []
+    ledger.record(again, cycle="c2")
+    assert ledger.new_files(list_source(str(src))) == []
+
+
+def test_a_file_rewritten_while_read_trains_what_was_listed(tmp_path, monkeypatch):
+    """The check and the load read the file one after the other: a rewrite between them must not make the cycle
+    check one version and train another; both read the snapshot whose hash the listing took."""
+    from grpoflow.tasks.ops.continuous import gather
+
+    src = tmp_path / "src"
+    a = write(src / "a.jsonl", [{"question": "q1", "answer": "1"}])
+    listed = list_source(str(src))
+
+    def check(f, path):  # the writer rewrites a.jsonl right after the check read it
+        write(a, [{"question": "q1", "answer": "BAD"}])
+        return None
+
+    out, rows, bad, changed = gather(listed, tmp_path / "cycle" / "train.jsonl", check=check)
+    assert _trained_answers(out) == ["1"] and changed == [] and bad == []
+
+
+def test_the_ledger_write_is_durable(tmp_path, monkeypatch):
+    """A power loss right after a cycle must not leave an empty or old ledger: the temporary file is fsynced before
+    the rename, and the folder after it."""
+    import os
+
+    synced = []
+    real = os.fsync
+
+    def fsync(fd):
+        synced.append(os.readlink(f"/proc/self/fd/{fd}"))
+        return real(fd)
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    src = tmp_path / "src"
+    write(src / "a.jsonl", [{"question": "q1", "answer": "1"}])
+    ledger = Ledger(tmp_path / "state" / "ledger.json")
+    ledger.record(list_source(str(src)), cycle="c1")
+    assert len(synced) == 2 and synced[0].endswith(".tmp") and synced[1] == str(tmp_path / "state")
+
+
+def test_s3_object_rewritten_or_deleted_after_listing_is_left_for_the_next_cycle(seaweedfs, monkeypatch, tmp_path):
+    """On a real S3 server: an object overwritten after the listing (its ETag changed) is not downloaded as the
+    listed version (If-Match), a deleted one does not fail the cycle; both are left out, unrecorded."""
+    from grpoflow.tasks.config import StorageConfig
+    from grpoflow.tasks.ops.continuous import gather
+    from grpoflow.tasks.storage import s3
+
+    for k, v in seaweedfs.env().items():
+        monkeypatch.setenv(k, v)
+    store = s3.S3Client(StorageConfig(cache_dir=str(tmp_path / "cache")))
+    prefix = f"s3://{seaweedfs.bucket}/rewritten-{tmp_path.name}"
+    for name, answer in (("a", "1"), ("b", "2"), ("c", "3")):
+        store.put_bytes(json.dumps({"question": "q", "answer": answer}).encode() + b"\n", f"{prefix}/{name}.jsonl")
+    listed = list_source(prefix)
+    store.put_bytes(b'{"question": "q", "answer": "1"}\n{"question": "q", "answer": "9"}\n', f"{prefix}/a.jsonl")
+    store.delete_objects([f"{prefix}/c.jsonl"])
+    out, rows, bad, changed = gather(listed, tmp_path / "cycle" / "train.jsonl")
+    assert bad == [] and [f.name for f in changed] == ["a.jsonl", "c.jsonl"]
+    assert _trained_answers(out) == ["2"]
+    ledger = Ledger(tmp_path / "ledger.json")
+    ledger.record([f for f in listed if f not in changed], cycle="c1")
+    again = ledger.new_files(list_source(prefix))
+    assert [f.name for f in again] == ["a.jsonl"]
+    out, rows, bad, changed = gather(again, tmp_path / "cycle2" / "train.jsonl")
+    assert _trained_answers(out) == ["1", "9"] and changed == []
