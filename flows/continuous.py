@@ -128,9 +128,10 @@ def _cycle(cfg: PipelineConfig, source: str, state: str, logger) -> dict:
         e = result["eval"]
         decision += f" (held-out: start {e['accuracy_before']:.1%}, new {e['accuracy_after']:.1%})"
     logger.info("decision: %s", decision)
-    _tag_run(cycle, result, new, champion, decision, quarantined)
+    # the ledger first: the files trained (the model may be promoted already), whatever tagging the run does next
     ledger.record(new, cycle=name, mlflow_run_id=result["mlflow_run_id"])
     logger.info("ledger %s: recorded %d files", ledger.location, len(new))
+    _tag_run(cycle, result, new, champion, decision, quarantined)
     out = {"consumed": [f.name for f in new], "quarantined": quarantined, "decision": decision}
     return {**out, "mlflow_run_id": result["mlflow_run_id"]}
 
