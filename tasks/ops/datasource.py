@@ -189,10 +189,12 @@ class Ledger:
         at = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
         entries = self.entries() + [{**e, "quarantined_at" if e.get("quarantined") else "consumed_at": at} for e in new]
         text = json.dumps({"consumed": entries}, indent=2)
+        from grpoflow.tasks.storage.store import fence, write_atomic
+
         if self.store is not None:
-            self.store.put_bytes(text.encode(), self.location)
+            fence(self.location)  # WorkspaceLost when the state folder's lease was taken over: never overwrite its
+            self.store.put_bytes(text.encode(), self.location)  # new holder's newer ledger
             return
-        from grpoflow.tasks.storage.store import write_atomic
 
         write_atomic(self.path, text.encode())  # fsynced, renamed, folder fsynced: a power loss keeps a whole ledger
 

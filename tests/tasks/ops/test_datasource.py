@@ -2,6 +2,7 @@
 
 import hashlib
 import json
+import time
 
 import pytest
 
@@ -206,3 +207,23 @@ def test_s3_object_rewritten_or_deleted_after_listing_is_left_for_the_next_cycle
     assert [f.name for f in again] == ["a.jsonl"]
     out, rows, bad, changed = gather(again, tmp_path / "cycle2" / "train.jsonl")
     assert _trained_answers(out) == ["1", "9"] and changed == []
+
+
+def test_an_s3_ledger_is_not_written_once_the_state_folders_lease_was_taken(seaweedfs, monkeypatch, tmp_path):
+    """A continuous flow paused past its lease (a suspended VM) and taken over must not write its older ledger over
+    the new holder's: the ledger's PUT checks the lease first, as every workspace write does."""
+    from grpoflow.tasks.storage.lock import LEASE, Holder, WorkspaceLost, workspace_lock
+    from grpoflow.tasks.storage.s3 import S3Client
+    from grpoflow.tasks.storage.store import open_store
+
+    for k, v in seaweedfs.env().items():
+        monkeypatch.setenv(k, v)
+    state = f"s3://{seaweedfs.bucket}/state-{tmp_path.name}"
+    ledger = Ledger(f"{state}/ledger.json")
+    first, second = (DataFile(n, f"{state}/{n}", 1, "e") for n in ("a.jsonl", "b.jsonl"))
+    with pytest.raises(WorkspaceLost), workspace_lock(open_store(state), "continuous", ttl_s=2):
+        ledger.record([first])
+        S3Client().put_bytes(Holder(command="taker").dumps(), f"{state}/{LEASE}")  # the taker's lease now
+        time.sleep(1.2)  # past ttl/2: the next write renews first, If-Match the version it wrote last
+        ledger.record([second])
+    assert [e["name"] for e in ledger.entries()] == ["a.jsonl"]
