@@ -16,23 +16,30 @@ tasks/config/fingerprint.py. The content digests (tasks/storage/content.py) are:
     model.name                      a local model folder or .gguf file: {file: size + sha256}, every file hashed
                                     (its sha256 cached per machine for files of 64 MiB or more: a copy with new
                                     mtimes keeps the key); a hub id: none (model.revision is in the config)
-    reward <module>                 the source file (size + sha256) of each custom reward module of
-                                    grpo.reward_funcs (``module:function`` entries)
+    reward <module>                 the source files (size + sha256) of each custom reward module of
+                                    grpo.reward_funcs (``module:function`` entries): its own file (named by its
+                                    file name) and the local files it imports (named by their path under the
+                                    module's sys.path entry; tasks/pipeline/imports.py)
 
 A changed key changes every downstream key. The code version of grpoflow itself is not in the key. The manifest of
 a published stage records its fingerprint, so :func:`explain` can say what changed since. Keys recorded before big
-files were hashed (size + mtime_ns over 64 MiB) are recognised and adopted by tasks/pipeline/legacy.py.
+files were hashed (size + mtime_ns over 64 MiB), or before a reward module's imports were keyed (its own file
+only), are recognised and adopted by tasks/pipeline/legacy.py.
 """
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import copy
 import importlib.util
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 from grpoflow.tasks.config import PipelineConfig
 from grpoflow.tasks.config.fingerprint import digest, section_value
+from grpoflow.tasks.pipeline.imports import sources
 from grpoflow.tasks.pipeline.spec import Pipeline, StageSpec
 from grpoflow.tasks.storage.content import file_digest, path_digest, source_digest
 
@@ -65,13 +72,35 @@ def reward_module_file(module: str) -> Path | None:
     return Path(origin) if origin and Path(origin).is_file() else None
 
 
+_OWN_FILE_ONLY = contextvars.ContextVar("grpoflow_reward_own_file_only", default=False)
+
+
+@contextlib.contextmanager
+def reward_files_only() -> Iterator[None]:
+    """Within it, a reward module is keyed by its own file only, as older grpoflow did (tasks/pipeline/legacy.py)."""
+    token = _OWN_FILE_ONLY.set(True)
+    try:
+        yield
+    finally:
+        _OWN_FILE_ONLY.reset(token)
+
+
 def reward_modules(cfg: PipelineConfig) -> dict[str, Any]:
-    """The source file of each custom reward module of grpo.reward_funcs (``module:function`` entries)."""
+    """The source files of each custom reward module of grpo.reward_funcs (``module:function`` entries): its own
+    file, by its name (not its folder: a moved run keeps its key), and each local file it imports, by its path
+    under the module's sys.path entry (tasks/pipeline/imports.py)."""
     out = {}
     for entry in cfg.grpo.reward_funcs:
         module = entry.partition(":")[0] if ":" in entry else None
-        if module and (path := reward_module_file(module)) is not None:
-            out[f"reward {module}"] = {path.name: file_digest(path)}  # not its folder: a moved run keeps its key
+        if not module or (path := reward_module_file(module)) is None:
+            continue
+        files = {path.name: file_digest(path)}
+        if not _OWN_FILE_ONLY.get():
+            own = path.resolve()
+            for name, found in sources(module, path).items():
+                if found.resolve() != own:
+                    files[name if name not in files else f"./{name}"] = file_digest(found)
+        out[f"reward {module}"] = files
     return out
 
 

@@ -20,7 +20,7 @@ import yaml
 from grpoflow.tasks.config import PipelineConfig
 from grpoflow.tasks.config.secrets import redact
 from grpoflow.tasks.pipeline.fingerprint import continue_key, extents, fingerprints, key_of
-from grpoflow.tasks.pipeline.legacy import legacy_continue_key, legacy_fingerprints, legacy_key
+from grpoflow.tasks.pipeline.legacy import legacy_continue_keys, legacy_fingerprints, legacy_keys
 from grpoflow.tasks.pipeline.run_folder import RUN_FILE
 from grpoflow.tasks.pipeline.spec import Pipeline
 from grpoflow.tasks.storage.workspace import Workspace
@@ -52,7 +52,8 @@ def _file_changes(label: str, old: dict[str, Any], new: dict[str, Any]) -> list[
         if a == b:
             continue
         if code:
-            out.append(f"code: {label.removeprefix('reward ')} (reward module, {name}) changed")
+            what = "changed" if a is not None and b is not None else "added" if a is None else "removed"
+            out.append(f"code: {label.removeprefix('reward ')} (reward module, {name}) {what}")
         elif a is None or b is None:
             out.append(f"file: {label} {name} {'added' if a is None else 'removed'}")
         elif "mtime_ns" in a and "sha256" in b and a.get("size") == b.get("size"):
@@ -101,7 +102,7 @@ def explain(pipeline: Pipeline, cfg: PipelineConfig, ws: Workspace, forget: tupl
         elif manifest is None or "summary" not in manifest:
             out[name] = ["no complete earlier attempt"]
         elif (held := manifest.get("key")) is not None and (
-            held == key_of(fp) or held == legacy_key(old(), name)  # the old one computed only if needed
+            held == key_of(fp) or held in legacy_keys(old(), name)  # the old ones computed only if needed
         ):
             if not rerun:
                 continue
@@ -128,8 +129,8 @@ def replaced(pipeline: Pipeline, cfg: PipelineConfig, ws: Workspace, stages) -> 
         key = continue_key(fps[name], spec.extends) if spec.extends else None
         continues = key is not None and ws.continues(name, key, extents(spec, cfg))
         if key is not None and not continues:  # the continue key an older grpoflow recorded, only then computed
-            legacy = legacy_continue_key(pipeline, old(), name)
-            continues = legacy is not None and ws.continues(name, legacy, extents(spec, cfg))
+            olds = legacy_continue_keys(pipeline, old(), name)
+            continues = any(ws.continues(name, k, extents(spec, cfg)) for k in olds)
         if continues:
             out[name] = f"continues from its finished attempt of {when} (its checkpoints are kept)"
         else:

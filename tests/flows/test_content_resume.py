@@ -1,5 +1,6 @@
 """`grpoflow resume` sees content, not only the config: a run on a local .jsonl file whose file is then edited
-reruns data and every later stage; an edited custom reward module reruns grpo and eval, not data or sft. Before
+reruns data and every later stage; an edited custom reward module, or a file of the user's it imports, reruns grpo
+and eval, not data or sft. Before
 the flow starts, resume prints why each stage reruns (tasks/pipeline/resume.py explain)."""
 
 import json
@@ -12,7 +13,10 @@ import pytest
 
 from tests.paths import MICRO
 
-REWARD = "def {name}(prompts, completions, **columns):\n    return [{value} for _ in completions]\n"
+REWARD = (
+    "import content_values\n\n"
+    "def constant(prompts, completions, **columns):\n    return [content_values.VALUE for _ in completions]\n"
+)
 RUN = [
     "run.name=c",
     "data.eval_size=6",
@@ -39,7 +43,8 @@ def _finished_at(ws: Path) -> dict[str, float]:
 @pytest.fixture(scope="module")
 def ctx(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("content_resume")
-    (tmp / "content_rewards.py").write_text(REWARD.format(name="constant", value="1.0"))
+    (tmp / "content_rewards.py").write_text(REWARD)
+    (tmp / "content_values.py").write_text("VALUE = 1.0\n")
     data = tmp / "train.jsonl"
     data.write_text(_rows(30))
     env = dict(
@@ -75,12 +80,12 @@ def test_an_edited_data_file_reruns_data_and_everything_after(ctx):
 
 
 @pytest.mark.slow
-def test_an_edited_reward_module_reruns_grpo_not_data(ctx):
+def test_an_edited_file_the_reward_module_imports_reruns_grpo_not_data(ctx):
     before = _finished_at(ctx["ws"])
-    (ctx["tmp"] / "content_rewards.py").write_text(REWARD.format(name="constant", value="0.5"))
+    (ctx["tmp"] / "content_values.py").write_text("VALUE = 0.5\n")  # the module itself is unchanged
     out = _resume(ctx)
     after = _finished_at(ctx["ws"])
     assert [s for s in STAGES if after[s] != before[s]] == ["grpo", "eval"]
-    assert "resume: grpo reruns: code: content_rewards (reward module, content_rewards.py) changed" in out
+    assert "resume: grpo reruns: code: content_rewards (reward module, content_values.py) changed" in out
     assert "resume: data reruns" not in out and "resume: sft reruns" not in out
     assert "resume: every stage is complete with its current key; nothing reruns" in _resume(ctx)

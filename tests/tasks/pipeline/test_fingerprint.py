@@ -2,6 +2,7 @@
 model folder replaced in place and an edited reward module change the keys of the stages that read them, and
 explain() (tasks/pipeline/resume.py) names the change."""
 
+import contextlib
 import hashlib
 import os
 import shutil
@@ -11,7 +12,7 @@ import pytest
 from grpoflow.flows.stages import PIPELINE
 from grpoflow.tasks.config import load_config
 from grpoflow.tasks.pipeline import legacy, resume
-from grpoflow.tasks.pipeline.fingerprint import continue_key, fingerprints, key_of, stage_keys
+from grpoflow.tasks.pipeline.fingerprint import continue_key, fingerprints, key_of, reward_files_only, stage_keys
 from grpoflow.tasks.pipeline.legacy import adopt_legacy_keys
 from grpoflow.tasks.pipeline.resume import explain, replaced
 from grpoflow.tasks.storage import content
@@ -189,6 +190,103 @@ def test_an_edited_reward_module_reruns_grpo_not_data(tmp_path, monkeypatch):
     assert list(why) == ["grpo", "eval", "export"]
     assert why["grpo"] == ["code: fp_rewards (reward module, fp_rewards.py) changed"]
     assert why["eval"] == ["code: fp_rewards (reward module, fp_rewards.py) changed"]  # eval scores with it too
+
+
+def _reward_project(root, name):
+    """A project whose reward module ``name`` imports helpers of its own three ways (a top-level module, a package
+    through relative imports, an import inside the function) beside an unrelated file and a virtualenv inside it."""
+    (root / "pkg" / "sub").mkdir(parents=True)
+    (root / name).with_suffix(".py").write_text(
+        "import json\nimport helpers\nfrom pkg.sub import deep\nimport vendored\n\n"
+        "def score(prompts, completions, **kw):\n"
+        "    from lazy import bonus\n\n    return [bonus() for _ in completions]\n"
+    )
+    (root / "helpers.py").write_text("WEIGHT = 1.0\n")
+    (root / "lazy.py").write_text("def bonus():\n    return 1.0\n")
+    (root / "unrelated.py").write_text("X = 1\n")
+    (root / "pkg" / "__init__.py").write_text("")
+    (root / "pkg" / "util.py").write_text("def g():\n    return 1\n")
+    (root / "pkg" / "sub" / "__init__.py").write_text("from . import deep\n")
+    (root / "pkg" / "sub" / "deep.py").write_text("from ..util import g\n")
+    venv = root / ".venv" / "lib" / "python3" / "site-packages"
+    (venv / "vendored").mkdir(parents=True)
+    (venv / "vendored" / "__init__.py").write_text("")
+    return venv
+
+
+def test_an_edited_file_a_reward_module_imports_reruns_grpo_and_says_which(tmp_path, monkeypatch):
+    """A helper of the user's project that the reward module imports is part of its key; a file it does not import,
+    the standard library and a virtualenv inside the project are not."""
+    venv = _reward_project(tmp_path, "imp_rewards")
+    monkeypatch.syspath_prepend(str(venv))
+    monkeypatch.syspath_prepend(str(tmp_path))
+    cfg = _cfg("grpo.reward_funcs=[imp_rewards:score,correctness]")
+    files = fingerprints(PIPELINE, cfg)["grpo"]["content"]["reward imp_rewards"]
+    assert sorted(files) == [
+        "helpers.py", "imp_rewards.py", "lazy.py", "pkg/__init__.py", "pkg/sub/__init__.py", "pkg/sub/deep.py",
+        "pkg/util.py",
+    ]  # fmt: skip
+    ws = Workspace(tmp_path / "ws")
+    _publish_all(ws, cfg)
+    before = stage_keys(PIPELINE, cfg)
+    (tmp_path / "unrelated.py").write_text("X = 2\n")
+    (venv / "vendored" / "__init__.py").write_text("Y = 2\n")
+    assert stage_keys(PIPELINE, cfg) == before and explain(PIPELINE, cfg, ws) == {}
+    for edited in ("helpers.py", "lazy.py", "pkg/util.py"):  # directly, inside a function, two relative hops
+        (tmp_path / edited).write_text((tmp_path / edited).read_text() + "# edited\n")
+        after = stage_keys(PIPELINE, cfg)
+        assert _changed(before, after) == {"grpo", "eval", "export"}, edited
+        why = explain(PIPELINE, cfg, ws)
+        assert why["grpo"] == [f"code: imp_rewards (reward module, {edited}) changed"]
+        _publish_all(ws, cfg)
+        before = after
+    (tmp_path / "imp_rewards.py").write_text(
+        "import helpers\n\ndef score(prompts, completions, **kw):\n    return []\n"
+    )
+    assert explain(PIPELINE, cfg, ws)["grpo"] == [
+        "code: imp_rewards (reward module, imp_rewards.py) changed",
+        "code: imp_rewards (reward module, lazy.py) removed",
+        *(f"code: imp_rewards (reward module, {f}) removed" for f in ("pkg/__init__.py", "pkg/sub/__init__.py")),
+        "code: imp_rewards (reward module, pkg/sub/deep.py) removed",
+        "code: imp_rewards (reward module, pkg/util.py) removed",
+    ]
+
+
+def test_a_reward_module_that_imports_no_local_file_keeps_the_key_it_always_had(tmp_path, monkeypatch):
+    (tmp_path / "lone_rewards.py").write_text(
+        "import json\nimport torch\n\ndef score(prompts, completions, **kw):\n    return []\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    cfg = _cfg("grpo.reward_funcs=[lone_rewards:score]")
+    files = fingerprints(PIPELINE, cfg)["grpo"]["content"]["reward lone_rewards"]
+    assert list(files) == ["lone_rewards.py"]  # the same content, so the same key, as before imports were keyed
+
+
+def test_a_run_keyed_before_reward_imports_were_keyed_is_adopted_then_sees_its_helpers(tmp_path, monkeypatch):
+    """Manifests from before a reward module's imports were keyed (its own file only) still count, with big files
+    named by mtime too; adopting rewrites their keys, after which an edited helper reruns grpo."""
+    venv = _reward_project(tmp_path, "old_rewards")
+    monkeypatch.syspath_prepend(str(venv))
+    monkeypatch.syspath_prepend(str(tmp_path))
+    model = _model_with_big_weights(tmp_path / "model")
+    for case, contexts in (("own file", ()), ("own file and mtimes", (content.legacy_digests,))):
+        cfg = _cfg(
+            "grpo.reward_funcs=[old_rewards:score]", f"model.name={model}", f"storage.cache_dir={tmp_path / 'cache'}"
+        )
+        ws = Workspace(tmp_path / case)
+        with reward_files_only(), contextlib.ExitStack() as stack:
+            for context in contexts:
+                stack.enter_context(context())
+            old = fingerprints(PIPELINE, cfg)
+            _publish_all(ws, cfg)
+        new = stage_keys(PIPELINE, cfg)
+        assert new["grpo"] != key_of(old["grpo"])
+        assert explain(PIPELINE, cfg, ws) == {}, case  # the old keys still count: nothing reruns
+        adopted = adopt_legacy_keys(PIPELINE, cfg, ws)
+        assert adopted == (["grpo", "eval", "export"] if not contexts else ["sft", "grpo", "eval", "export"]), case
+        assert all(ws.read_manifest(s)["key"] == new[s] for s in PIPELINE.names)
+    (tmp_path / "helpers.py").write_text("WEIGHT = 2.0\n")
+    assert explain(PIPELINE, cfg, ws)["grpo"] == ["code: old_rewards (reward module, helpers.py) changed"]
 
 
 def test_explain_names_config_changes_and_missing_attempts(tmp_path):
