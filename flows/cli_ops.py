@@ -132,6 +132,7 @@ def cmd_continuous_status(args) -> int:
     ledger = Ledger(join_location(state_location(args.source, args.state_dir, output_dir), LEDGER))
     try:
         entries = ledger.entries()
+        pending = ledger.pending()
         waiting = ledger.new_files(list_source(args.source))
     except (ValueError, OSError) as e:
         raise ConfigError(str(e)) from None
@@ -140,5 +141,9 @@ def cmd_continuous_status(args) -> int:
     for e in ledger.quarantined():
         when = e.get("quarantined_at", "?")
         print(f"quarantined: {e['name']} (cycle {e.get('cycle', '?')}, {when}): {e['error']}")
+    if pending is not None:  # killed or failed: the next run continues it while its files are unchanged
+        names = ", ".join(k.split("|")[0] for k in pending["files"])
+        start = f"champion version {pending['champion']}" if pending["champion"] else "no champion"
+        print(f"unfinished: cycle {pending['cycle']} ({start}): {names}; the next run continues it")
     print(f"waiting: {len(waiting)} new files{': ' if waiting else ''}{', '.join(f.name for f in waiting)}")
     return 0

@@ -13,8 +13,12 @@ interval schedule and by the ``grpoflow.data.landed`` event).
                                                -> add the files to the ledger
 
 The parameters are checked first (flows/parameters.py): a missing source folder fails in one line naming the
-deployment and the parameter. The ledger (``<state>/ledger.json``) is written only after the pipeline finished,
-so a failed cycle consumes nothing and the next run retries the same files. The state (ledger and cycle
+deployment and the parameter. The files are recorded in the ledger (``<state>/ledger.json``) only after the
+pipeline finished, so a failed cycle consumes nothing. Before the pipeline starts the ledger names the cycle as
+pending (its files and champion version); a cycle killed or failed stays pending and the next run continues it
+(the same workspace: finished stages skipped, GRPO from its newest checkpoint) on exactly its files while they are
+unchanged and the champion is the same, else trains them anew in a new cycle. Recording the files ends the pending
+cycle in the same write. The state (ledger and cycle
 workspaces) may live on S3 (tasks/ops/datasource.py: state_location), so a worker pod that restarts does not
 retrain on everything.
 Run one cycle at a time (the deployment's concurrency limit is 1): besides, a cycle holds the state folder's lock
@@ -85,14 +89,36 @@ def grpo_continuous(
 def _cycle(cfg: PipelineConfig, source: str, state: str, logger) -> dict:
     """One cycle, holding the state folder: new files -> pipeline -> ledger (the module docstring)."""
     ledger = Ledger(join_location(state, LEDGER), cfg.storage)
-    new = [DataFile(**f) for f in new_files_task(source, ledger.location, cfg.storage)]
-    if not new:
+    listed = [DataFile(**f) for f in new_files_task(source, ledger.location, cfg.storage)]
+    if not listed:
         logger.info("no new data files in %s (ledger %s): nothing to do", source, ledger.location)
         return {"consumed": [], "decision": None}
+    pending = ledger.pending()
+    if pending is not None:
+        by_key = {f.key: f for f in listed}
+        if all(k in by_key for k in pending["files"]):  # every file it trained is still there, unchanged
+            later = len(listed) - len(pending["files"])
+            waiting = f"; {later} files landed since wait for the next cycle" if later else ""
+            logger.info(
+                "continuing cycle %s, which did not finish (killed or failed): its %d files%s",
+                pending["cycle"], len(pending["files"]), waiting,
+            )  # fmt: skip
+            return _train(cfg, source, state, ledger, [by_key[k] for k in pending["files"]], pending, logger)
+        logger.warning(
+            "cycle %s did not finish and some of its files changed or are gone since: its files train anew",
+            pending["cycle"],
+        )
+    return _train(cfg, source, state, ledger, listed, None, logger)
+
+
+def _train(cfg: PipelineConfig, source: str, state: str, ledger: Ledger, new: list[DataFile], pending, logger) -> dict:
+    """Train ``new`` in a new cycle, or in the ``pending`` one (the ledger's, :meth:`Ledger.pending`): its
+    workspace again, so its finished stages are skipped and GRPO continues from its newest checkpoint."""
     from grpoflow.flows.pipeline import grpo_pipeline
     from grpoflow.tasks.ops.continuous import check_file, cycle_config, gather
 
-    name = time.strftime("cycle-%Y%m%d-%H%M%S")
+    listed = new
+    name = pending["cycle"] if pending is not None else time.strftime("cycle-%Y%m%d-%H%M%S")
     ws = join_location(state, "cycles", name)
     # the new rows and the champion are this worker's local inputs of the cycle (beside an S3 workspace's cache)
     incoming = (local_path(ws, cfg.storage.cache_dir) if is_s3_uri(ws) else Path(ws)) / "incoming"
@@ -111,12 +137,21 @@ def _cycle(cfg: PipelineConfig, source: str, state: str, logger) -> dict:
         return {"consumed": [], "quarantined": quarantined, "decision": None}
     logger.info("%d new data files (%d rows) in %s: %s", len(new), rows, source, [f.name for f in new])
     champion = champion_task(cfg, str(incoming / "champion"))
+    version = champion[1]["version"] if champion is not None else None
+    if pending is not None and (version != pending["champion"] or [f.key for f in new] != pending["files"]):
+        # its GRPO would continue from checkpoints of another start: the files train from the start, in a new cycle
+        logger.warning(
+            "cycle %s started from champion version %s, the registry's is now %s: its files train in a new cycle",
+            name, pending["champion"], version,
+        )  # fmt: skip
+        return _train(cfg, source, state, ledger, listed, None, logger)
     if champion is None:
         logger.info("no champion in the registry yet: starting from %s (SFT: %s)", cfg.model.name, cfg.sft.enabled)
     else:
         logger.info("warm start from champion %s version %s", champion[1]["name"], champion[1]["version"])
     cycle = cycle_config(cfg, name, data_file, warm_start=champion is not None)
     init_model, init_version = (champion[0], champion[1]["version"]) if champion is not None else (None, None)
+    ledger.begin(name, new, version)  # a cycle killed from here on is continued by the next one (_cycle)
     result = grpo_pipeline(config=cycle, workspace=ws, init_model=init_model, init_version=init_version)
     reg = result.get("registry")
     if reg is None:
@@ -128,11 +163,12 @@ def _cycle(cfg: PipelineConfig, source: str, state: str, logger) -> dict:
         e = result["eval"]
         decision += f" (held-out: start {e['accuracy_before']:.1%}, new {e['accuracy_after']:.1%})"
     logger.info("decision: %s", decision)
-    # the ledger first: the files trained (the model may be promoted already), whatever tagging the run does next
+    # the ledger first: the files trained (the model may be promoted already), whatever tagging the run does next;
+    # one write records them and ends the pending cycle
     ledger.record(new, cycle=name, mlflow_run_id=result["mlflow_run_id"])
     logger.info("ledger %s: recorded %d files", ledger.location, len(new))
     _tag_run(cycle, result, new, champion, decision, quarantined)
-    out = {"consumed": [f.name for f in new], "quarantined": quarantined, "decision": decision}
+    out = {"cycle": name, "consumed": [f.name for f in new], "quarantined": quarantined, "decision": decision}
     return {**out, "mlflow_run_id": result["mlflow_run_id"]}
 
 

@@ -127,9 +127,9 @@ def _copy_hashed(src: Path, dest: Path, chunk: int = 1 << 20) -> tuple[int, str]
 
 
 class Ledger:
-    """The files already consumed, in ``path`` (JSON: {"consumed": [{name, uri, size, hash, cycle, ...}]}): a local
-    file, or an s3:// object reached with ``storage`` (one PUT replaces it whole), so that a worker pod that
-    restarts, or another worker, sees what was consumed."""
+    """The files already consumed, in ``path`` (JSON: {"consumed": [{name, uri, size, hash, cycle, ...}], and
+    "pending": the cycle under way, while there is one}): a local file, or an s3:// object reached with ``storage``
+    (one PUT replaces it whole), so that a worker pod that restarts, or another worker, sees what was consumed."""
 
     def __init__(self, path: str | Path, storage: StorageConfig | None = None):
         self.location = str(path)
@@ -148,14 +148,31 @@ class Ledger:
                 return None
         return self.path.read_text() if self.path.is_file() else None
 
-    def entries(self) -> list[dict]:
+    def _doc(self) -> dict:
+        """The whole ledger: {"consumed": [...], "pending": the cycle under way or None}."""
         text = self._read()
         if text is None:
-            return []
+            return {"consumed": [], "pending": None}
         try:
-            return list(json.loads(text)["consumed"])
-        except (json.JSONDecodeError, KeyError, TypeError) as e:
+            doc = json.loads(text)
+            return {"consumed": list(doc["consumed"]), "pending": doc.get("pending")}
+        except (json.JSONDecodeError, KeyError, TypeError, AttributeError) as e:
             raise ValueError(f"ledger {self.location}: not a grpoflow ledger ({type(e).__name__}: {e})") from e
+
+    def entries(self) -> list[dict]:
+        return self._doc()["consumed"]
+
+    def pending(self) -> dict | None:
+        """The cycle that started training and has not recorded its files (killed, or failed):
+        {"cycle", "files": [DataFile.key trained], "champion": registry version or None}; None when there is none."""
+        return self._doc()["pending"]
+
+    def begin(self, cycle: str, files: list[DataFile], champion: str | None) -> None:
+        """Say that cycle ``cycle`` trains ``files`` from ``champion`` (a registry version, or None): until
+        :meth:`record` ends it, a later cycle that would train the same files from the same champion continues it
+        (flows/continuous.py) instead of training them again from the start."""
+        doc = self._doc()
+        self._write({**doc, "pending": {"cycle": cycle, "files": [f.key for f in files], "champion": champion}})
 
     def keys(self) -> set[str]:
         """The identities of every file seen: consumed, or quarantined (not retried until it changes)."""
@@ -180,15 +197,21 @@ class Ledger:
         return [f for f in files if f.key not in seen]
 
     def record(self, files: list[DataFile], **info) -> None:
-        """Add ``files`` (with ``info``, e.g. the cycle name and MLflow run id) and replace the ledger whole."""
-        self._add([{**asdict(f), **info} for f in files])
+        """Add ``files`` (with ``info``, e.g. the cycle name and MLflow run id) and end the pending cycle, in one
+        write of the whole ledger: a cycle's files are recorded once, or it stays pending."""
+        self._add([{**asdict(f), **info} for f in files], end_pending=True)
 
-    def _add(self, new: list[dict]) -> None:
+    def _add(self, new: list[dict], end_pending: bool = False) -> None:
         """Append ``new`` entries (stamped) and replace the ledger whole; the caller holds the state folder's lock
         (flows/continuous.py), so this read-modify-write has one writer."""
         at = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
-        entries = self.entries() + [{**e, "quarantined_at" if e.get("quarantined") else "consumed_at": at} for e in new]
-        text = json.dumps({"consumed": entries}, indent=2)
+        doc = self._doc()
+        stamped = [{**e, "quarantined_at" if e.get("quarantined") else "consumed_at": at} for e in new]
+        entries = doc["consumed"] + stamped
+        self._write({"consumed": entries, "pending": None if end_pending else doc["pending"]})
+
+    def _write(self, doc: dict) -> None:
+        text = json.dumps(doc if doc.get("pending") else {"consumed": doc["consumed"]}, indent=2)
         from grpoflow.tasks.storage.store import fence, write_atomic
 
         if self.store is not None:

@@ -1,6 +1,7 @@
 """Fast checks of the continuous cycle's plain functions and of the deploy/data-landed commands' input errors (the
 server-backed path is tests/flows/test_deployments.py)."""
 
+import functools
 import json
 from functools import partial
 from pathlib import Path
@@ -86,6 +87,13 @@ def test_each_landed_file_is_checked_alone_and_a_bad_one_is_quarantined_by_its_o
     assert [f.name for f in ledger.new_files(list_source(str(src)))] == ["bad.jsonl"]
     assert main(status) == 0
     assert "waiting: 1 new files: bad.jsonl" in capsys.readouterr().out
+    ledger.begin("cycle-2", [f for f in list_source(str(src)) if f.name == "bad.jsonl"], "3")  # then killed
+    assert main(status) == 0
+    out = capsys.readouterr().out
+    assert "unfinished: cycle cycle-2 (champion version 3): bad.jsonl; the next run continues it" in out
+    assert "waiting: 1 new files: bad.jsonl" in out and "1 files consumed" in out
+    ledger.record([f for f in list_source(str(src)) if f.name == "bad.jsonl"], cycle="cycle-2")
+    assert ledger.pending() is None and ledger.new_files(list_source(str(src))) == []
     assert check_file(list_source(str(src))[0], src / "bad.jsonl", cfg) is None
 
 
@@ -223,30 +231,63 @@ def test_continuous_parameters_are_checked_first_and_named(tmp_path, monkeypatch
     assert records[1].exc_info is not None  # other errors keep their traceback
 
 
+FLAKY = """import os
+
+def score(prompts, completions, **kw):
+    if os.path.exists(os.environ["FLAKY_FLAG"]):
+        return "not a list"  # the stage fails, as a crash would stop it
+    return [1.0 for _ in completions]
+"""
+
+
 @pytest.mark.slow
-def test_a_bad_file_among_good_ones_is_quarantined_and_the_good_ones_train(tmp_path):
+def test_a_bad_file_is_quarantined_and_a_cycle_that_did_not_finish_is_continued(tmp_path, monkeypatch):
     """The flow in-process: the bad file is named by its own path and line and recorded as quarantined; the good
-    one trains and is consumed; neither is offered again until it changes."""
+    one trains. The first cycle fails in GRPO, after its data stage: it stays pending in the ledger, and the next
+    run continues that cycle (its workspace, its data stage skipped) on the same file, leaving a file landed since
+    for the cycle after; then the good file is consumed and neither is offered again until it changes."""
     from grpoflow.flows.continuous import grpo_continuous
 
     src = tmp_path / "incoming"
     _landed(src)
     (tmp_path / "heldout.jsonl").write_text(json.dumps({"question": "What is 1 + 1?", "answer": "2"}) + "\n")
-    overrides = [f"run.output_dir={tmp_path / 'runs'}", f"data.eval_source={tmp_path / 'heldout.jsonl'}"]
-    out = grpo_continuous(config=str(MICRO), overrides=overrides, source=str(src), state_dir=str(tmp_path / "state"))
-    assert out["consumed"] == ["good.jsonl"]
-    assert [q["name"] for q in out["quarantined"]] == ["bad.jsonl"] and "line 2: answer is missing" in (
-        out["quarantined"][0]["error"]
-    )
+    (tmp_path / "flaky_rewards.py").write_text(FLAKY)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setenv("FLAKY_FLAG", str(tmp_path / "fail"))
+    (tmp_path / "fail").touch()
+    overrides = [
+        f"run.output_dir={tmp_path / 'runs'}",
+        f"data.eval_source={tmp_path / 'heldout.jsonl'}",
+        "grpo.reward_funcs=[flaky_rewards:score,correctness]",
+    ]
+    run = functools.partial(grpo_continuous, str(MICRO), overrides, str(src), str(tmp_path / "state"))
+    state = run(return_state=True)
+    assert state.is_failed()
+    with pytest.raises(StageError, match="grpo: .*returned str"):
+        state.result()
     ledger = Ledger(tmp_path / "state" / "ledger.json")
-    assert ledger.new_files(list_source(str(src))) == [] and [e["name"] for e in ledger.quarantined()] == ["bad.jsonl"]
+    pending = ledger.pending()
+    assert pending is not None and [f.split("|")[0] for f in pending["files"]] == ["good.jsonl"]
+    assert [e["name"] for e in ledger.quarantined()] == ["bad.jsonl"]
+    data_manifest = tmp_path / "state" / "cycles" / pending["cycle"] / "data" / "manifest.json"
+    data_done = json.loads(data_manifest.read_text())["finished_at"]
+
+    (src / "later.jsonl").write_text(json.dumps({"question": "What is 3 + 3?", "answer": "6"}) + "\n")
+    (tmp_path / "fail").unlink()
+    out = run()
+    assert out["cycle"] == pending["cycle"] and out["consumed"] == ["good.jsonl"] and out["quarantined"] == []
+    assert json.loads(data_manifest.read_text())["finished_at"] == data_done  # skipped: its key is the same
+    assert ledger.pending() is None
+    assert [f.name for f in ledger.new_files(list_source(str(src)))] == ["later.jsonl"]
+    assert [e["name"] for e in ledger.quarantined()] == ["bad.jsonl"]
+    assert [e["cycle"] for e in ledger.entries() if e["name"] == "good.jsonl"] == [pending["cycle"]]
 
 
 @pytest.mark.slow
 def test_a_cycle_keeps_its_state_on_s3(tmp_path, seaweedfs, monkeypatch):
     """An s3:// source with a local run.output_dir: the ledger and the cycle's workspace live under the source's
     hidden state prefix (no local folder named 's3:'), so a restarted worker pod sees what was consumed. A cycle
-    whose data stage fails (here on the held-out file) consumes nothing there."""
+    whose data stage fails (here on the held-out file) consumes nothing there (it is pending there)."""
     from grpoflow.flows.continuous import grpo_continuous
     from grpoflow.tasks.storage import s3
 
@@ -267,7 +308,8 @@ def test_a_cycle_keeps_its_state_on_s3(tmp_path, seaweedfs, monkeypatch):
     with pytest.raises(StageError, match="data: .*'question': no row has it"):
         state.result()
     ledger = f"{source}/_grpoflow-continuous/ledger.json"
-    assert not store.exists(ledger)
+    assert Ledger(ledger).entries() == []  # consumed nothing; the cycle is pending, for the next run to continue
+    assert [k.split("|")[0] for k in Ledger(ledger).pending()["files"]] == ["new.jsonl"]
     written = [o["uri"] for o in store.list_objects(f"{source}/_grpoflow-continuous/cycles/")]
     assert any(uri.endswith("/config.yaml") for uri in written), written  # the cycle's workspace, on S3
     assert not (tmp_path / "s3:").exists() and not (tmp_path / "runs" / "continuous").exists()
