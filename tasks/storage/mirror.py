@@ -7,7 +7,8 @@ as another attempt's). So the first use of a bucket's mirror records its endpoin
 <cache_dir>/.<bucket>.endpoint (created exclusively: of two first users, one writes it), and a use with another
 endpoint is refused with :class:`MirrorEndpointError` before the mirror is touched. A mirror written before this
 record existed is adopted: the current endpoint is recorded. Bucket names never start with '.', so the record
-never lies in a bucket's mirror.
+never lies in a bucket's mirror. Endpoints are compared as :func:`endpoint_id` names them, so one server spelled
+two ways (localhost and 127.0.0.1, a default port and none) is one endpoint.
 """
 
 from __future__ import annotations
@@ -26,8 +27,13 @@ class MirrorEndpointError(ValueError):
     """A bucket's local mirror was recorded for another S3 endpoint than the one this run uses."""
 
 
-def endpoint_id(where: str | None) -> str:
-    """The endpoint as a mirror records it: no user:password@, no trailing '/', scheme and host in lower case."""
+_LOOPBACK = {"localhost", "127.0.0.1", "[::1]", "ip6-localhost"}
+_DEFAULT_PORTS = {"http": "80", "https": "443"}
+
+
+def spelling(where: str | None) -> str:
+    """The endpoint as a mirror records it and its messages name it: no user:password@, no trailing '/', scheme
+    and host in lower case."""
     if not where:
         return DEFAULT_ENDPOINT
     url = without_userinfo(where.strip()).rstrip("/")
@@ -36,6 +42,25 @@ def endpoint_id(where: str | None) -> str:
         return url
     host, slash, path = rest.partition("/")
     return f"{scheme.lower()}://{host.lower()}{slash}{path}"
+
+
+def endpoint_id(where: str | None) -> str:
+    """The server an endpoint names, for comparing two: its :func:`spelling` with the scheme's default port left
+    out and this machine's loopback spelled ``localhost`` (127.0.0.1, [::1] and localhost are one server: a
+    process reaches the same one by each)."""
+    url = spelling(where)
+    scheme, sep, rest = url.partition("://")
+    if not sep:
+        return url
+    host, slash, path = rest.partition("/")
+    name, colon, port = host.rpartition(":") if not host.endswith("]") else (host, "", "")
+    if not colon or not port.isdigit():
+        name, port = host, ""
+    if port == _DEFAULT_PORTS.get(scheme):
+        port = ""
+    if name in _LOOPBACK or name.startswith("127."):
+        name = "localhost"
+    return f"{scheme}://{name}{':' + port if port else ''}{slash}{path}"
 
 
 def record_path(uri: str, cache_dir: str | Path) -> Path:
@@ -79,11 +104,11 @@ def claim_mirror(uri: str, cache_dir: str | Path, where: str | None) -> Path:
     first use (an older mirror without a record is adopted); :class:`MirrorEndpointError` naming the mirror, both
     endpoints and what to do when it was recorded for another. Returns the record's path."""
     path = record_path(uri, cache_dir)
-    mine = endpoint_id(where)
+    mine = spelling(where)
     if not path.is_file() and _create(path, mine):
         return path
     recorded = path.read_text().strip()
-    if recorded != mine:
+    if endpoint_id(recorded) != endpoint_id(mine):  # one server, however each spells it
         bucket, _ = split_s3_uri(uri)
         mirror = path.parent / bucket
         raise MirrorEndpointError(

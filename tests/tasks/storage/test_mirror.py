@@ -110,3 +110,18 @@ def _try_claim(cache, where: str) -> tuple[str, bool]:
         return where, True
     except MirrorEndpointError:
         return where, False
+
+
+def test_one_server_spelled_another_way_is_the_same_endpoint(tmp_path):
+    """Loopback spellings and default ports name one server; another port or host is another endpoint. A record an
+    older grpoflow wrote (127.0.0.1, not normalised) is read the same way."""
+    cache = tmp_path / "cache"
+    (cache).mkdir()
+    (cache / ".bkt.endpoint").write_text("http://127.0.0.1:8333\n")  # an older grpoflow's record
+    for same in ("http://localhost:8333", "http://[::1]:8333/", "HTTP://LOCALHOST:8333"):
+        claim_mirror("s3://bkt/r", cache, same)
+    for other in ("http://localhost:8334", "http://10.0.0.5:8333", "https://localhost:8333"):
+        with pytest.raises(MirrorEndpointError):
+            claim_mirror("s3://bkt/r", cache, other)
+    claim_mirror("s3://aws-bkt/r", cache, "https://s3.eu-west-1.amazonaws.com:443")
+    claim_mirror("s3://aws-bkt/r", cache, "https://S3.eu-west-1.amazonaws.com")  # the default port, left out
