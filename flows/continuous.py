@@ -98,7 +98,7 @@ def _cycle(cfg: PipelineConfig, source: str, state: str, logger) -> dict:
         by_key = {f.key: f for f in listed}
         if all(k in by_key for k in pending["files"]):  # every file it trained is still there, unchanged
             later = len(listed) - len(pending["files"])
-            waiting = f"; {later} files landed since wait for the next cycle" if later else ""
+            waiting = f"; {later} file{'s' if later > 1 else ''} landed since wait for the next cycle" if later else ""
             logger.info(
                 "continuing cycle %s, which did not finish (killed or failed): its %d files%s",
                 pending["cycle"], len(pending["files"]), waiting,
