@@ -57,20 +57,16 @@ def measure(cpus: float) -> dict:
     return out
 
 
+def _describe(run: protocol.SideRun) -> str:
+    d = run.result
+    return (f"canonical median {d['canonical']['median_ms']} ms ({d['canonical']['passed']} passed), broken "
+            f"{d['broken']['median_ms']} ms ({d['broken']['passed']} passed), {d['isolation']}")  # fmt: skip
+
+
 def compare_cap(args: argparse.Namespace) -> None:
-    protocol.check_rounds(args)
     print(f"machine now: {protocol.quiet_now()}, {protocol.machine()}")
-    runs = []
-    for rnd in range(args.rounds):
-        for side, cpus in SIDES.items():
-            argv = [sys.executable, __file__, "--side", str(cpus)]
-            run = protocol.spawn(side, rnd, argv, args)
-            runs.append(run)
-            d = run.result
-            line = f"FAILED {run.error.splitlines()[-1][:300]}" if run.error else (
-                f"canonical median {d['canonical']['median_ms']} ms ({d['canonical']['passed']} passed), broken "
-                f"{d['broken']['median_ms']} ms ({d['broken']['passed']} passed), {d['isolation']}")  # fmt: skip
-            print(f"round {rnd} {side}: {line}", flush=True)
+    argv = lambda side: [sys.executable, __file__, "--side", str(SIDES[side])]  # noqa: E731
+    runs = protocol.alternate(args, list(SIDES), argv, _describe)
     protocol.print_rounds(runs)
     ok = {(r.round, r.side): r.result for r in runs if not r.error}
     result = []

@@ -361,19 +361,27 @@ def side_main(measure: Callable[[], dict]) -> None:
     emit(result)
 
 
-def alternate(args: argparse.Namespace, sides: list[str], argv: Callable[[str], list[str]]) -> list[SideRun]:
+def _call_line(run: SideRun) -> str:
+    d = run.result
+    return (f"median {d['median_s']:.4f} s a call, first call {d['first_call_s']:.3f} s, "
+            f"process {run.process_wall_s:.1f} s")  # fmt: skip
+
+
+def alternate(
+    args: argparse.Namespace,
+    sides: list[str],
+    argv: Callable[[str], list[str]],
+    describe: Callable[[SideRun], str] = _call_line,
+) -> list[SideRun]:
     """``--rounds`` rounds visiting ``sides`` in turn, each side a fresh process (``argv(side)``) after the gate;
-    prints one line per side as it ends."""
+    prints one line per side as it ends (``describe(run)``: by default a call-timing side's median and first call)."""
     check_rounds(args)
     runs = []
     for rnd in range(args.rounds):
         for side in sides:
             run = spawn(side, rnd, argv(side), args)
             runs.append(run)
-            d = run.result
-            line = f"FAILED {run.error.splitlines()[-1][:300]}" if run.error else (
-                f"median {d['median_s']:.4f} s a call, first call {d['first_call_s']:.3f} s, "
-                f"process {run.process_wall_s:.1f} s")  # fmt: skip
+            line = f"FAILED {run.error.splitlines()[-1][:300]}" if run.error else describe(run)
             print(f"round {rnd} {side}: {line}", flush=True)
     return runs
 

@@ -142,7 +142,7 @@ def cmd_continuous_status(args) -> int:
         when = e.get("quarantined_at", "?")
         print(f"quarantined: {e['name']} (cycle {e.get('cycle', '?')}, {when}): {e['error']}")
     if pending is not None:  # killed or failed: the next run continues it while its files are unchanged
-        names = ", ".join(k.split("|")[0] for k in pending["files"])
+        names = ", ".join(k.rsplit("|", 2)[0] for k in pending["files"])  # DataFile.key: name|size|hash
         start = f"champion version {pending['champion']}" if pending["champion"] else "no champion"
         print(f"unfinished: cycle {pending['cycle']} ({start}): {names}; the next run continues it")
     print(f"waiting: {len(waiting)} new files{': ' if waiting else ''}{', '.join(f.name for f in waiting)}")

@@ -141,8 +141,9 @@ def _train(cfg: PipelineConfig, source: str, state: str, ledger: Ledger, new: li
     if pending is not None and (version != pending["champion"] or [f.key for f in new] != pending["files"]):
         # its GRPO would continue from checkpoints of another start: the files train from the start, in a new cycle
         logger.warning(
-            "cycle %s started from champion version %s, the registry's is now %s: its files train in a new cycle",
-            name, pending["champion"], version,
+            "cycle %s cannot continue (it started from champion version %s, the registry's is now %s; it trained %d "
+            "files, %d of them can train now): they train in a new cycle",
+            name, pending["champion"], version, len(pending["files"]), len(new),
         )  # fmt: skip
         return _train(cfg, source, state, ledger, listed, None, logger)
     if champion is None:

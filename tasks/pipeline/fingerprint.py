@@ -39,7 +39,7 @@ from typing import Any
 
 from grpoflow.tasks.config import PipelineConfig
 from grpoflow.tasks.config.fingerprint import digest, section_value
-from grpoflow.tasks.pipeline.imports import sources
+from grpoflow.tasks.pipeline.imports import imported_sources
 from grpoflow.tasks.pipeline.spec import Pipeline, StageSpec
 from grpoflow.tasks.storage.content import file_digest, path_digest, source_digest
 
@@ -95,11 +95,8 @@ def reward_modules(cfg: PipelineConfig) -> dict[str, Any]:
         if not module or (path := reward_module_file(module)) is None:
             continue
         files = {path.name: file_digest(path)}
-        if not _OWN_FILE_ONLY.get():
-            own = path.resolve()
-            for name, found in sources(module, path).items():
-                if found.resolve() != own:
-                    files[name if name not in files else f"./{name}"] = file_digest(found)
+        for name, found in ({} if _OWN_FILE_ONLY.get() else imported_sources(module, path)).items():
+            files[name if name != path.name else f"./{name}"] = file_digest(found)  # a helper named as the module
         out[f"reward {module}"] = files
     return out
 

@@ -3,8 +3,8 @@
 A reward module's stage key (tasks/pipeline/fingerprint.py) holds the digest of each file found here, so editing
 a helper the module imports reruns grpo and eval, as editing the module itself does:
 
-    sources(module) = closure over "imports" from the module (and its parent packages' __init__.py), kept to
-                      the module's own tree
+    imported_sources(module) = closure over "imports" from the module (and its parent packages' __init__.py),
+                               kept to the module's own tree, less the module's own file
     imports(file)   = every module an import statement of the file names, at any depth (inside functions too):
                       ``import a.b`` -> a, a.b; ``from a.b import c`` -> a, a.b, a.b.c (c may be a submodule);
                       ``from .x import y`` -> resolved against the file's own package
@@ -83,11 +83,9 @@ def _imported(tree: ast.AST, name: str, is_package: bool) -> set[str]:
         elif isinstance(node, ast.ImportFrom):
             if node.level:
                 base = package.split(".") if package else []
-                if node.level - 1 > len(base) or not package:
+                if node.level - 1 >= len(base):
                     continue  # beyond the top-level package: Python refuses it too
                 base = base[: len(base) - (node.level - 1)]
-                if not base:
-                    continue
                 mod = ".".join(base + ([node.module] if node.module else []))
             else:
                 mod = node.module or ""
@@ -100,23 +98,22 @@ def _imported(tree: ast.AST, name: str, is_package: bool) -> set[str]:
     return out
 
 
-def sources(module: str, origin: Path) -> dict[str, Path]:
-    """{path relative to the module's root (posix): file} of the module (found at ``origin``) and every local
-    source file it imports (the module docstring's closure); the module's own file included."""
+def imported_sources(module: str, origin: Path) -> dict[str, Path]:
+    """{path relative to the module's root (posix): file} of every local source file the module (found at
+    ``origin``) imports (the module docstring's closure), its own file left out; {} for an installed module."""
     parts = module.split(".")
     is_package = origin.name == "__init__.py"
     origin = Path(os.path.abspath(origin))
     root = origin.parents[len(parts) if is_package else len(parts) - 1]
     if _is_installed(root):
-        return {origin.relative_to(root).as_posix(): origin}  # installed code: its version names it
+        return {}  # installed code: its version names it
 
-    found: dict[Path, str] = {}
+    found: set[Path] = set()
     queue: list[tuple[str, Path, bool]] = [(module, origin, is_package)]
     for i in range(1, len(parts)):  # importing a.b.c runs a/__init__.py and a/b/__init__.py first
-        parent = ".".join(parts[:i])
         init = root.joinpath(*parts[:i], "__init__.py")
         if init.is_file():
-            queue.append((parent, init, True))
+            queue.append((".".join(parts[:i]), init, True))
     seen_names: set[str] = {module}
     while queue:
         name, path, pkg = queue.pop()
@@ -125,7 +122,7 @@ def sources(module: str, origin: Path) -> dict[str, Path]:
         if len(found) >= MAX_FILES:
             log.warning("reward module %s: over %d local source files; the rest are not in its key", module, MAX_FILES)
             break
-        found[path] = name
+        found.add(path)
         try:
             tree = ast.parse(path.read_bytes(), str(path))
         except (SyntaxError, ValueError, OSError):
@@ -138,4 +135,5 @@ def sources(module: str, origin: Path) -> dict[str, Path]:
             if file is None or not file.is_file() or not file.is_relative_to(root) or _is_installed(file):
                 continue  # not found, not a file, outside the tree, or installed (a virtualenv inside the project)
             queue.append((target, file, spec.submodule_search_locations is not None))
-    return {p.relative_to(root).as_posix(): p for p in sorted(found, key=lambda p: p.relative_to(root).as_posix())}
+    found.discard(origin)
+    return dict(sorted((p.relative_to(root).as_posix(), p) for p in found))

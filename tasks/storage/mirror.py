@@ -16,6 +16,7 @@ from __future__ import annotations
 import os
 import tempfile
 from pathlib import Path
+from urllib.parse import urlsplit
 
 from grpoflow.tasks.config.secrets import without_userinfo
 from grpoflow.tasks.storage.s3_uri import split_s3_uri
@@ -27,8 +28,8 @@ class MirrorEndpointError(ValueError):
     """A bucket's local mirror was recorded for another S3 endpoint than the one this run uses."""
 
 
-_LOOPBACK = {"localhost", "127.0.0.1", "[::1]", "ip6-localhost"}
-_DEFAULT_PORTS = {"http": "80", "https": "443"}
+_LOOPBACK = {"localhost", "::1", "ip6-localhost"}  # and 127.0.0.0/8
+_DEFAULT_PORTS = {"http": 80, "https": 443}
 
 
 def spelling(where: str | None) -> str:
@@ -49,18 +50,17 @@ def endpoint_id(where: str | None) -> str:
     out and this machine's loopback spelled ``localhost`` (127.0.0.1, [::1] and localhost are one server: a
     process reaches the same one by each)."""
     url = spelling(where)
-    scheme, sep, rest = url.partition("://")
-    if not sep:
+    parts = urlsplit(url)
+    try:
+        port = parts.port
+    except ValueError:  # not a number: compared as spelled
         return url
-    host, slash, path = rest.partition("/")
-    name, colon, port = host.rpartition(":") if not host.endswith("]") else (host, "", "")
-    if not colon or not port.isdigit():
-        name, port = host, ""
-    if port == _DEFAULT_PORTS.get(scheme):
-        port = ""
-    if name in _LOOPBACK or name.startswith("127."):
-        name = "localhost"
-    return f"{scheme}://{name}{':' + port if port else ''}{slash}{path}"
+    if not parts.scheme or not parts.hostname:
+        return url
+    host = "localhost" if parts.hostname in _LOOPBACK or parts.hostname.startswith("127.") else parts.hostname
+    host = f"[{host}]" if ":" in host else host  # an IPv6 address, bracketed as in a URL
+    shown = "" if port is None or port == _DEFAULT_PORTS.get(parts.scheme) else f":{port}"
+    return f"{parts.scheme}://{host}{shown}{parts.path}"
 
 
 def record_path(uri: str, cache_dir: str | Path) -> Path:
