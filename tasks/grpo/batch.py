@@ -67,6 +67,9 @@ def build_round(
 
 
 PromptGroups = tuple[torch.Tensor, torch.Tensor]  # (one row index per distinct prompt [U], each row's prompt [B])
+# (the completion positions whose log-prob needs a gradient, those that need only its value): flat indices into
+# [B * C], on the model's device (head_positions)
+HeadRows = tuple[torch.Tensor, torch.Tensor]
 FIND = "find"  # PolicyLogProbs.forward's groups: find the rows sharing a prompt on the device
 
 
@@ -95,22 +98,28 @@ class PolicyLogProbs(torch.nn.Module):
         lengths: torch.Tensor | None = None,
         chunk_rows: int = 0,
         groups: PromptGroups | None | str = FIND,
+        head_rows: HeadRows | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """``groups``: the rows sharing a prompt, as :func:`host_prompt_groups` gives them (None: no two rows do), or
         FIND to find them here with :func:`prompt_groups` (torch.unique and a read of its size: a device-to-host sync
-        per forward). The length-sorted chunks (``chunk_rows``) find their own."""
+        per forward). The length-sorted chunks (``chunk_rows``) find their own.
+
+        ``head_rows`` (:func:`head_positions`; None: every position): the head computes only the positions it names,
+        as :func:`selected_logprobs` does; the others hold 0."""
         args = (temperature, compute_entropy, impl, entropy_grad)
         if not chunk_rows or lengths is None:
-            return self._logprobs(prompt_ids, prompt_mask, completion_ids, *args, groups)
+            return self._logprobs(prompt_ids, prompt_mask, completion_ids, *args, groups, head_rows)
         # length-sorted chunks, each cut to its own longest prompt and completion, padded back to [B, C]
         P, C = prompt_ids.shape[1], completion_ids.shape[1]
         order = torch.argsort(lengths, stable=True)
+        code = None if head_rows is None else position_codes(head_rows, completion_ids.shape)
         logps, entropies = [], []
         for rows in order.split(chunk_rows):
             p = max(1, int(prompt_mask[rows].sum(1).max()))  # left-padded: the real tokens are the last p columns
             c = max(1, int(lengths[rows].max()))
+            sub = None if code is None else code_positions(code[rows, :c])
             lp, ent = self._logprobs(
-                prompt_ids[rows, P - p :], prompt_mask[rows, P - p :], completion_ids[rows, :c], *args, FIND
+                prompt_ids[rows, P - p :], prompt_mask[rows, P - p :], completion_ids[rows, :c], *args, FIND, sub
             )
             logps.append(torch.nn.functional.pad(lp, (0, C - c)))
             entropies.append(None if ent is None else torch.nn.functional.pad(ent, (0, C - c)))
@@ -128,6 +137,7 @@ class PolicyLogProbs(torch.nn.Module):
         impl: str,
         entropy_grad: bool,
         groups: PromptGroups | None | str,
+        head_rows: HeadRows | None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         backbone, head = backbone_and_head(self.model)
         P, C = prompt_ids.shape[1], completion_ids.shape[1]
@@ -143,16 +153,82 @@ class PolicyLogProbs(torch.nn.Module):
             hidden = backbone(input_ids=input_ids, attention_mask=attn, use_cache=False).last_hidden_state
             h = hidden[:, P - 1 : P + C - 1]  # [B, C, D]
         bias = getattr(head, "bias", None)
-        return token_logprobs(
-            h,
-            head.weight,
-            completion_ids,
-            temperature,
-            bias,
-            compute_entropy=compute_entropy,
-            impl=impl,
-            entropy_grad=entropy_grad,
-        )
+        kw = {"compute_entropy": compute_entropy, "impl": impl, "entropy_grad": entropy_grad}
+        if head_rows is not None:
+            return selected_logprobs(h, head.weight, completion_ids, head_rows, temperature, bias, **kw)
+        return token_logprobs(h, head.weight, completion_ids, temperature, bias, **kw)
+
+
+def head_positions(mask: torch.Tensor, trains: torch.Tensor | None, device: torch.device | str) -> HeadRows:
+    """Which completion positions of a micro-batch the head computes, from host tensors (no device-to-host sync):
+    the real tokens (``mask`` [B, C] on the CPU) of the rows that train (``trains`` [B] bool on the CPU, from
+    loss.rows_with_gradient; None: none does, as in a no-grad pass), then those of the rows that do not.
+
+        grad = {b*C + t : mask[b, t] and trains[b]},   free = {b*C + t : mask[b, t] and not trains[b]}
+
+    Sent to ``device`` without blocking. Padding and masked-out rows are in neither: every caller masks them."""
+    m = mask.bool()
+    trains = torch.zeros(m.shape[0], dtype=torch.bool) if trains is None else trains.bool()
+    grad = (m & trains.unsqueeze(1)).flatten().nonzero().squeeze(1)
+    free = (m & ~trains.unsqueeze(1)).flatten().nonzero().squeeze(1)
+    return grad.to(device, non_blocking=True), free.to(device, non_blocking=True)
+
+
+def selected_logprobs(
+    h: torch.Tensor,
+    weight: torch.Tensor,
+    targets: torch.Tensor,
+    rows: HeadRows,
+    temperature: float,
+    bias: torch.Tensor | None = None,
+    *,
+    compute_entropy: bool = False,
+    impl: str = "auto",
+    entropy_grad: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """kernels.token_logprobs of hidden ``h`` [B, C, D] at the positions ``rows`` names only, [B, C] with 0 elsewhere:
+
+        grad positions: token_logprobs(h[grad], W, y[grad])   forward + backward: 4NVD for a frozen head
+        free positions: the same under no_grad                 forward only: 2NVD, nothing kept for a backward
+        others        : 0                                      nothing computed
+
+    The loss gives a free position's log-prob no gradient (loss.rows_with_gradient), so the gradients are those of
+    the full computation; a padded position costs nothing. With no grad position the result still depends on ``h``
+    and ``weight`` (an empty slice's sum), so a backward runs and every parameter gets its (zero) gradient, as
+    distributed wrappers expect."""
+    B, C, D = h.shape
+    flat_h, flat_y = h.reshape(-1, D), targets.reshape(-1)
+    grad, free = rows
+    logp = torch.zeros(B * C, dtype=torch.float32, device=h.device)
+    ent = torch.zeros_like(logp) if compute_entropy or entropy_grad else None
+
+    def run(idx: torch.Tensor, **kw) -> tuple[torch.Tensor, torch.Tensor | None]:
+        return token_logprobs(flat_h.index_select(0, idx), weight, flat_y.index_select(0, idx), temperature, bias, **kw)
+
+    if grad.numel():
+        lp, e = run(grad, compute_entropy=compute_entropy, impl=impl, entropy_grad=entropy_grad)
+        logp = logp.index_copy(0, grad, lp)
+        ent = ent if ent is None else ent.index_copy(0, grad, e)
+    elif torch.is_grad_enabled():  # zero gradients for h and the head, so that a backward still runs
+        logp = logp + (flat_h.reshape(-1)[:0].sum() + weight.reshape(-1)[:0].sum()).float()
+    if free.numel():
+        with torch.no_grad():
+            lp, e = run(free, compute_entropy=compute_entropy or entropy_grad, impl=impl)
+        logp = logp.index_copy(0, free, lp)
+        ent = ent if ent is None else ent.index_copy(0, free, e)
+    return logp.view(B, C), None if ent is None else ent.view(B, C)
+
+
+def position_codes(rows: HeadRows, shape: torch.Size) -> torch.Tensor:
+    """[B, C] int8: 2 at ``rows``' grad positions, 1 at its free ones, 0 elsewhere (to cut chunks of rows from)."""
+    code = torch.zeros(shape.numel(), dtype=torch.int8, device=rows[0].device)
+    return code.index_fill(0, rows[0], 2).index_fill(0, rows[1], 1).view(shape)
+
+
+def code_positions(code: torch.Tensor) -> HeadRows:
+    """The HeadRows of a [b, c] block of :func:`position_codes` (a nonzero each: a sync, as the chunked pass has)."""
+    flat = code.reshape(-1)
+    return (flat == 2).nonzero().squeeze(1), (flat == 1).nonzero().squeeze(1)
 
 
 def prompt_keys(prompt_ids: torch.Tensor, prompt_mask: torch.Tensor) -> list[int]:
@@ -278,9 +354,11 @@ def root_logprobs(
     entropy_grad: bool = False,
     chunk_rows: int = 0,
     groups: PromptGroups | None | str = FIND,
+    head_rows: HeadRows | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Per-token log-probs [B, C] (and entropy) of ``batch``'s completions through ``root``: a
-    :class:`PolicyLogProbs` or the distributed wrapper around one; ``groups`` as its forward takes them.
+    :class:`PolicyLogProbs` or the distributed wrapper around one; ``groups`` and ``head_rows`` as its forward
+    takes them.
 
     ``chunk_rows`` > 0 (grpo.logprob_chunk_rows): the rows sorted by completion length, ``chunk_rows`` at a time,
     each chunk cut to its longest prompt and completion instead of the round's widths; the positions past a row's
@@ -298,6 +376,7 @@ def root_logprobs(
         lengths,
         chunk_rows,
         groups,
+        head_rows,
     )
 
 

@@ -109,6 +109,23 @@ def grpo_loss(
     return loss, clip_metrics(coef_1, adv, mask, s, kl, bonus)
 
 
+def rows_with_gradient(advantages: torch.Tensor, s: LossSettings, entropy_bonus: bool) -> torch.Tensor:
+    """[B] bool: the rows whose log-probs :func:`grpo_loss` can give a gradient (the others need only their values,
+    for the metrics: batch.selected_logprobs computes them without a backward).
+
+    Every policy term above is a product with the row's advantage A (-min(wA, w_clip A), -sg(.) A logp,
+    -sigmoid(.) 4/tau A, -sg(phi) A logp), and what follows multiplies it by masks and weights that carry no
+    gradient and sums it with constant normalizers. So a row with A = 0 exactly (a group whose rewards are all
+    equal) gets a zero gradient, unless a term without A applies: the KL (beta > 0) or the entropy bonus; then
+    every row may get one.
+
+        trains[b] = A[b] != 0     (beta == 0 and no entropy bonus)
+                  = True          (otherwise)"""
+    if s.beta != 0.0 or entropy_bonus:
+        return torch.ones(advantages.shape, dtype=torch.bool, device=advantages.device)
+    return advantages != 0
+
+
 def importance_log_weight(log_ratio: torch.Tensor, mask: torch.Tensor, s: LossSettings) -> torch.Tensor:
     """log_w: the token-level log ratio [B, T] as it is, or at sequence level (importance_sampling_level
     "sequence", or gspo) its masked mean per sequence [B, 1]:

@@ -71,6 +71,10 @@ class Round:
     # position's prompt groups (batch.host_prompt_groups) and each row's real tokens on the CPU (flops.py)
     prompt_groups: list | None = None
     seq_lens: torch.Tensor | None = None
+    # the completion mask and advantages on the CPU (a new round's, before they moved to the device), and each
+    # micro-step position's head positions made from them (trainer._head_rows); not checkpointed
+    host: tuple[torch.Tensor, torch.Tensor] | None = None
+    head_rows: list | None = None
 
     _TENSORS = ("advantages", "old_logp", "ref_logp", "is_ratio", "order")
 

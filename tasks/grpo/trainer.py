@@ -33,6 +33,7 @@ from grpoflow.tasks.grpo.batch import (
     RoundTensors,
     build_round,
     check_logprob_impl,
+    head_positions,
     host_prompt_groups,
     prompt_keys,
     root_logprobs,
@@ -47,6 +48,7 @@ from grpoflow.tasks.grpo.loss import (
     correction_stats,
     grpo_loss,
     importance_sampling_ratio,
+    rows_with_gradient,
 )
 from grpoflow.tasks.grpo.regularizers import EntropyControl, mix_reference
 from grpoflow.tasks.grpo.round_stats import (
@@ -222,7 +224,10 @@ class GRPOTrainer:
         """torch.autocast to ``autocast_dtype`` on the model's device; a no-op context without one."""
         return train_precision(self.model, self.device.type, self.autocast_dtype)
 
-    def _logprobs_no_grad(self, batch: RoundTensors, model=None) -> torch.Tensor:
+    def _logprobs_no_grad(self, batch: RoundTensors, model=None, mask: torch.Tensor | None = None) -> torch.Tensor:
+        """The log-probs of ``batch``'s completions, micro-batch by micro-batch, without gradients. ``mask``: its
+        completion mask on the CPU; the head then computes the real tokens only (batch.head_positions), the padding
+        holds 0."""
         out = []
         mb = self.batching.micro_batch_size
         keys = prompt_keys(batch.prompt_ids, batch.prompt_mask)  # one read for the pass, not one per forward
@@ -231,16 +236,18 @@ class GRPOTrainer:
                 sub = batch.select(torch.arange(s, min(s + mb, batch.completion_ids.shape[0])))
                 groups = host_prompt_groups(keys[s : s + mb], self.device)
                 kw = {"impl": self.cfg.logprob_impl, "chunk_rows": self.cfg.logprob_chunk_rows, "groups": groups}
+                if mask is not None:
+                    kw["head_rows"] = head_positions(mask[s : s + mb], None, self.device)
                 # the policy through the root module (the distributed engine's); the reference model as it is
                 root = self.root if model is None else PolicyLogProbs(model, self.cfg.share_prompt_forward)
                 out.append(root_logprobs(root, sub, self.cfg.temperature, **kw)[0])
         return torch.cat(out)  # every slice keeps the round's width
 
-    def reference_logprobs(self, batch: RoundTensors) -> torch.Tensor:
+    def reference_logprobs(self, batch: RoundTensors, mask: torch.Tensor | None = None) -> torch.Tensor:
         if self.ref_model is not None:
-            return self._logprobs_no_grad(batch, self.ref_model)
+            return self._logprobs_no_grad(batch, self.ref_model, mask)
         with self.model.disable_adapter():  # LoRA: the reference is the base, no second copy
-            return self._logprobs_no_grad(batch)
+            return self._logprobs_no_grad(batch, mask=mask)
 
     # ---------------------------------------------------------------- training
     def new_round(self) -> Round:
@@ -248,6 +255,7 @@ class GRPOTrainer:
         t_gen = time.perf_counter()
         batch, adv, stats, samples = self.generate_round()
         stats["generation_time"] = time.perf_counter() - t_gen
+        host = (batch.completion_mask, adv)  # on the CPU: which positions the head computes (_head_rows)
         batch, adv = self.place(batch, adv)
         # TRL's rule: old log-probs differ from the current ones unless the whole round (all its replays)
         # falls inside optimizer windows, i.e. unless gradient_accumulation_steps % (spg * mu) == 0. TRL also
@@ -258,25 +266,28 @@ class GRPOTrainer:
         n_round = float(self.comm.all_reduce(batch.completion_mask.sum()))  # the whole round's (dapo)
         if n_round == 0:
             log.warning("every completion of this round is masked (truncated): its loss is 0")
-        old_logp = self._logprobs_no_grad(batch) if need_old else None
+        old_logp = self._logprobs_no_grad(batch, mask=host[0]) if need_old else None
         is_ratio = None
         if self.is_correction and need_old:
             is_ratio = self.sampler_correction(old_logp, batch)
             parts = correction_parts(old_logp, batch.sampler_logp, batch.completion_mask, is_ratio)
             stats.update(correction_stats([parts]))
-        return Round(
+        r = Round(
             batch=batch,
             advantages=adv,
             stats=stats,
             samples=samples,
             old_logp=old_logp,
-            ref_logp=self.reference_logprobs(batch) if g.beta > 0 else None,
+            ref_logp=self.reference_logprobs(batch, host[0]) if g.beta > 0 else None,
             is_ratio=is_ratio,
             n_tokens=n_round,
             order=torch.randperm(adv.numel(), generator=self.perm_rng)
             if g.shuffle_generation_batch
             else torch.arange(adv.numel()),
+            host=host,
         )
+        self._head_rows(r)  # here, from the host's tensors, not inside a micro-step
+        return r
 
     def train(self) -> dict:
         """Run until max_steps optimizer steps; resumable at any optimizer step (see save_checkpoint)."""
@@ -352,6 +363,18 @@ class GRPOTrainer:
             r.prompt_groups = [host_prompt_groups([keys[i] for i in part], self.device) for part in rows]
         return r.prompt_groups
 
+    def _head_rows(self, r: Round) -> list:
+        """Each micro-step position's batch.head_positions: the real tokens of the rows whose log-probs get a
+        gradient (loss.rows_with_gradient: advantage not 0, or a KL or entropy term) and of the rows that need only
+        their values; padding in neither. From the round's CPU tensors (``r.host``), or for a resumed round one read
+        of its mask and advantages."""
+        if r.head_rows is None:
+            mask, adv = r.host if r.host is not None else (r.batch.completion_mask.cpu(), r.advantages.cpu())
+            trains = rows_with_gradient(adv, self.settings, self.entropy is not None)
+            parts = (micro_batch_rows(self.batching, p, r.order)[1] for p in range(self.batching.micro_steps_per_round))
+            r.head_rows = [head_positions(mask[part], trains[part], self.device) for part in parts]
+        return r.head_rows
+
     def _seq_lens(self, r: Round) -> torch.Tensor:
         """Each row's real tokens (prompt + completion) on the CPU, read once per round (flops.py)."""
         if r.seq_lens is None:
@@ -372,6 +395,7 @@ class GRPOTrainer:
                 entropy_grad=self.entropy is not None,
                 chunk_rows=self.cfg.logprob_chunk_rows,
                 groups=self._prompt_groups(r)[r.position],
+                head_rows=self._head_rows(r)[r.position],
             )
         old = r.old_logp[idx] if r.old_logp is not None else None
         ref = r.ref_logp[idx] if r.ref_logp is not None else None
