@@ -50,6 +50,7 @@ from grpoflow.tasks.grpo.loss import (
     importance_sampling_ratio,
     rows_with_gradient,
 )
+from grpoflow.tasks.grpo.micro_plan import MicroPlan, micro_plan, planned_logprobs
 from grpoflow.tasks.grpo.regularizers import EntropyControl, mix_reference
 from grpoflow.tasks.grpo.round_stats import (
     completion_stats,
@@ -141,6 +142,9 @@ class GRPOTrainer:
             self.reward_names.append("overlong")
             self.weights = None if self.weights is None else torch.cat([self.weights, torch.ones(1)])
         self.entropy = EntropyControl.from_config(cfg)  # None: no entropy bonus
+        # rows without a gradient get a no-grad forward of their own on one process (micro_plan.py); the tests turn
+        # it off to compare with the one-forward pass
+        self.split_rows = True
         self.perm_rng = torch.Generator().manual_seed(seed)
         self.round: Round | None = None
         # what a checkpoint must agree with to be resumed: the grpo section's digest without the fields that cannot
@@ -255,7 +259,7 @@ class GRPOTrainer:
         t_gen = time.perf_counter()
         batch, adv, stats, samples = self.generate_round()
         stats["generation_time"] = time.perf_counter() - t_gen
-        host = (batch.completion_mask, adv)  # on the CPU: which positions the head computes (_head_rows)
+        host = (batch, adv)  # on the CPU: what each micro-step computes is planned from them (_plans)
         batch, adv = self.place(batch, adv)
         # TRL's rule: old log-probs differ from the current ones unless the whole round (all its replays)
         # falls inside optimizer windows, i.e. unless gradient_accumulation_steps % (spg * mu) == 0. TRL also
@@ -266,7 +270,7 @@ class GRPOTrainer:
         n_round = float(self.comm.all_reduce(batch.completion_mask.sum()))  # the whole round's (dapo)
         if n_round == 0:
             log.warning("every completion of this round is masked (truncated): its loss is 0")
-        old_logp = self._logprobs_no_grad(batch, mask=host[0]) if need_old else None
+        old_logp = self._logprobs_no_grad(batch, mask=host[0].completion_mask) if need_old else None
         is_ratio = None
         if self.is_correction and need_old:
             is_ratio = self.sampler_correction(old_logp, batch)
@@ -278,7 +282,7 @@ class GRPOTrainer:
             stats=stats,
             samples=samples,
             old_logp=old_logp,
-            ref_logp=self.reference_logprobs(batch, host[0]) if g.beta > 0 else None,
+            ref_logp=self.reference_logprobs(batch, host[0].completion_mask) if g.beta > 0 else None,
             is_ratio=is_ratio,
             n_tokens=n_round,
             order=torch.randperm(adv.numel(), generator=self.perm_rng)
@@ -286,7 +290,7 @@ class GRPOTrainer:
             else torch.arange(adv.numel()),
             host=host,
         )
-        self._head_rows(r)  # here, from the host's tensors, not inside a micro-step
+        self._plans(r)  # here, from the host's tensors, not inside a micro-step
         return r
 
     def train(self) -> dict:
@@ -353,27 +357,22 @@ class GRPOTrainer:
             g.vllm_importance_sampling_clip_min,
         )
 
-    def _prompt_groups(self, r: Round) -> list:
-        """The prompt groups (batch.host_prompt_groups) of each micro-step position's rows, computed on the host
-        once per round (one read of its prompts and its row order), so that no forward of the round syncs to find
-        which rows share a prompt."""
-        if r.prompt_groups is None:
-            keys, order = prompt_keys(r.batch.prompt_ids, r.batch.prompt_mask), r.order.tolist()
-            rows = [micro_batch_rows(self.batching, p, order)[1] for p in range(self.batching.micro_steps_per_round)]
-            r.prompt_groups = [host_prompt_groups([keys[i] for i in part], self.device) for part in rows]
-        return r.prompt_groups
-
-    def _head_rows(self, r: Round) -> list:
-        """Each micro-step position's batch.head_positions: the real tokens of the rows whose log-probs get a
-        gradient (loss.rows_with_gradient: advantage not 0, or a KL or entropy term) and of the rows that need only
-        their values; padding in neither. From the round's CPU tensors (``r.host``), or for a resumed round one read
-        of its mask and advantages."""
-        if r.head_rows is None:
-            mask, adv = r.host if r.host is not None else (r.batch.completion_mask.cpu(), r.advantages.cpu())
+    def _plans(self, r: Round) -> list[MicroPlan]:
+        """Each micro-step position's plan (tasks/grpo/micro_plan.py): its prompt groups, the positions its head
+        computes, and on one process the rows without a gradient apart. Made on the host once per round, from the
+        round's CPU tensors (``r.host``) or, for a resumed round, one read of them, so no forward syncs to find
+        them."""
+        if r.plans is None:
+            batch, adv = r.host if r.host is not None else (r.batch.to("cpu"), r.advantages.cpu())
+            keys = prompt_keys(batch.prompt_ids, batch.prompt_mask)
             trains = rows_with_gradient(adv, self.settings, self.entropy is not None)
-            parts = (micro_batch_rows(self.batching, p, r.order)[1] for p in range(self.batching.micro_steps_per_round))
-            r.head_rows = [head_positions(mask[part], trains[part], self.device) for part in parts]
-        return r.head_rows
+            split = self.split_rows and self.comm.world == 1
+            r.plans = []
+            for p in range(self.batching.micro_steps_per_round):
+                part = micro_batch_rows(self.batching, p, r.order)[1]
+                keys_p = [keys[i] for i in part.tolist()]
+                r.plans.append(micro_plan(keys_p, batch.completion_mask[part], trains[part], split, self.device))
+        return r.plans
 
     def _seq_lens(self, r: Round) -> torch.Tensor:
         """Each row's real tokens (prompt + completion) on the CPU, read once per round (flops.py)."""
@@ -386,17 +385,7 @@ class GRPOTrainer:
         and what its metrics need: (loss, extras, the micro-batch, logp, entropy), all on the model's device."""
         mb = r.batch.select(idx)
         with self._autocast():
-            logp, entropy = root_logprobs(
-                self.root,
-                mb,
-                self.cfg.temperature,
-                compute_entropy=True,
-                impl=self.cfg.logprob_impl,
-                entropy_grad=self.entropy is not None,
-                chunk_rows=self.cfg.logprob_chunk_rows,
-                groups=self._prompt_groups(r)[r.position],
-                head_rows=self._head_rows(r)[r.position],
-            )
+            logp, entropy = self._policy_logprobs(mb, self._plans(r)[r.position])
         old = r.old_logp[idx] if r.old_logp is not None else None
         ref = r.ref_logp[idx] if r.ref_logp is not None else None
         is_ratio = r.is_ratio[idx] if r.is_ratio is not None else None
@@ -419,6 +408,13 @@ class GRPOTrainer:
         )
         return loss, extras, mb, logp, entropy
 
+    def _policy_logprobs(self, mb: RoundTensors, plan: MicroPlan) -> tuple[torch.Tensor, torch.Tensor]:
+        """The loss pass's log-probs and entropy [b, C] of micro-batch ``mb`` through the root module, as ``plan``
+        says (micro_plan.planned_logprobs)."""
+        g = self.cfg
+        kw = {"impl": g.logprob_impl, "entropy_grad": self.entropy is not None, "chunk_rows": g.logprob_chunk_rows}
+        return planned_logprobs(self.root, mb, plan, g.temperature, **kw)
+
     def _micro_step(self, r: Round, idx: torch.Tensor, iteration: int) -> None:
         """Forward and backward of the round's rows ``idx``; the metrics stay on the device (step_metrics) until the
         optimizer step."""
@@ -427,7 +423,12 @@ class GRPOTrainer:
         # every micro-step, into the sharded gradient; distributed.gradient_sync)
         with gradient_sync(self.root, is_optimizer_step(self.micro_step + 1, self.batching)):
             loss, extras, mb, logp, entropy = self.micro_loss(r, idx)
-            loss.backward()
+            if loss.requires_grad:
+                loss.backward()
+            else:  # no row of it has a gradient (micro_plan): it adds 0, as its backward would
+                for p in self.root.parameters():
+                    if p.requires_grad and p.grad is None:
+                        p.grad = torch.zeros_like(p)
         self.flops.add_micro(self._seq_lens(r)[idx])
         old = r.old_logp[idx] if r.old_logp is not None else None
         self.micro_step += 1

@@ -127,3 +127,59 @@ def test_a_kl_or_an_entropy_bonus_trains_every_row(term):
     zero_rows = adv == 0
     assert grads[-1][zero_rows].abs().sum() > 0  # a zero-advantage row does get a gradient here
     assert rows_with_gradient(adv, s, entropy_bonus=term == "entropy_bonus").all()
+
+
+def half_constant(prompts, completions, question, **columns):
+    """Spread for the prompts 'a+a' with an even a, 1.0 for the others: those groups' advantages are exactly 0."""
+    return [
+        float(len(c[0]["content"])) if int(q.split("+")[0]) % 2 == 0 else 1.0 for c, q in zip(completions, question)
+    ]
+
+
+@pytest.mark.parametrize("lora", [True, False], ids=["lora", "full"])
+@pytest.mark.parametrize("per_device", [4, 8], ids=["one-group-a-micro-batch", "two-groups"])
+def test_rows_without_gradient_forward_apart_and_training_is_unchanged(tmp_path, lora, per_device):
+    """One process: the rows of zero-advantage groups run in a no-grad forward of their own (micro_plan.py), a
+    micro-batch of only such rows makes no backward at all; the weights end where the one-forward pass takes them."""
+    from tests.tasks.grpo.test_trainer import make_trainer
+
+    weights, splits = [], []
+    for split in (True, False):
+        torch.manual_seed(0)
+        tok, model = make(lora=lora)
+        cfg = GRPOConfig(
+            max_steps=3,
+            per_device_train_batch_size=per_device,
+            gradient_accumulation_steps=8 // per_device,
+            num_generations=4,
+            max_completion_length=6,
+            learning_rate=1e-2,
+            loss_type="dr_grpo",
+            shuffle_generation_batch=False,  # a micro-batch holds whole groups
+        )
+        trainer = make_trainer(cfg, tok, model, tmp_path / f"{split}", funcs=[("half", half_constant)], n_rows=8)
+        trainer.split_rows = split
+        seen = []
+        real = trainer._policy_logprobs
+        trainer._policy_logprobs = lambda mb, plan: (
+            seen.append((plan.train is None, plan.free is None)),
+            real(mb, plan),
+        )[1]
+        torch.manual_seed(0)
+        trainer.train()
+        splits.append(seen)
+        weights.append({n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad})
+    with_split, without = splits
+    assert all(free for _, free in without)  # turned off: one forward each
+    assert any(not free for _, free in with_split)  # rows apart in some micro-step
+    if per_device == 4:  # a micro-batch is one group: some have no row with a gradient at all
+        assert any(no_train for no_train, _ in with_split)
+    else:
+        assert any(not no_train and not free for no_train, free in with_split)  # both kinds in one micro-batch
+    moved = 0.0
+    torch.manual_seed(0)
+    start = make(lora=lora)[1].state_dict()
+    for name, w in weights[1].items():
+        torch.testing.assert_close(weights[0][name], w, rtol=0, atol=1e-5)
+        moved = max(moved, float((w - start[name]).abs().max()))
+    assert moved > 1e-3

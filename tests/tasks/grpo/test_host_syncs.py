@@ -40,19 +40,21 @@ def syncs_of_one_step(monkeypatch, micro_steps: int, vocab_chunk: int):
     trainer.scheduler = build_scheduler(trainer.optimizer, cfg, cfg.max_steps)
     trainer.save_checkpoint = lambda: None  # the last step saves one: not what is measured
     trainer.round = trainer.new_round()
+    # a micro-step whose rows without a gradient run apart (micro_plan.py) makes two forwards
+    forwards = sum(p.split and (p.train is not None) + 1 or 1 for p in trainer.round.plans)
     with counting_syncs() as syncs:
         trainer.train()
     assert trainer.step == 1 and trainer.micro_step == micro_steps
     assert {"loss", "entropy", "clip_ratio/low_min"} <= set(trainer.history[-1])  # the metrics were still logged
-    return syncs
+    return syncs, forwards
 
 
 @pytest.mark.parametrize("vocab_chunk", [64, 16])
 def test_an_optimizer_step_syncs_a_constant_number_of_times(monkeypatch, vocab_chunk):
-    two, four = (syncs_of_one_step(monkeypatch, m, vocab_chunk) for m in (2, 4))
+    (two, _), (four, forwards) = (syncs_of_one_step(monkeypatch, m, vocab_chunk) for m in (2, 4))
     ours = two.ours()
     assert ours == four.ours(), (two.where, four.where)  # none per micro-step nor per tile
     # per optimizer step: the metrics, the FLOPs' row lengths, the grad norm; per round: its prompts and row order
     assert sum(ours.values()) <= 5, ours
     # transformers' mask builder checks for padding once per forward (masking_utils; not grpoflow's to remove)
-    assert sum(four.where.values()) - sum(ours.values()) <= 4, four.where
+    assert sum(four.where.values()) - sum(ours.values()) <= forwards, (forwards, four.where)

@@ -254,11 +254,11 @@ def test_micro_step_path_keeps_every_tensor_on_the_model_device(tmp_path, monkey
     monkeypatch.setattr("grpoflow.tasks.grpo.trainer.prompt_keys", lambda ids, mask: [0] * ids.shape[0])
     model.to("meta")
     trainer.device = torch.device("meta")
-    host = (batch.completion_mask, adv)  # as new_round keeps them: which positions the head computes
+    host = (batch, adv)  # as new_round keeps them: what each micro-step computes is planned from them
     batch, adv = trainer.place(batch, adv)
     assert batch.completion_ids.device.type == "meta" and adv.device.type == "meta"
-    old = trainer._logprobs_no_grad(batch, mask=host[0])
-    ref = trainer.reference_logprobs(batch, host[0])
+    old = trainer._logprobs_no_grad(batch, mask=host[0].completion_mask)
+    ref = trainer.reference_logprobs(batch, host[0].completion_mask)
     rho = importance_sampling_ratio(old, batch.sampler_logp, batch.completion_mask)
     r = Round(batch, adv, {}, [], old, ref, rho, n_tokens=10.0, order=torch.arange(adv.numel()), host=host)
     loss, extras, mb, logp, entropy = trainer.micro_loss(r, torch.arange(4))

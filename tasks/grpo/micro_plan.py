@@ -1,0 +1,108 @@
+"""What each micro-step's log-prob pass computes, decided on the host once per round, so no forward syncs to find it.
+
+- **Prompts:** the rows that share a prompt (batch.host_prompt_groups), whose prompt forward runs once.
+- **Positions:** the head computes the real tokens only (batch.head_positions); padding and masked-out rows cost
+  nothing.
+- **Rows without a gradient:** a row whose log-probs the loss gives no gradient (loss.rows_with_gradient: advantage
+  0, as in a group whose rewards were all equal, with no KL or entropy term) needs only its values, for the metrics
+  (entropy, sampler correction). Its head runs without a backward (2NVD instead of 4NVD). On one process (``split``)
+  such rows also go through the model in a forward of their own under no_grad: no activations kept, no backward
+  through the model for them. A backward costs about twice a forward, so that is about 2/3 of those rows' training
+  compute. Several processes keep one forward per micro-step: DDP and FSDP2 run collectives in every forward, and
+  every rank must make the same calls whatever its rows' advantages.
+
+The gradients are the one-forward computation's: the rows left out of the backward are those whose gradient is 0.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from grpoflow.tasks.grpo.batch import (
+    HeadRows,
+    PromptGroups,
+    RoundTensors,
+    head_positions,
+    host_prompt_groups,
+    root_logprobs,
+)
+
+
+@dataclass(frozen=True)
+class Part:
+    """Rows of a micro-batch that run through the model together: their positions in it, prompt groups and head."""
+
+    rows: torch.Tensor  # [b'] indices into the micro-batch, on the model's device
+    groups: PromptGroups | None
+    head_rows: HeadRows
+
+
+@dataclass(frozen=True)
+class MicroPlan:
+    """One micro-step's pass: ``whole`` (one forward of every row) or, when ``free`` is set, ``train`` (the rows
+    with a gradient, None when there is none) with autograd and ``free`` (the others) under no_grad."""
+
+    whole: Part
+    train: Part | None = None
+    free: Part | None = None
+
+    @property
+    def split(self) -> bool:
+        return self.free is not None
+
+
+def micro_plan(
+    keys: list[int], mask: torch.Tensor, trains: torch.Tensor, split: bool, device: torch.device | str
+) -> MicroPlan:
+    """The plan of a micro-batch from host values: its rows' prompt keys (batch.prompt_keys), completion mask [b, C]
+    and ``trains`` [b] (loss.rows_with_gradient) on the CPU. ``split``: rows without a gradient get a forward of
+    their own (one process only); nothing is split when every row trains."""
+    b = mask.shape[0]
+    whole = Part(torch.arange(b).to(device, non_blocking=True), host_prompt_groups(keys, device),
+                 head_positions(mask, trains, device))  # fmt: skip
+    if not split or bool(trains.all()):
+        return MicroPlan(whole)
+    rows = torch.arange(b)
+    train, free = rows[trains.bool()], rows[~trains.bool()]
+    return MicroPlan(whole, _part(train, keys, mask, True, device), _part(free, keys, mask, False, device))
+
+
+def _part(rows: torch.Tensor, keys: list[int], mask: torch.Tensor, trains: bool, device) -> Part | None:
+    if rows.numel() == 0:
+        return None
+    ids = rows.tolist()
+    flag = torch.full((len(ids),), trains)
+    return Part(rows.to(device, non_blocking=True), host_prompt_groups([keys[i] for i in ids], device),
+                head_positions(mask[rows], flag, device))  # fmt: skip
+
+
+def planned_logprobs(
+    root: torch.nn.Module,
+    mb: RoundTensors,
+    plan: MicroPlan,
+    temperature: float,
+    *,
+    impl: str = "auto",
+    entropy_grad: bool = False,
+    chunk_rows: int = 0,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Log-probs and entropy [b, C] of micro-batch ``mb`` through ``root`` (batch.root_logprobs), as ``plan`` says:
+    one forward of every row, or the rows with a gradient with autograd and the others under no_grad, put back in
+    the micro-batch's order. Positions the plan's head leaves out hold 0. With no row that trains the result has no
+    gradient: the caller skips the backward (its gradient would be 0)."""
+    kw = {"compute_entropy": True, "impl": impl, "entropy_grad": entropy_grad, "chunk_rows": chunk_rows}
+    if not plan.split:
+        return root_logprobs(root, mb, temperature, groups=plan.whole.groups, head_rows=plan.whole.head_rows, **kw)
+    logp = torch.zeros(mb.completion_ids.shape, dtype=torch.float32, device=mb.completion_ids.device)
+    entropy = torch.zeros_like(logp)
+    grad_on = torch.is_grad_enabled()
+    for part, grad in ((plan.train, grad_on), (plan.free, False)):
+        if part is None:
+            continue
+        with torch.set_grad_enabled(grad):
+            sub = mb.select(part.rows)
+            lp, ent = root_logprobs(root, sub, temperature, groups=part.groups, head_rows=part.head_rows, **kw)
+        logp, entropy = logp.index_copy(0, part.rows, lp), entropy.index_copy(0, part.rows, ent)
+    return logp, entropy
