@@ -65,8 +65,10 @@ def setup_side(args):
     root = PolicyLogProbs(model)
     n_tokens = float(mask.sum())
 
+    planned = args.side == "planned"
+
     def step() -> None:
-        if args.side == "planned":
+        if planned:
             logp, ent = planned_logprobs(root, batch, plan, 1.0)
         else:
             logp, ent = root_logprobs(root, batch, 1.0, compute_entropy=True)
@@ -75,7 +77,7 @@ def setup_side(args):
         model.zero_grad(set_to_none=True)
 
     train_rows = int(trains.sum())
-    if args.side == "planned":
+    if planned:
         free = int(plan.free.head_rows[1].numel()) if plan.free is not None else 0
         computed = {"rows_backward": train_rows, "head_backward": int(mask.sum()) - free, "head_values_only": free}
     else:
