@@ -230,6 +230,12 @@ def summary(report: dict) -> list[str]:
                         f"      {cname}: {c['steps']} steps, {c['step_seconds']:.2f} s/step, on device "
                         f"{c['all_on_device']}, checkpoint round trip identical {rt}"
                     )
+                if c["status"] in ("passed", "failed") and "one_forward_over_planned" in c:
+                    lines.append(
+                        f"      {cname}: planned {c['planned_ms']:.1f} ms vs one forward {c['one_forward_ms']:.1f} ms "
+                        f"({c['one_forward_over_planned']:.2f}x), {c['rows_with_gradient']}/{c['rows']} rows with a "
+                        f"gradient, gradients differ by {c['gradient_rel_diff']:.2g}"
+                    )
     timing = report["sections"].get("kernel_timing", {}).get("cases", {})
     rows = comparisons(timing)
     if rows:

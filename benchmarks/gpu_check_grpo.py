@@ -275,6 +275,61 @@ def entropy_bonus_case(setup: Setup, device: torch.device, small: bool, without:
     return out
 
 
+def planned_pass_case(setup: Setup, device: torch.device, small: bool, reps: int = 3) -> dict:
+    """The loss pass as the trainer plans it (tasks/grpo/micro_plan.py: the head on real tokens only, the rows of
+    zero-advantage groups in a no-grad forward of their own) beside one forward of every row and position with a
+    backward, on the Qwen-shaped LoRA model under its bf16 autocast: a round of the trainer's with half of its groups'
+    advantages set to 0. The gradients must agree (the rows left out have none); the median time of ``reps`` passes
+    and the peak memory of each tell what it saves on the device."""
+    from grpoflow.tasks.grpo.batch import prompt_keys, root_logprobs
+    from grpoflow.tasks.grpo.loss import grpo_loss, rows_with_gradient
+    from grpoflow.tasks.grpo.micro_plan import micro_plan, planned_logprobs
+
+    t = make_trainer("qwen_shape_lora", setup, device, small, 1, Path(tempfile.mkdtemp(prefix="gpu_check_plan_")))
+    r = t.new_round()
+    mb, adv = r.batch, r.advantages.clone()
+    half = adv.numel() // 2
+    adv[:half] = 0.0  # the first groups' rewards were all equal (rows are prompt-major)
+    cpu = mb.to("cpu")
+    trains = rows_with_gradient(adv.cpu(), t.settings, entropy_bonus=False)
+    plan = micro_plan(prompt_keys(cpu.prompt_ids, cpu.prompt_mask), cpu.completion_mask, trains, True, device)
+    params = [p for p in t.root.parameters() if p.requires_grad]
+    n_items = float(cpu.completion_mask.sum())
+
+    def one(planned: bool) -> list[torch.Tensor]:
+        with t._autocast():
+            if planned:
+                logp, ent = planned_logprobs(t.root, mb, plan, t.cfg.temperature)
+            else:
+                logp, ent = root_logprobs(t.root, mb, t.cfg.temperature, compute_entropy=True)
+        loss, _ = grpo_loss(logp.float(), None, adv, mb.completion_mask, t.settings, num_items_in_round=n_items)
+        return list(torch.autograd.grad(loss, params))
+
+    out: dict = {"rows": adv.numel(), "rows_with_gradient": int(trains.sum()),
+                 "real_tokens": int(n_items), "positions": cpu.completion_mask.numel()}  # fmt: skip
+    grads = {}
+    for name, planned in (("planned", True), ("one_forward", False)):
+        reset_peak(device)
+        grads[name] = one(planned)
+        top = peak(device)
+        out[f"{name}_first_peak_gb"] = None if top is None else top / 2**30
+        times = []
+        for _ in range(reps):
+            sync(device)
+            t0 = time.perf_counter()
+            one(planned)
+            sync(device)
+            times.append(time.perf_counter() - t0)
+        out[f"{name}_ms"] = 1e3 * statistics.median(times)
+    out["one_forward_over_planned"] = out["one_forward_ms"] / out["planned_ms"]
+    num = sum(float((a.float() - b.float()).norm() ** 2) for a, b in zip(grads["planned"], grads["one_forward"]))
+    den = sum(float(b.float().norm() ** 2) for b in grads["one_forward"])
+    out["gradient_rel_diff"] = math.sqrt(num / max(den, 1e-30))
+    if not out["gradient_rel_diff"] <= 2e-2:  # bf16 autocast: the batch shapes differ, so does rounding
+        out.update(status="failed", reason=f"planned gradients differ by {out['gradient_rel_diff']:.3g} (relative)")
+    return out
+
+
 def grpo_cases(device: torch.device, small: bool) -> list[Case]:
     """The training cases (GRPO_KINDS), the entropy bonus, the shared prompt gradient and FSDP2 on one device."""
     setup: list[Setup] = []
@@ -299,7 +354,8 @@ def grpo_cases(device: torch.device, small: bool) -> list[Case]:
         "entropy_bonus", lambda: entropy_bonus_case(ready(), device, small, results.get("qwen_shape_lora")), 60.0
     )
     shared = Case("shared_prompt_gradient", lambda: shared_prompt_gradient_case(device), est_s=2.0)
-    return [*cases, bonus, shared, Case("fsdp2_one_device", fsdp2, est_s=15.0)]
+    planned = Case("planned_pass", lambda: planned_pass_case(ready(), device, small), est_s=20.0)
+    return [*cases, bonus, shared, planned, Case("fsdp2_one_device", fsdp2, est_s=15.0)]
 
 
 def repeatable_gradient(op, x: torch.Tensor, index: torch.Tensor, g: torch.Tensor, repeats: int = 5) -> bool:

@@ -84,6 +84,9 @@ def test_gpu_check_cpu_mode_from_the_bare_tree(tmp_path):
     assert bonus["losses"] != grpo["cases"]["qwen_shape_lora"]["losses"]  # the bonus is in the loss
     shared = grpo["cases"]["shared_prompt_gradient"]
     assert shared["expand_rows_repeatable"] and shared["index_select_repeatable"], shared  # the CPU op it picks
+    planned = grpo["cases"]["planned_pass"]  # the loss pass as micro_plan.py plans it: the same gradients
+    assert planned["rows_with_gradient"] == planned["rows"] // 2 and planned["gradient_rel_diff"] < 1e-3, planned
+    assert planned["planned_ms"] > 0 and planned["one_forward_ms"] > 0, planned
     fsdp = grpo["cases"]["fsdp2_one_device"]
     assert fsdp["backend"] == "gloo" and fsdp["grads_sharded_after_each_micro_step"] == [True, True, True], fsdp
     assert fsdp["grad_rel_err_vs_unsharded"] < 0.1 and fsdp["sharded_grad_bytes"] > 0, fsdp

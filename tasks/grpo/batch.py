@@ -203,7 +203,8 @@ def selected_logprobs(
     ent = torch.zeros_like(logp) if compute_entropy or entropy_grad else None
 
     def run(idx: torch.Tensor, **kw) -> tuple[torch.Tensor, torch.Tensor | None]:
-        return token_logprobs(flat_h.index_select(0, idx), weight, flat_y.index_select(0, idx), temperature, bias, **kw)
+        # expand_rows: a gather whose backward adds each row's gradient without atomics on either device
+        return token_logprobs(expand_rows(flat_h, idx), weight, flat_y.index_select(0, idx), temperature, bias, **kw)
 
     if grad.numel():
         lp, e = run(grad, compute_entropy=compute_entropy, impl=impl, entropy_grad=entropy_grad)
