@@ -160,11 +160,12 @@ def test_rows_without_gradient_forward_apart_and_training_is_unchanged(tmp_path,
         trainer = make_trainer(cfg, tok, model, tmp_path / f"{split}", funcs=[("half", half_constant)], n_rows=8)
         trainer.split_rows = split
         seen = []
-        real = trainer._policy_logprobs
-        trainer._policy_logprobs = lambda mb, plan: (
-            seen.append((plan.train is None, plan.free is None)),
-            real(mb, plan),
-        )[1]
+
+        def recording(mb, plan, real=trainer._policy_logprobs, seen=seen):
+            seen.append((plan.train is None, plan.free is None))
+            return real(mb, plan)
+
+        trainer._policy_logprobs = recording
         torch.manual_seed(0)
         trainer.train()
         splits.append(seen)
