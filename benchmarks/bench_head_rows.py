@@ -29,7 +29,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import protocol  # noqa: E402
-from bench_sft_loss import lora_model, model_cli, run_in_sides  # noqa: E402
+from bench_sft_loss import lora_model, model_cli, run_in_sides, run_side  # noqa: E402
 from bench_trl_throughput import arithmetic_rows  # noqa: E402
 
 SIDES = ("planned", "all")
@@ -97,13 +97,7 @@ def main() -> None:
     if not 0 <= args.zero_groups <= 1:
         ap.error(f"--zero-groups {args.zero_groups}: a fraction of the groups, between 0 and 1")
     if args.side:
-
-        def measure() -> dict:
-            made = {}
-            res = protocol.measure_calls(lambda: made.setdefault("s", setup_side(args))[0], args.reps, args.threads)
-            return res | made["s"][1]
-
-        return protocol.side_main(measure)
+        return run_side(args, setup_side)
     runs = run_in_sides(args, list(SIDES), arithmetic_rows(args.groups, seed=2))
     ok = {r.side: r.result for r in runs if not r.error}
     print(f"\n== GRPO loss pass, model {args.model}: {args.groups} prompts x {GROUP}, forward + backward through LoRA, "

@@ -25,7 +25,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import protocol  # noqa: E402
-from bench_sft_loss import lora_model, model_cli, run_in_sides  # noqa: E402
+from bench_sft_loss import lora_model, model_cli, run_in_sides, run_side  # noqa: E402
 from bench_trl_throughput import arithmetic_rows  # noqa: E402
 
 
@@ -82,13 +82,7 @@ def main() -> None:
     ap.add_argument("--chunks", type=int, nargs="+", default=[0, 16, 8])
     args = ap.parse_args()
     if args.side:
-
-        def measure() -> dict:
-            made = {}
-            res = protocol.measure_calls(lambda: made.setdefault("s", setup_side(args))[0], args.reps, args.threads)
-            return res | made["s"][1]
-
-        return protocol.side_main(measure)
+        return run_side(args, setup_side)
     runs = run_in_sides(args, [str(c) for c in args.chunks], arithmetic_rows(args.rows, seed=2))
     ok = {r.side: r.result for r in runs if not r.error}
     print(f"\n== GRPO log-prob pass, model {args.model}: {args.rows} rows, forward + backward through LoRA, "

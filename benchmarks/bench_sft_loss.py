@@ -88,6 +88,18 @@ def run_in_sides(args, sides: list[str], work_rows: list[dict]) -> list[protocol
         )
 
 
+def run_side(args: argparse.Namespace, setup_side) -> None:
+    """The body of a side process of the step benchmarks: ``setup_side(args)`` gives (the call to time, what the side
+    computes); the protocol times the call (protocol.measure_calls) and the side's facts join its result."""
+
+    def measure() -> dict:
+        made = {}
+        res = protocol.measure_calls(lambda: made.setdefault("s", setup_side(args))[0], args.reps, args.threads)
+        return res | made["s"][1]
+
+    protocol.side_main(measure)
+
+
 def sft_rows(batch: int) -> list[dict]:
     rows = arithmetic_rows(batch, seed=1)
     for r in rows:
@@ -118,13 +130,7 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=16)
     args = ap.parse_args()
     if args.side:
-
-        def measure() -> dict:
-            made = {}
-            res = protocol.measure_calls(lambda: made.setdefault("s", setup_side(args))[0], args.reps, args.threads)
-            return res | made["s"][1]
-
-        return protocol.side_main(measure)
+        return run_side(args, setup_side)
     runs = run_in_sides(args, list(SIDES), sft_rows(args.batch))
     ok = [r.result for r in runs if not r.error]
     shape = f"{ok[0]['tokens']} tokens, {ok[0]['labelled']} labelled, vocab {ok[0]['vocab']}" if ok else "?"
