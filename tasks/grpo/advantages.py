@@ -6,6 +6,12 @@
                     batch: A /= std over the whole generation batch + 1e-4
                     none : no division
     NaN advantages -> 0.
+    A group whose rewards are all equal gets A = 0 exactly (:func:`all_equal`). Computed as above, its mean of
+    non-dyadic values (0.1, 2.7) is off by a rounding error that the division by std + 1e-4 (std 0 or of the same
+    order) multiplies by up to 1e4: every row of the group would get the same small advantage of the same sign
+    (7.5e-5 at rewards of 0.1, 2.4e-3 at 2.7), a bias toward or against all of its completions. TRL's mean and
+    std give the same values. At exactly 0 the rows also get no gradient, which the trainer uses (loss.py
+    rows_with_gradient).
 
 multi_objective_aggregation = normalize_then_sum (GDPO; :func:`decoupled_advantages`): each function's rewards are
 normalized within their group first, r~_k = (r_k - mean_group(r_k)) / (std_group(r_k) + 1e-4), then
@@ -59,7 +65,7 @@ def group_advantages(
     adv = rewards - mean
     if scale_rewards != "none":
         adv = adv / (std + eps)
-    adv = torch.nan_to_num(adv, nan=0.0)
+    adv = torch.nan_to_num(adv, nan=0.0).masked_fill(all_equal(grouped, 1).repeat_interleave(num_generations), 0.0)
     stats = {
         "reward": torch.nanmean(rewards).item(),
         "reward_std": nanstd(rewards).item(),
@@ -79,9 +85,17 @@ def decoupled_advantages(
     grouped = per_func.view(-1, num_generations, k)  # [P, G, K]
     mean_k = torch.nanmean(grouped, dim=1, keepdim=True)
     std_k = nanstd(grouped, dim=1).unsqueeze(1)
-    normed = ((grouped - mean_k) / (std_k + eps)).view(b, k)
+    normed = ((grouped - mean_k) / (std_k + eps)).masked_fill(all_equal(grouped, 1).unsqueeze(1), 0.0).view(b, k)
     rewards = (normed * weights.to(per_func.dtype).unsqueeze(0)).nansum(dim=1)
     rewards[torch.isnan(per_func).all(dim=1)] = torch.nan
     std = nanstd(rewards).expand_as(rewards)
     adv = torch.nan_to_num((rewards - torch.nanmean(rewards)) / (std + eps), nan=0.0)
     return adv, torch.isclose(std, torch.zeros_like(std)).float().mean().item()
+
+
+def all_equal(x: torch.Tensor, dim: int) -> torch.Tensor:
+    """Whether the values of ``x`` along ``dim`` that are not NaN are all equal (at least one of them): the groups
+    whose advantage is exactly 0 (module docstring)."""
+    lo = torch.where(torch.isnan(x), torch.inf, x).amin(dim)
+    hi = torch.where(torch.isnan(x), -torch.inf, x).amax(dim)
+    return lo == hi

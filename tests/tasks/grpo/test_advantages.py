@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from grpoflow.tasks.grpo.advantages import combine_rewards, group_advantages
+from grpoflow.tasks.grpo.advantages import combine_rewards, decoupled_advantages, group_advantages
 
 
 def test_combine_rewards_is_weighted_and_nan_aware():
@@ -32,3 +32,27 @@ def test_nan_rewards_give_zero_advantage():
     adv, _ = group_advantages(r, 2, "none")
     assert adv[0] == 0.0 and adv[1] == 0.0  # group 0 has one value: its mean is 1, the NaN row -> 0
     torch.testing.assert_close(adv[2:], torch.tensor([-1.0, 1.0]))
+
+
+@pytest.mark.parametrize("scale", ["group", "batch", "none"])
+@pytest.mark.parametrize("value", [0.1, 2.7, 1 / 3])
+def test_a_group_whose_rewards_are_all_equal_gets_advantage_exactly_zero(scale, value):
+    """Not 1e4 times the rounding error of its mean (7.5e-5 at 0.1, 2.4e-3 at 2.7, one sign for the whole group, as
+    TRL's mean and std give): exactly 0, so those rows also get no gradient (loss.rows_with_gradient). A group with
+    NaN rows (rewards that did not apply) whose others are equal counts too; the other group is unchanged."""
+    other = torch.tensor([0.1 * i for i in range(8)])
+    rewards = torch.cat([torch.full((8,), value), other, torch.tensor([value, float("nan")] * 4)])
+    adv, _ = group_advantages(rewards, 8, scale)
+    assert (adv[:8] == 0).all() and (adv[16:] == 0).all(), adv
+    mean = other.mean()
+    want = other - mean
+    if scale == "group":
+        want = want / (other.std() + 1e-4)
+    if scale != "batch":
+        torch.testing.assert_close(adv[8:16], want)
+    per_func = torch.stack([torch.cat([torch.full((8,), value), other]), torch.full((16,), value)], dim=1)
+    gdpo, _ = decoupled_advantages(per_func, None, 8)
+    assert (gdpo[:8] == gdpo[0]).all() and torch.isfinite(gdpo).all()
+    # the second function is constant in every group: it adds exactly nothing, so the result is the first's alone
+    alone, _ = decoupled_advantages(per_func[:, :1], None, 8)
+    assert torch.equal(gdpo, alone)
