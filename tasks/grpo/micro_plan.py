@@ -20,14 +20,17 @@ from dataclasses import dataclass
 
 import torch
 
+from grpoflow.tasks.config import Batching
 from grpoflow.tasks.grpo.batch import (
     HeadRows,
     PromptGroups,
     RoundTensors,
     head_positions,
     host_prompt_groups,
+    prompt_keys,
     root_logprobs,
 )
+from grpoflow.tasks.grpo.schedule import micro_batch_rows
 
 
 @dataclass(frozen=True)
@@ -41,16 +44,16 @@ class Part:
 
 @dataclass(frozen=True)
 class MicroPlan:
-    """One micro-step's pass: ``whole`` (one forward of every row) or, when ``free`` is set, ``train`` (the rows
-    with a gradient, None when there is none) with autograd and ``free`` (the others) under no_grad."""
+    """One micro-step's pass: ``whole`` (one forward of every row) or, split, ``train`` (the rows with a gradient,
+    None when there is none) with autograd and ``free`` (the others) under no_grad."""
 
-    whole: Part
+    whole: Part | None
     train: Part | None = None
     free: Part | None = None
 
     @property
     def split(self) -> bool:
-        return self.free is not None
+        return self.whole is None
 
 
 def micro_plan(
@@ -59,23 +62,34 @@ def micro_plan(
     """The plan of a micro-batch from host values: its rows' prompt keys (batch.prompt_keys), completion mask [b, C]
     and ``trains`` [b] (loss.rows_with_gradient) on the CPU. ``split``: rows without a gradient get a forward of
     their own (one process only); nothing is split when every row trains."""
-    b = mask.shape[0]
-    whole = Part(torch.arange(b).to(device, non_blocking=True), host_prompt_groups(keys, device),
-                 head_positions(mask, trains, device))  # fmt: skip
+    rows = torch.arange(mask.shape[0])
     if not split or bool(trains.all()):
-        return MicroPlan(whole)
-    rows = torch.arange(b)
-    train, free = rows[trains.bool()], rows[~trains.bool()]
-    return MicroPlan(whole, _part(train, keys, mask, True, device), _part(free, keys, mask, False, device))
+        return MicroPlan(_part(rows, keys, mask, trains, device))
+    train, free = rows[trains], rows[~trains]
+    return MicroPlan(None, _part(train, keys, mask, trains, device), _part(free, keys, mask, trains, device))
 
 
-def _part(rows: torch.Tensor, keys: list[int], mask: torch.Tensor, trains: bool, device) -> Part | None:
+def round_plans(
+    b: Batching, order: torch.Tensor, batch: RoundTensors, trains: torch.Tensor, split: bool, device
+) -> list[MicroPlan]:
+    """:func:`micro_plan` of each micro-step position of a round (schedule.micro_batch_rows of its row ``order``),
+    from the round's ``batch`` and ``trains`` [B] (loss.rows_with_gradient) on the CPU."""
+    keys = prompt_keys(batch.prompt_ids, batch.prompt_mask)
+    plans = []
+    for position in range(b.micro_steps_per_round):
+        part = micro_batch_rows(b, position, order)[1]
+        keys_p = [keys[i] for i in part.tolist()]
+        plans.append(micro_plan(keys_p, batch.completion_mask[part], trains[part], split, device))
+    return plans
+
+
+def _part(rows: torch.Tensor, keys: list[int], mask: torch.Tensor, trains: torch.Tensor, device) -> Part | None:
+    """The Part of micro-batch ``rows`` (None for none): their prompt groups and head positions."""
     if rows.numel() == 0:
         return None
     ids = rows.tolist()
-    flag = torch.full((len(ids),), trains)
     return Part(rows.to(device, non_blocking=True), host_prompt_groups([keys[i] for i in ids], device),
-                head_positions(mask[rows], flag, device))  # fmt: skip
+                head_positions(mask[rows], trains[rows], device))  # fmt: skip
 
 
 def planned_logprobs(

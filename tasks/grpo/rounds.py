@@ -67,11 +67,9 @@ class Round:
     # sampler-correction metric parts of the micro-batches that took their correction from the loss pass
     # (trainer.micro_loss); not checkpointed: such rounds end inside one optimizer step
     correction: list = field(default_factory=list)
-    # not checkpointed (remade for a resumed round): each row's real tokens on the CPU (flops.py), the round's
-    # batch and advantages on the CPU (a new round's, before they moved to the device), and each micro-step
-    # position's plan made from them (micro_plan.py: prompt groups, head positions, rows without a gradient)
+    # not checkpointed (remade for a resumed round): each row's real tokens on the CPU (flops.py) and each
+    # micro-step position's plan (micro_plan.py: prompt groups, head positions, rows without a gradient)
     seq_lens: torch.Tensor | None = None
-    host: tuple[RoundTensors, torch.Tensor] | None = None
     plans: list | None = None
 
     _TENSORS = ("advantages", "old_logp", "ref_logp", "is_ratio", "order")

@@ -50,7 +50,7 @@ from grpoflow.tasks.grpo.loss import (
     importance_sampling_ratio,
     rows_with_gradient,
 )
-from grpoflow.tasks.grpo.micro_plan import MicroPlan, micro_plan, planned_logprobs
+from grpoflow.tasks.grpo.micro_plan import MicroPlan, planned_logprobs, round_plans
 from grpoflow.tasks.grpo.regularizers import EntropyControl, mix_reference
 from grpoflow.tasks.grpo.round_stats import (
     completion_stats,
@@ -98,6 +98,10 @@ def loss_settings(g: GRPOConfig, spg: int, num_processes: int = 1) -> LossSettin
 
 
 class GRPOTrainer:
+    # rows without a gradient get a no-grad forward of their own on one process (micro_plan.py); the tests turn it
+    # off to compare with the one-forward pass
+    split_rows = True
+
     def __init__(
         self,
         cfg: GRPOConfig,
@@ -142,9 +146,6 @@ class GRPOTrainer:
             self.reward_names.append("overlong")
             self.weights = None if self.weights is None else torch.cat([self.weights, torch.ones(1)])
         self.entropy = EntropyControl.from_config(cfg)  # None: no entropy bonus
-        # rows without a gradient get a no-grad forward of their own on one process (micro_plan.py); the tests turn
-        # it off to compare with the one-forward pass
-        self.split_rows = True
         self.perm_rng = torch.Generator().manual_seed(seed)
         self.round: Round | None = None
         # what a checkpoint must agree with to be resumed: the grpo section's digest without the fields that cannot
@@ -228,30 +229,31 @@ class GRPOTrainer:
         """torch.autocast to ``autocast_dtype`` on the model's device; a no-op context without one."""
         return train_precision(self.model, self.device.type, self.autocast_dtype)
 
-    def _logprobs_no_grad(self, batch: RoundTensors, model=None, mask: torch.Tensor | None = None) -> torch.Tensor:
-        """The log-probs of ``batch``'s completions, micro-batch by micro-batch, without gradients. ``mask``: its
-        completion mask on the CPU; the head then computes the real tokens only (batch.head_positions), the padding
-        holds 0."""
+    def _logprobs_no_grad(self, batch: RoundTensors, model=None, host: RoundTensors | None = None) -> torch.Tensor:
+        """The log-probs of ``batch``'s completions, micro-batch by micro-batch, without gradients. ``host``: the same
+        batch on the CPU; its prompts then need no read from the device, and the head computes the real tokens only
+        (batch.head_positions), the padding holding 0."""
         out = []
         mb = self.batching.micro_batch_size
-        keys = prompt_keys(batch.prompt_ids, batch.prompt_mask)  # one read for the pass, not one per forward
+        on_host = host if host is not None else batch  # the device batch: one read for the pass, not one a forward
+        keys = prompt_keys(on_host.prompt_ids, on_host.prompt_mask)
         with torch.no_grad(), self._autocast():
             for s in range(0, batch.completion_ids.shape[0], mb):
                 sub = batch.select(torch.arange(s, min(s + mb, batch.completion_ids.shape[0])))
                 groups = host_prompt_groups(keys[s : s + mb], self.device)
                 kw = {"impl": self.cfg.logprob_impl, "chunk_rows": self.cfg.logprob_chunk_rows, "groups": groups}
-                if mask is not None:
-                    kw["head_rows"] = head_positions(mask[s : s + mb], None, self.device)
+                if host is not None:
+                    kw["head_rows"] = head_positions(host.completion_mask[s : s + mb], None, self.device)
                 # the policy through the root module (the distributed engine's); the reference model as it is
                 root = self.root if model is None else PolicyLogProbs(model, self.cfg.share_prompt_forward)
                 out.append(root_logprobs(root, sub, self.cfg.temperature, **kw)[0])
         return torch.cat(out)  # every slice keeps the round's width
 
-    def reference_logprobs(self, batch: RoundTensors, mask: torch.Tensor | None = None) -> torch.Tensor:
+    def reference_logprobs(self, batch: RoundTensors, host: RoundTensors | None = None) -> torch.Tensor:
         if self.ref_model is not None:
-            return self._logprobs_no_grad(batch, self.ref_model, mask)
+            return self._logprobs_no_grad(batch, self.ref_model, host)
         with self.model.disable_adapter():  # LoRA: the reference is the base, no second copy
-            return self._logprobs_no_grad(batch, mask=mask)
+            return self._logprobs_no_grad(batch, host=host)
 
     # ---------------------------------------------------------------- training
     def new_round(self) -> Round:
@@ -259,7 +261,7 @@ class GRPOTrainer:
         t_gen = time.perf_counter()
         batch, adv, stats, samples = self.generate_round()
         stats["generation_time"] = time.perf_counter() - t_gen
-        host = (batch, adv)  # on the CPU: what each micro-step computes is planned from them (_plans)
+        host = (batch, adv)  # on the CPU: the passes and micro-steps are planned from them (_plans)
         batch, adv = self.place(batch, adv)
         # TRL's rule: old log-probs differ from the current ones unless the whole round (all its replays)
         # falls inside optimizer windows, i.e. unless gradient_accumulation_steps % (spg * mu) == 0. TRL also
@@ -270,7 +272,7 @@ class GRPOTrainer:
         n_round = float(self.comm.all_reduce(batch.completion_mask.sum()))  # the whole round's (dapo)
         if n_round == 0:
             log.warning("every completion of this round is masked (truncated): its loss is 0")
-        old_logp = self._logprobs_no_grad(batch, mask=host[0].completion_mask) if need_old else None
+        old_logp = self._logprobs_no_grad(batch, host=host[0]) if need_old else None
         is_ratio = None
         if self.is_correction and need_old:
             is_ratio = self.sampler_correction(old_logp, batch)
@@ -282,15 +284,14 @@ class GRPOTrainer:
             stats=stats,
             samples=samples,
             old_logp=old_logp,
-            ref_logp=self.reference_logprobs(batch, host[0].completion_mask) if g.beta > 0 else None,
+            ref_logp=self.reference_logprobs(batch, host[0]) if g.beta > 0 else None,
             is_ratio=is_ratio,
             n_tokens=n_round,
             order=torch.randperm(adv.numel(), generator=self.perm_rng)
             if g.shuffle_generation_batch
             else torch.arange(adv.numel()),
-            host=host,
         )
-        self._plans(r)  # here, from the host's tensors, not inside a micro-step
+        self._plans(r, host)  # here, from the host's tensors, not inside a micro-step
         return r
 
     def train(self) -> dict:
@@ -357,21 +358,16 @@ class GRPOTrainer:
             g.vllm_importance_sampling_clip_min,
         )
 
-    def _plans(self, r: Round) -> list[MicroPlan]:
-        """Each micro-step position's plan (tasks/grpo/micro_plan.py): its prompt groups, the positions its head
-        computes, and on one process the rows without a gradient apart. Made on the host once per round, from the
-        round's CPU tensors (``r.host``) or, for a resumed round, one read of them, so no forward syncs to find
-        them."""
+    def _plans(self, r: Round, host: tuple[RoundTensors, torch.Tensor] | None = None) -> list[MicroPlan]:
+        """Each micro-step position's plan (micro_plan.round_plans): its prompt groups, the positions its head
+        computes, and on one process the rows without a gradient apart. Made once per round from the round's batch
+        and advantages on the CPU (``host``: a new round's; a resumed round's are read from the device once), so no
+        forward syncs to find them."""
         if r.plans is None:
-            batch, adv = r.host if r.host is not None else (r.batch.to("cpu"), r.advantages.cpu())
-            keys = prompt_keys(batch.prompt_ids, batch.prompt_mask)
+            batch, adv = host if host is not None else (r.batch.to("cpu"), r.advantages.cpu())
             trains = rows_with_gradient(adv, self.settings, self.entropy is not None)
             split = self.split_rows and self.comm.world == 1
-            r.plans = []
-            for p in range(self.batching.micro_steps_per_round):
-                part = micro_batch_rows(self.batching, p, r.order)[1]
-                keys_p = [keys[i] for i in part.tolist()]
-                r.plans.append(micro_plan(keys_p, batch.completion_mask[part], trains[part], split, self.device))
+            r.plans = round_plans(self.batching, r.order, batch, trains, split, self.device)
         return r.plans
 
     def _seq_lens(self, r: Round) -> torch.Tensor:

@@ -257,10 +257,11 @@ def test_micro_step_path_keeps_every_tensor_on_the_model_device(tmp_path, monkey
     host = (batch, adv)  # as new_round keeps them: what each micro-step computes is planned from them
     batch, adv = trainer.place(batch, adv)
     assert batch.completion_ids.device.type == "meta" and adv.device.type == "meta"
-    old = trainer._logprobs_no_grad(batch, mask=host[0].completion_mask)
-    ref = trainer.reference_logprobs(batch, host[0].completion_mask)
+    old = trainer._logprobs_no_grad(batch, host=host[0])
+    ref = trainer.reference_logprobs(batch, host[0])
     rho = importance_sampling_ratio(old, batch.sampler_logp, batch.completion_mask)
-    r = Round(batch, adv, {}, [], old, ref, rho, n_tokens=10.0, order=torch.arange(adv.numel()), host=host)
+    r = Round(batch, adv, {}, [], old, ref, rho, n_tokens=10.0, order=torch.arange(adv.numel()))
+    trainer._plans(r, host)
     loss, extras, mb, logp, entropy = trainer.micro_loss(r, torch.arange(4))
     assert {loss.device.type, logp.device.type, entropy.device.type, extras["kl"].device.type} == {"meta"}
     loss.backward()
