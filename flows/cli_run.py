@@ -81,6 +81,7 @@ def _load(args) -> PipelineConfig:
 def cmd_run(args) -> int:
     """Run the pipeline in <output_dir>/<run.name>, holding the workspace; a run.name that names an existing run
     is resumed when its finished stages keep their keys, else refused (``--force``: replaced, each named)."""
+    timeline.start_run()
     cfg = _load(args)
     return _run_pipeline(cfg, check=lambda store: refuse_replacing(cfg, store, args.force), command="grpoflow run")
 
@@ -122,6 +123,7 @@ def refuse_replacing(cfg: PipelineConfig, store, force: bool) -> None:
 def cmd_resume(args) -> int:
     """Rerun the pipeline in RUN_DIR with its config.yaml (+ overrides): complete stages whose key matches are
     skipped; --from-stage first forgets that stage and every later one (manifest and files), so they rerun."""
+    timeline.start_run()
     missing = f"{args.run_dir}: no config.yaml; RUN_DIR must be a run workspace (<output_dir>/<name>)"
     # the workspace's store (an s3:// one reached with the endpoint of the env or of storage.* overrides)
     storage = config_from_dict({"storage": apply_overrides({}, list(args.overrides)).get("storage", {})}).storage

@@ -54,7 +54,7 @@ def log_timeline(parent, result: dict) -> dict[str, float]:
     m = timeline.marks()
     trains = [s.name for s in PIPELINE.specs if s.trains]
     loops = {s: result[s]["seconds"] for s in trains if result.get(s) and f"{s}/loop_start" in m}
-    metrics = timeline.timeline_metrics(m, timeline.process_start_time(), time.time(), loops)
+    metrics = timeline.timeline_metrics(m, timeline.run_start(), time.time(), loops)
     parent.log_metrics(metrics)
     return metrics
 
@@ -69,7 +69,7 @@ def grpo_pipeline(
     and evaluation measures it as the "before" model. ``init_version``: the registry version ``init_model`` is;
     registration then promotes on the paired comparison of the two on the held-out rows
     (tasks/tracking/promotion.py)."""
-    timeline.mark("flow_start")
+    timeline.start_flow()
     cfg = config
     ws = Workspace(workspace, cfg.storage)
     if foreign := foreign_config(ws.store):  # another tool's folder (the CLI refused it already; a deployed run)

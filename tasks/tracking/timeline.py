@@ -6,6 +6,12 @@ server up, flow started, each stage's start and end, the SFT and GRPO loops' sta
 flow turns them into metrics on the parent MLflow run (:func:`timeline_metrics`) and the CLI prints them.
 Stages run in the flow's process (Prefect's thread runner), so their marks land here too; a GRPO stage launched
 on several processes (torchrun) leaves its inner marks in those processes, and its loop start is then missing.
+
+One process may run several runs: a test calls ``grpoflow run`` twice, the continuous flow runs a pipeline a
+cycle. :func:`start_run` (the CLI's run and resume commands) and :func:`start_flow` (a flow after an earlier one
+with no command between: a cycle) drop the earlier run's marks, so each run's times are its own; the process's
+first run is timed from the process's start (its interpreter and imports are its start-up), a later one from its
+own start (:func:`run_start`).
 """
 
 from __future__ import annotations
@@ -14,6 +20,8 @@ import os
 import time
 
 _marks: dict[str, float] = {}
+_runs = 0  # runs started in this process (start_run)
+_run_start: float | None = None  # a later run's start (None: the process's)
 IMPORTED_AT = time.time()  # imported first thing by grpoflow.flows (its __init__), so this is the interpreter's start
 # plus site imports: well under a second
 EXEC_GAP_S = 5.0
@@ -46,7 +54,33 @@ def marks() -> dict[str, float]:
 
 
 def reset() -> None:
+    global _runs, _run_start
     _marks.clear()
+    _runs, _run_start = 0, None
+
+
+def start_run() -> None:
+    """A run begins now: an earlier run's marks in this process are dropped, and a run after the process's first
+    is timed from now."""
+    global _runs, _run_start
+    _marks.clear()
+    if _runs:
+        _run_start = time.time()
+    _runs += 1
+
+
+def start_flow() -> None:
+    """Mark ``flow_start``. A flow after an earlier one with no :func:`start_run` between (the continuous flow's
+    next cycle, a deployed run in a long-lived process) is a new run."""
+    if "flow_start" in _marks or not _runs:
+        start_run()
+    mark("flow_start")
+
+
+def run_start() -> float:
+    """When the current run began: the process's start (:func:`process_start_time`) for its first run, the run's
+    own start for a later one."""
+    return _run_start if _run_start is not None else process_start_time()
 
 
 # (metric, from mark, to mark): "start" is the process start

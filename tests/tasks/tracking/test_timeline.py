@@ -53,6 +53,35 @@ def test_marks_keep_the_first_time_and_process_start_is_in_the_past():
     timeline.reset()
 
 
+def test_each_run_in_a_process_is_timed_on_its_own_marks():
+    """A test runs `grpoflow run` twice in one process; the continuous flow runs a pipeline a cycle. Each run's
+    stages are timed from its own marks; the first from the process's start, a later one from its own."""
+    timeline.reset()
+    timeline.start_run()  # the CLI's command
+    timeline.mark("config_loaded")
+    timeline.start_flow()
+    assert "config_loaded" in timeline.marks()  # the command's start-up is this flow's
+    timeline.mark("stage_start/sft")
+    timeline.mark("stage_end/sft")
+    assert timeline.run_start() == timeline.process_start_time()
+    for later in ("command", "cycle"):  # a second CLI command; then a flow with no command before it
+        time.sleep(0.05)
+        before = time.time()
+        if later == "command":
+            timeline.start_run()
+            timeline.mark("config_loaded")
+        timeline.start_flow()
+        assert set(timeline.marks()) == ({"config_loaded", "flow_start"} if later == "command" else {"flow_start"})
+        assert before <= timeline.run_start() <= timeline.marks()["flow_start"]
+        timeline.mark("stage_start/sft")
+        time.sleep(0.02)
+        timeline.mark("stage_end/sft")
+        out = timeline.timeline_metrics(timeline.marks(), timeline.run_start(), time.time(), loops={"sft": 0.01})
+        assert 0 < out["stage_overhead/sft_s"] < out["stage/sft_s"] < 1, later
+        assert (0 <= out["startup/config_s"] < 0.05) if later == "command" else "startup/config_s" not in out
+    timeline.reset()
+
+
 def test_a_process_execd_into_an_older_one_is_timed_from_its_import():
     """`bash -c 'pip install ... && grpoflow run'`: bash may exec the last command into its own process, whose
     starttime is before pip; the run's start-up must not count the installation."""
