@@ -113,6 +113,19 @@ def decoder_layers(root: torch.nn.Module) -> list[torch.nn.Module]:
     raise ValueError(f"{type(root).__name__}: no decoder layer list found (a '.layers' ModuleList) to shard")
 
 
+def collective_free(root: torch.nn.Module) -> torch.nn.Module | None:
+    """The module a forward of ``root``'s computation can go through without collectives, for rows that take no
+    gradient (micro_plan.py): ``root`` itself at world size 1, DDP's inner module (DDP's collectives are in its
+    wrapper: the buffer broadcast in forward, the gradient all-reduce in backward), None under FSDP2 (every forward
+    all-gathers the layers' shards, a collective each rank must make alike)."""
+    from torch.distributed.fsdp import FSDPModule
+    from torch.nn.parallel import DistributedDataParallel
+
+    if isinstance(root, DistributedDataParallel):
+        return root.module
+    return None if any(isinstance(m, FSDPModule) for m in root.modules()) else root
+
+
 @contextlib.contextmanager
 def gradient_sync(root: torch.nn.Module, enabled: bool) -> Iterator[None]:
     """Inside: how backward() treats the gradients of a micro-step; ``enabled`` on the micro-step that completes an

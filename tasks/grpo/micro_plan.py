@@ -5,11 +5,13 @@
   nothing.
 - **Rows without a gradient:** a row whose log-probs the loss gives no gradient (loss.rows_with_gradient: advantage
   0, as in a group whose rewards were all equal, with no KL or entropy term) needs only its values, for the metrics
-  (entropy, sampler correction). Its head runs without a backward (2NVD instead of 4NVD). On one process (``split``)
-  such rows also go through the model in a forward of their own under no_grad: no activations kept, no backward
-  through the model for them. A backward costs about twice a forward, so that is about 2/3 of those rows' training
-  compute. Several processes keep one forward per micro-step: DDP and FSDP2 run collectives in every forward, and
-  every rank must make the same calls whatever its rows' advantages.
+  (entropy, sampler correction). Its head runs without a backward (2NVD instead of 4NVD). On one process and under
+  DDP (``split``) such rows also go through the model in a forward of their own under no_grad: no activations
+  kept, no backward through the model for them. A backward costs about twice a forward, so that is about 2/3 of
+  those rows' training compute. Under DDP the rows apart go through its inner module (distributed.collective_free),
+  which runs no collective, and every micro-step keeps its one forward and backward through the wrapper, whatever
+  its rows' advantages (``grad_forward_each_step``): every rank must make the same collective calls. FSDP2 keeps
+  one forward per micro-step: each forward gathers the layers' shards.
 
 The gradients are the one-forward computation's: the rows left out of the backward are those whose gradient is 0.
 """
@@ -57,20 +59,32 @@ class MicroPlan:
 
 
 def micro_plan(
-    keys: list[int], mask: torch.Tensor, trains: torch.Tensor, split: bool, device: torch.device | str
+    keys: list[int],
+    mask: torch.Tensor,
+    trains: torch.Tensor,
+    split: bool,
+    device: torch.device | str,
+    grad_forward_each_step: bool = False,
 ) -> MicroPlan:
     """The plan of a micro-batch from host values: its rows' prompt keys (batch.prompt_keys), completion mask [b, C]
     and ``trains`` [b] (loss.rows_with_gradient) on the CPU. ``split``: rows without a gradient get a forward of
-    their own (one process only); nothing is split when every row trains."""
+    their own; nothing is split when every row trains, nor, with ``grad_forward_each_step`` (DDP), when none does:
+    the micro-step then keeps its one forward with autograd (its backward gives every parameter a zero gradient)."""
     rows = torch.arange(mask.shape[0])
-    if not split or bool(trains.all()):
+    if not split or bool(trains.all()) or (grad_forward_each_step and not bool(trains.any())):
         return MicroPlan(_part(rows, keys, mask, trains, device))
     train, free = rows[trains], rows[~trains]
     return MicroPlan(None, _part(train, keys, mask, trains, device), _part(free, keys, mask, trains, device))
 
 
 def round_plans(
-    b: Batching, order: torch.Tensor, batch: RoundTensors, trains: torch.Tensor, split: bool, device
+    b: Batching,
+    order: torch.Tensor,
+    batch: RoundTensors,
+    trains: torch.Tensor,
+    split: bool,
+    device,
+    grad_forward_each_step: bool = False,
 ) -> list[MicroPlan]:
     """:func:`micro_plan` of each micro-step position of a round (schedule.micro_batch_rows of its row ``order``),
     from the round's ``batch`` and ``trains`` [B] (loss.rows_with_gradient) on the CPU."""
@@ -79,7 +93,8 @@ def round_plans(
     for position in range(b.micro_steps_per_round):
         part = micro_batch_rows(b, position, order)[1]
         keys_p = [keys[i] for i in part.tolist()]
-        plans.append(micro_plan(keys_p, batch.completion_mask[part], trains[part], split, device))
+        mask = batch.completion_mask[part]
+        plans.append(micro_plan(keys_p, mask, trains[part], split, device, grad_forward_each_step))
     return plans
 
 
@@ -101,22 +116,24 @@ def planned_logprobs(
     impl: str = "auto",
     entropy_grad: bool = False,
     chunk_rows: int = 0,
+    free_root: torch.nn.Module | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Log-probs and entropy [b, C] of micro-batch ``mb`` through ``root`` (batch.root_logprobs), as ``plan`` says:
-    one forward of every row, or the rows with a gradient with autograd and the others under no_grad, put back in
-    the micro-batch's order. Positions the plan's head leaves out hold 0. With no row that trains the result has no
-    gradient: the caller skips the backward (its gradient would be 0)."""
+    one forward of every row, or the rows with a gradient with autograd and the others under no_grad through
+    ``free_root`` (DDP's inner module: no collective; ``root`` by default), put back in the micro-batch's order.
+    Positions the plan's head leaves out hold 0. With no row that trains the result has no gradient: the caller
+    skips the backward (its gradient would be 0)."""
     kw = {"compute_entropy": True, "impl": impl, "entropy_grad": entropy_grad, "chunk_rows": chunk_rows}
     if not plan.split:
         return root_logprobs(root, mb, temperature, groups=plan.whole.groups, head_rows=plan.whole.head_rows, **kw)
     logp = torch.zeros(mb.completion_ids.shape, dtype=torch.float32, device=mb.completion_ids.device)
     entropy = torch.zeros_like(logp)
     grad_on = torch.is_grad_enabled()
-    for part, grad in ((plan.train, grad_on), (plan.free, False)):
+    for part, grad, module in ((plan.train, grad_on, root), (plan.free, False, free_root or root)):
         if part is None:
             continue
         with torch.set_grad_enabled(grad):
             sub = mb.select(part.rows)
-            lp, ent = root_logprobs(root, sub, temperature, groups=part.groups, head_rows=part.head_rows, **kw)
+            lp, ent = root_logprobs(module, sub, temperature, groups=part.groups, head_rows=part.head_rows, **kw)
         logp, entropy = logp.index_copy(0, part.rows, lp), entropy.index_copy(0, part.rows, ent)
     return logp, entropy

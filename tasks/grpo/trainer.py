@@ -39,7 +39,14 @@ from grpoflow.tasks.grpo.batch import (
     root_logprobs,
 )
 from grpoflow.tasks.grpo.checkpoint import list_checkpoints
-from grpoflow.tasks.grpo.distributed import gathered, gradient_sync, local_rows, rounds_done, row_seed
+from grpoflow.tasks.grpo.distributed import (
+    collective_free,
+    gathered,
+    gradient_sync,
+    local_rows,
+    rounds_done,
+    row_seed,
+)
 from grpoflow.tasks.grpo.dynamic import Drawn, fill_round, with_overlong_penalty
 from grpoflow.tasks.grpo.flops import StepFlops
 from grpoflow.tasks.grpo.loss import (
@@ -98,8 +105,8 @@ def loss_settings(g: GRPOConfig, spg: int, num_processes: int = 1) -> LossSettin
 
 
 class GRPOTrainer:
-    # rows without a gradient get a no-grad forward of their own on one process (micro_plan.py); the tests turn it
-    # off to compare with the one-forward pass
+    # rows without a gradient get a no-grad forward of their own, on one process and under DDP (micro_plan.py); the
+    # tests turn it off to compare with the one-forward pass
     split_rows = True
 
     def __init__(
@@ -360,14 +367,15 @@ class GRPOTrainer:
 
     def _plans(self, r: Round, host: tuple[RoundTensors, torch.Tensor] | None = None) -> list[MicroPlan]:
         """Each micro-step position's plan (micro_plan.round_plans): its prompt groups, the positions its head
-        computes, and on one process the rows without a gradient apart. Made once per round from the round's batch
+        computes, and (one process, DDP) the rows without a gradient apart. Made once per round from the round's batch
         and advantages on the CPU (``host``: a new round's; a resumed round's are read from the device once), so no
         forward syncs to find them."""
         if r.plans is None:
             batch, adv = host if host is not None else (r.batch.to("cpu"), r.advantages.cpu())
             trains = rows_with_gradient(adv, self.settings, self.entropy is not None)
-            split = self.split_rows and self.comm.world == 1
-            r.plans = round_plans(self.batching, r.order, batch, trains, split, self.device)
+            split = self.split_rows and collective_free(self.root) is not None
+            each_step = self.comm.world > 1  # every rank's collectives alike: one forward with autograd a micro-step
+            r.plans = round_plans(self.batching, r.order, batch, trains, split, self.device, each_step)
         return r.plans
 
     def _seq_lens(self, r: Round) -> torch.Tensor:
@@ -409,7 +417,7 @@ class GRPOTrainer:
         says (micro_plan.planned_logprobs)."""
         g = self.cfg
         kw = {"impl": g.logprob_impl, "entropy_grad": self.entropy is not None, "chunk_rows": g.logprob_chunk_rows}
-        return planned_logprobs(self.root, mb, plan, g.temperature, **kw)
+        return planned_logprobs(self.root, mb, plan, g.temperature, free_root=collective_free(self.root), **kw)
 
     def _micro_step(self, r: Round, idx: torch.Tensor, iteration: int) -> None:
         """Forward and backward of the round's rows ``idx``; the metrics stay on the device (step_metrics) until the

@@ -28,6 +28,7 @@ from grpoflow.tasks.grpo.distributed import wrap_root
 from grpoflow.tasks.grpo.trainer_runtime import CheckpointHooks
 from grpoflow.tasks.launch.dist import Comm, process_group
 from grpoflow.tasks.model.optim import build_scheduler
+from tests.tasks.grpo.test_head_rows import half_constant
 from tests.tasks.grpo.test_trainer import addition_rows, make, make_trainer
 
 ROWS_PER_ROUND = 12  # per_device_train_batch_size (6 on 1 process, 3 on 2) * processes * steps_per_generation 2
@@ -42,7 +43,12 @@ CASES = [  # (name, loss_type, lora, scale_rewards, strategy)
     ("dr_grpo-full-fsdp2", "dr_grpo", False, "batch", "fsdp2"),
     ("dapo-full-fsdp2", "dapo", False, "group", "fsdp2"),
     ("dapo-lora-fsdp2", "dapo", True, "batch", "fsdp2"),
+    # rewards equal within half the prompts' groups: advantage 0, rows without a gradient (micro_plan.py)
+    ("dr_grpo-lora-zero", "dr_grpo", True, "group", "ddp"),
+    ("dapo-full-zero", "dapo", False, "batch", "ddp"),
+    ("grpo-full-fsdp2-zero", "grpo", False, "group", "fsdp2"),
 ]
+ZERO_ADVANTAGE = {"dr_grpo-lora-zero", "dapo-full-zero", "grpo-full-fsdp2-zero"}
 
 
 def full(p: torch.Tensor) -> torch.Tensor:
@@ -91,6 +97,29 @@ def record(trainer, model) -> tuple[list[dict[str, torch.Tensor]], list]:
     return snapshots, rounds
 
 
+def record_passes(trainer) -> list[tuple]:
+    """A list that fills as ``trainer`` runs: per loss micro-step, its plan (micro_plan.py) as ("whole", rows,
+    positions with a gradient) or ("split", rows with a gradient, rows without), and how many forwards it made
+    through the root (the distributed wrapper, whose forward and backward run the collectives)."""
+    passes: list[tuple] = []
+    calls = [0]
+    trainer.root.register_forward_pre_hook(lambda *_: calls.__setitem__(0, calls[0] + 1))
+    policy = trainer._policy_logprobs
+
+    def recording(mb, plan):
+        calls[0] = 0
+        out = policy(mb, plan)
+        if plan.split:
+            n = [0 if p is None else p.rows.numel() for p in (plan.train, plan.free)]
+            passes.append(("split", *n, calls[0]))
+        else:
+            passes.append(("whole", plan.whole.rows.numel(), plan.whole.head_rows[0].numel(), calls[0]))
+        return out
+
+    trainer._policy_logprobs = recording
+    return passes
+
+
 def eos_prone(model, tok, prompt: list[int]) -> None:
     """Give EOS the logit 4 after ``prompt`` (the random model's logits are ~1): about a sixth of the completions
     then end early, so completion lengths differ and the loss types' normalizers differ from each other."""
@@ -137,17 +166,21 @@ def run_case(
     out = checkpoints or scratch(comm)  # save_steps 100: only the last step's checkpoint is written
     # checkpoint-1 is what the RESUMED cases continue from: kept although newer ones (the last step's too) are saved
     hooks = CheckpointHooks(pinned=lambda: {"checkpoint-1"})
-    trainer = make_trainer(cfg, tok, model, out, n_rows=8, comm=comm, root=root, row_seeded=True, hooks=hooks)
+    funcs = [("half", half_constant)] if name in ZERO_ADVANTAGE else None
+    kw = dict(comm=comm, root=root, row_seeded=True, hooks=hooks)
+    trainer = make_trainer(cfg, tok, model, out, funcs, n_rows=8, **kw)
     trainer.optimizer = torch.optim.SGD([p for p in root.parameters() if p.requires_grad], lr=cfg.learning_rate)
     trainer.scheduler = build_scheduler(trainer.optimizer, cfg, cfg.max_steps)
     snapshots, rounds = record(trainer, model)
+    passes = record_passes(trainer)
     loaded = None
     if resume_from is not None:
         trainer.load_checkpoint(resume_from)
         loaded = trainable(model)
     trainer.train()
     final = trainable(model)
-    return {"samples": rounds, "weights": snapshots, "history": trainer.history, "loaded": loaded, "final": final}
+    out = {"samples": rounds, "weights": snapshots, "history": trainer.history, "loaded": loaded, "final": final}
+    return out | {"passes": comm.all_gather_object(passes)}  # every rank's
 
 
 RESUMED = [("dapo-lora", "dapo", True, "group", "ddp"), ("grpo-full-fsdp2", "grpo", False, "group", "fsdp2")]

@@ -11,7 +11,7 @@ import torch
 from grpoflow.tasks.config import GRPOConfig
 from grpoflow.tasks.grpo.distributed import local_rows
 from grpoflow.tasks.launch.dist import Comm
-from tests.tasks.grpo.distributed_cases import CASES, RESUMED, ROWS_PER_ROUND, run_all, run_case
+from tests.tasks.grpo.distributed_cases import CASES, RESUMED, ROWS_PER_ROUND, ZERO_ADVANTAGE, run_all, run_case
 from tests.tasks.grpo.two_ranks import run_two_ranks
 
 NAMES = [c[0] for c in CASES]
@@ -46,6 +46,28 @@ def test_two_ranks_update_the_weights_as_one_process(runs, name):
             torch.testing.assert_close(b[n], a[n], atol=1e-6, rtol=0, msg=lambda m, n=n, s=step: f"step {s} {n}: {m}")
     moved = max((one["weights"][1][n] - one["weights"][0][n]).abs().max().item() for n in one["weights"][0])
     assert moved > 1e-3  # the second step changed the weights by far more than the tolerance
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", sorted(ZERO_ADVANTAGE))
+def test_rows_without_gradient_forward_apart_under_ddp_not_fsdp2(runs, name):
+    """Half the prompts' groups get equal rewards (advantage 0: rows without a gradient, micro_plan.py). Under DDP
+    such rows go through its inner module in a no-grad forward of their own; a micro-batch with no row to train
+    keeps its forward with autograd. Either way every rank makes one forward (and backward) through the wrapper a
+    micro-step, so the collectives pair up. FSDP2 keeps one forward of every row. The weights match one process's
+    (test_two_ranks_update_the_weights_as_one_process)."""
+    strategy = next(c[4] for c in CASES if c[0] == name)
+    ranks = runs[1][name]["passes"]
+    assert len(ranks) == 2 and all(len(r) == len(ranks[0]) > 0 for r in ranks)
+    passes = [p for r in ranks for p in r]
+    assert all(p[-1] == 1 for p in passes)  # (kind, ..., forwards through the wrapper)
+    assert any(p[0] == "whole" and p[2] == 0 for p in passes)  # a micro-batch of rows without a gradient
+    if strategy == "ddp":
+        assert any(p[0] == "split" and p[1] > 0 and p[2] > 0 for p in passes)
+    else:
+        assert all(p[0] == "whole" for p in passes)
+    (one,) = runs[0][name]["passes"]  # one process: the rows apart, through the one root
+    assert any(p[0] == "split" and p[-1] == 2 for p in one)
 
 
 @pytest.mark.slow
