@@ -21,7 +21,14 @@ import argparse
 import sys
 
 from grpoflow.flows.cli_env import _library_env, busy_cores
-from grpoflow.flows.cli_ops import cmd_compare, cmd_continuous_status, cmd_data_landed, cmd_deploy, cmd_sync
+from grpoflow.flows.cli_ops import (
+    cmd_compare,
+    cmd_continuous_skip,
+    cmd_continuous_status,
+    cmd_data_landed,
+    cmd_deploy,
+    cmd_sync,
+)
 from grpoflow.flows.cli_run import (
     cmd_resume,
     cmd_run,
@@ -41,6 +48,7 @@ from grpoflow.tasks.storage.lock import WorkspaceBusy, WorkspaceLost
 __all__ = [  # the CLI's public names, importable from here as before the commands moved to flows/cli_*.py
     "busy_cores",
     "cmd_compare",
+    "cmd_continuous_skip",
     "cmd_continuous_status",
     "cmd_data_landed",
     "cmd_deploy",
@@ -128,6 +136,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--state-dir", help="the deployment's state_dir, when it sets one")
     p.add_argument("--output-dir", help="the config's run.output_dir, when not the default 'runs'")
     p.set_defaults(fn=cmd_continuous_status)
+    p = sub.add_parser(
+        "continuous-skip", help="set aside the continuous flow's unfinished cycle (one that fails every run)"
+    )
+    p.add_argument("source", metavar="SOURCE", help="the deployment's data source (a folder or s3://bucket/prefix)")
+    p.add_argument("--reason", required=True, help="why, kept in the ledger beside each file it quarantines")
+    p.add_argument("--state-dir", help="the deployment's state_dir, when it sets one")
+    p.add_argument("--output-dir", help="the config's run.output_dir, when not the default 'runs'")
+    p.set_defaults(fn=cmd_continuous_skip)
     p = sub.add_parser("data-landed", help="emit the grpoflow.data.landed event: starts a continuous cycle")
     p.add_argument("path", metavar="PATH", help="the new file or folder (or s3://bucket/prefix)")
     p.set_defaults(fn=cmd_data_landed)

@@ -1,6 +1,7 @@
 """The commands around runs rather than running one: ``grpoflow compare`` (two runs side by side), ``grpoflow sync``
-(what an unreachable MLflow server missed), ``grpoflow continuous-status``, and ``grpoflow deploy`` /
-``grpoflow data-landed``, which talk to a Prefect server (flows/operations.py)."""
+(what an unreachable MLflow server missed), ``grpoflow continuous-status`` and ``continuous-skip`` (the continuous
+flow's ledger), and ``grpoflow deploy`` / ``grpoflow data-landed``, which talk to a Prefect server
+(flows/operations.py)."""
 
 from __future__ import annotations
 
@@ -120,6 +121,33 @@ def cmd_data_landed(args) -> int:
     from grpoflow.flows.operations import EVENT, emit_data_landed
 
     print(f"emitted {EVENT} for {args.path} (event {emit_data_landed(args.path)})")
+    return 0
+
+
+def cmd_continuous_skip(args) -> int:
+    """Set the continuous flow's unfinished cycle aside (one that fails on every run): its files are quarantined
+    with the reason, so the next run goes on to newer files; holding the state folder, as a cycle does."""
+    from grpoflow.flows.continuous import LEDGER, join_location
+    from grpoflow.tasks.ops.datasource import Ledger, list_source, state_location
+    from grpoflow.tasks.storage.lock import workspace_lock
+
+    cfg = config_from_dict({})
+    state = state_location(args.source, args.state_dir, args.output_dir or cfg.run.output_dir)
+    ledger = Ledger(join_location(state, LEDGER))
+    reason = f"set aside by grpoflow continuous-skip: {args.reason}"
+    try:
+        if ledger.pending() is None:  # before the lock: no state folder is made for nothing
+            raise ConfigError(f"ledger {ledger.location}: no unfinished cycle to set aside")
+        with workspace_lock(open_store(state, cfg.storage), "grpoflow continuous-skip"):  # not under a cycle
+            pending = ledger.set_aside(reason, list_source(args.source))
+    except (ValueError, OSError) as e:
+        raise ConfigError(str(e)) from None
+    if pending is None:  # ended by a cycle between the check and the lock
+        raise ConfigError(f"ledger {ledger.location}: no unfinished cycle to set aside (it finished meanwhile)")
+    names = ", ".join(k.rsplit("|", 2)[0] for k in pending["files"])
+    print(f"set aside cycle {pending['cycle']}: quarantined {names} ({reason})")
+    print(f"its workspace stays: {join_location(state, 'cycles', pending['cycle'])}; land a file again with new "
+          "content to train it")  # fmt: skip
     return 0
 
 

@@ -18,9 +18,9 @@ pipeline finished, so a failed cycle consumes nothing. Before the pipeline start
 pending (its files and champion version); a cycle killed or failed stays pending and the next run continues it
 (the same workspace: finished stages skipped, GRPO from its newest checkpoint) on exactly its files while they are
 unchanged and the champion is the same, else trains them anew in a new cycle. Recording the files ends the pending
-cycle in the same write. The state (ledger and cycle
-workspaces) may live on S3 (tasks/ops/datasource.py: state_location), so a worker pod that restarts does not
-retrain on everything.
+cycle in the same write; ``grpoflow continuous-skip`` ends one that fails on every run, quarantining its files.
+The state (ledger and cycle workspaces) may live on S3 (tasks/ops/datasource.py: state_location), so a worker pod
+that restarts does not retrain on everything.
 Run one cycle at a time (the deployment's concurrency limit is 1): besides, a cycle holds the state folder's lock
 (tasks/storage/lock.py) from listing the files to writing the ledger, so a second cycle fails at once naming the
 first rather than training on the same files.
@@ -100,8 +100,9 @@ def _cycle(cfg: PipelineConfig, source: str, state: str, logger) -> dict:
             later = len(listed) - len(pending["files"])
             waiting = f"; {later} file{'s' if later > 1 else ''} landed since wait for the next cycle" if later else ""
             logger.info(
-                "continuing cycle %s, which did not finish (killed or failed): its %d files%s",
-                pending["cycle"], len(pending["files"]), waiting,
+                "continuing cycle %s, which did not finish (killed or failed): its %d files%s (one that fails on "
+                "every run: grpoflow continuous-skip %s --reason ... sets it aside)",
+                pending["cycle"], len(pending["files"]), waiting, source,
             )  # fmt: skip
             return _train(cfg, source, state, ledger, [by_key[k] for k in pending["files"]], pending, logger)
         logger.warning(

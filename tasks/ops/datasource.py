@@ -191,6 +191,24 @@ class Ledger:
         changes, listed by :meth:`quarantined` (`grpoflow continuous-status`)."""
         self._add([{**asdict(f), "quarantined": True, "error": error, **info} for f, error in bad])
 
+    def set_aside(self, error: str, listed: list[DataFile] = ()) -> dict | None:
+        """End the pending cycle without training its files, for a cycle that fails on every run: each of its files
+        is quarantined with ``error`` (skipped until its content changes, as a bad file is), in one write. ``listed``:
+        the source's files, for their URIs (a file no longer listed keeps its name, size and hash). The pending
+        cycle as it was; None, and nothing written, when there is none."""
+        doc = self._doc()
+        pending = doc["pending"]
+        if pending is None:
+            return None
+        by_key = {f.key: f for f in listed}
+        files = []
+        for key in pending["files"]:
+            name, size, digest = key.rsplit("|", 2)  # DataFile.key: a name may hold "|"
+            files.append(by_key.get(key) or DataFile(name, "", int(size), digest))
+        entries = [{**asdict(f), "quarantined": True, "error": error, "cycle": pending["cycle"]} for f in files]
+        self._add(entries, end_pending=True)
+        return pending
+
     def new_files(self, files: list[DataFile]) -> list[DataFile]:
         """The files of ``files`` not in the ledger yet (a rewritten file has another size or hash: new)."""
         seen = self.keys()

@@ -3,6 +3,8 @@ server-backed path is tests/flows/test_deployments.py)."""
 
 import functools
 import json
+import subprocess
+import sys
 from functools import partial
 from pathlib import Path
 
@@ -95,6 +97,42 @@ def test_each_landed_file_is_checked_alone_and_a_bad_one_is_quarantined_by_its_o
     ledger.record([f for f in list_source(str(src)) if f.name == "bad.jsonl"], cycle="cycle-2")
     assert ledger.pending() is None and ledger.new_files(list_source(str(src))) == []
     assert check_file(list_source(str(src))[0], src / "bad.jsonl", cfg) is None
+
+
+def test_an_unfinished_cycle_that_fails_every_run_can_be_set_aside(tmp_path, capsys):
+    """`grpoflow continuous-skip`: the pending cycle's files are quarantined with the reason and the cycle ends, in
+    one ledger write, so the next run trains newer files; refused while a cycle holds the state folder, and with no
+    unfinished cycle (the ledger unchanged)."""
+    from grpoflow.tasks.storage.lock import workspace_lock
+    from grpoflow.tasks.storage.store import open_store
+
+    src, state = tmp_path / "landing", tmp_path / "state"
+    _landed(src)
+    skip = ["continuous-skip", str(src), "--state-dir", str(state), "--reason", "OOM on every try"]
+    assert main(skip) == 2
+    assert "no unfinished cycle to set aside" in capsys.readouterr().err and not state.exists()
+    ledger = Ledger(state / "ledger.json")
+    files = list_source(str(src))
+    ledger.begin("cycle-7", files, "2")
+    before = (state / "ledger.json").read_bytes()
+    with workspace_lock(open_store(str(state)), "grpo-continuous cycle"):  # a cycle under way, in another process
+        res = subprocess.run([sys.executable, "-m", "grpoflow.flows.cli", *skip], capture_output=True, text=True)
+    assert res.returncode == 2 and "grpo-continuous cycle" in res.stderr, res.stderr
+    assert (state / "ledger.json").read_bytes() == before
+    assert main(skip) == 0
+    out = capsys.readouterr().out
+    assert "set aside cycle cycle-7: quarantined bad.jsonl, good.jsonl" in out and "OOM on every try" in out
+    assert ledger.pending() is None and ledger.new_files(list_source(str(src))) == []
+    quarantined = {e["name"]: e for e in ledger.quarantined()}
+    assert set(quarantined) == {"bad.jsonl", "good.jsonl"}
+    good = quarantined["good.jsonl"]
+    assert good["uri"] == str(src / "good.jsonl") and good["cycle"] == "cycle-7" and good["quarantined_at"]
+    assert main(["continuous-status", str(src), "--state-dir", str(state)]) == 0
+    out = capsys.readouterr().out
+    assert "quarantined: good.jsonl (cycle cycle-7, " in out and "continuous-skip: OOM on every try" in out
+    assert "unfinished: cycle" not in out
+    (src / "good.jsonl").write_text(json.dumps({"question": "What is 2 + 3?", "answer": "5"}) + "\n")  # landed anew
+    assert [f.name for f in ledger.new_files(list_source(str(src)))] == ["good.jsonl"]
 
 
 def test_commands_need_a_server_and_an_existing_path(tmp_path, capsys):
