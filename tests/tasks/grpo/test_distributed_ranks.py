@@ -88,12 +88,13 @@ def test_two_ranks_see_the_same_round_and_advantages(runs, name):
 def test_two_ranks_log_the_whole_rounds_metrics(runs, name):
     """The metrics rank 0 logs are the whole round's (gathered), and the loss the mean over the ranks."""
     one, two = runs[0][name]["history"], runs[1][name]["history"]
+    reward = "half" if name in ZERO_ADVANTAGE else "length"  # the case's reward function
     keys = (
         "reward",
         "reward_std",
         "frac_reward_zero_std",
-        "rewards/length/mean",
-        "rewards/length/std",
+        f"rewards/{reward}/mean",
+        f"rewards/{reward}/std",
         "completions/mean_length",
         "completions/max_length",
         "completions/clipped_ratio",
@@ -104,6 +105,8 @@ def test_two_ranks_log_the_whole_rounds_metrics(runs, name):
     for a, b in zip(one, two):
         for k in keys:
             assert b[k] == pytest.approx(a[k], rel=1e-5, abs=1e-6), k
+    if next(c[3] for c in CASES if c[0] == name) == "group":  # as TRL, scale_rewards=batch measures the batch's std
+        assert (one[0]["frac_reward_zero_std"] > 0) == (name in ZERO_ADVANTAGE)
 
 
 @pytest.mark.slow
