@@ -124,28 +124,41 @@ def cmd_data_landed(args) -> int:
     return 0
 
 
+def _continuous_ledger(args):
+    """(the state location, its Ledger) of the continuous deployment on ``args.source`` (``--state-dir``,
+    ``--output-dir``), as the flow finds them (continuous.py)."""
+    from grpoflow.flows.continuous import LEDGER, join_location
+    from grpoflow.tasks.ops.datasource import Ledger, state_location
+
+    state = state_location(args.source, args.state_dir, args.output_dir or config_from_dict({}).run.output_dir)
+    return state, Ledger(join_location(state, LEDGER))
+
+
+def _file_names(keys: list[str]) -> str:
+    from grpoflow.tasks.ops.datasource import DataFile
+
+    return ", ".join(DataFile.from_key(k).name for k in keys)
+
+
 def cmd_continuous_skip(args) -> int:
     """Set the continuous flow's unfinished cycle aside (one that fails on every run): its files are quarantined
     with the reason, so the next run goes on to newer files; holding the state folder, as a cycle does."""
-    from grpoflow.flows.continuous import LEDGER, join_location
-    from grpoflow.tasks.ops.datasource import Ledger, list_source, state_location
+    from grpoflow.tasks.ops.datasource import list_source
     from grpoflow.tasks.storage.lock import workspace_lock
+    from grpoflow.tasks.storage.store import join_location
 
-    cfg = config_from_dict({})
-    state = state_location(args.source, args.state_dir, args.output_dir or cfg.run.output_dir)
-    ledger = Ledger(join_location(state, LEDGER))
+    state, ledger = _continuous_ledger(args)
     reason = f"set aside by grpoflow continuous-skip: {args.reason}"
     try:
         if ledger.pending() is None:  # before the lock: no state folder is made for nothing
             raise ConfigError(f"ledger {ledger.location}: no unfinished cycle to set aside")
-        with workspace_lock(open_store(state, cfg.storage), "grpoflow continuous-skip"):  # not under a cycle
+        with workspace_lock(open_store(state, config_from_dict({}).storage), "grpoflow continuous-skip"):
             pending = ledger.set_aside(reason, list_source(args.source))
     except (ValueError, OSError) as e:
         raise ConfigError(str(e)) from None
     if pending is None:  # ended by a cycle between the check and the lock
         raise ConfigError(f"ledger {ledger.location}: no unfinished cycle to set aside (it finished meanwhile)")
-    names = ", ".join(k.rsplit("|", 2)[0] for k in pending["files"])
-    print(f"set aside cycle {pending['cycle']}: quarantined {names} ({reason})")
+    print(f"set aside cycle {pending['cycle']}: quarantined {_file_names(pending['files'])} ({reason})")
     print(f"its workspace stays: {join_location(state, 'cycles', pending['cycle'])}; land a file again with new "
           "content to train it")  # fmt: skip
     return 0
@@ -153,11 +166,9 @@ def cmd_continuous_skip(args) -> int:
 
 def cmd_continuous_status(args) -> int:
     """What the continuous flow has consumed from SOURCE, what it quarantined and why, and what waits."""
-    from grpoflow.flows.continuous import LEDGER, join_location
-    from grpoflow.tasks.ops.datasource import Ledger, list_source, state_location
+    from grpoflow.tasks.ops.datasource import list_source
 
-    output_dir = args.output_dir or config_from_dict({}).run.output_dir
-    ledger = Ledger(join_location(state_location(args.source, args.state_dir, output_dir), LEDGER))
+    ledger = _continuous_ledger(args)[1]
     try:
         entries = ledger.entries()
         pending = ledger.pending()
@@ -170,8 +181,8 @@ def cmd_continuous_status(args) -> int:
         when = e.get("quarantined_at", "?")
         print(f"quarantined: {e['name']} (cycle {e.get('cycle', '?')}, {when}): {e['error']}")
     if pending is not None:  # killed or failed: the next run continues it while its files are unchanged
-        names = ", ".join(k.rsplit("|", 2)[0] for k in pending["files"])  # DataFile.key: name|size|hash
         start = f"champion version {pending['champion']}" if pending["champion"] else "no champion"
+        names = _file_names(pending["files"])
         print(f"unfinished: cycle {pending['cycle']} ({start}): {names}; the next run continues it")
     print(f"waiting: {len(waiting)} new files{': ' if waiting else ''}{', '.join(f.name for f in waiting)}")
     return 0

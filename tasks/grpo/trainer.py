@@ -138,6 +138,7 @@ class GRPOTrainer:
         # log-prob path, PolicyLogProbs(model) at world size 1) and whether completions are seeded per row
         self.comm = rt.comm or Comm()
         self.root = rt.root if rt.root is not None else PolicyLogProbs(model, cfg.share_prompt_forward)
+        self.free_root = collective_free(self.root)  # where rows without a gradient may forward apart (micro_plan)
         self.row_seeded = row_seeded
         if self.comm.world > 1 and generator.separate_engine:  # it syncs after each optimizer step, decided
             generator.weights_key = lambda: self.step  # alike on every rank (FSDP2: the sync is collective)
@@ -373,7 +374,7 @@ class GRPOTrainer:
         if r.plans is None:
             batch, adv = host if host is not None else (r.batch.to("cpu"), r.advantages.cpu())
             trains = rows_with_gradient(adv, self.settings, self.entropy is not None)
-            split = self.split_rows and collective_free(self.root) is not None
+            split = self.split_rows and self.free_root is not None
             each_step = self.comm.world > 1  # every rank's collectives alike: one forward with autograd a micro-step
             r.plans = round_plans(self.batching, r.order, batch, trains, split, self.device, each_step)
         return r.plans
@@ -417,7 +418,7 @@ class GRPOTrainer:
         says (micro_plan.planned_logprobs)."""
         g = self.cfg
         kw = {"impl": g.logprob_impl, "entropy_grad": self.entropy is not None, "chunk_rows": g.logprob_chunk_rows}
-        return planned_logprobs(self.root, mb, plan, g.temperature, free_root=collective_free(self.root), **kw)
+        return planned_logprobs(self.root, mb, plan, g.temperature, free_root=self.free_root, **kw)
 
     def _micro_step(self, r: Round, idx: torch.Tensor, iteration: int) -> None:
         """Forward and backward of the round's rows ``idx``; the metrics stay on the device (step_metrics) until the

@@ -40,6 +40,12 @@ class DataFile:
     def key(self) -> str:
         return f"{self.name}|{self.size}|{self.hash}"
 
+    @classmethod
+    def from_key(cls, key: str, uri: str = "") -> DataFile:
+        """The file a :attr:`key` names (a name may hold "|"), at ``uri`` when known."""
+        name, size, digest = key.rsplit("|", 2)
+        return cls(name, uri, int(size), digest)
+
 
 def _is_data_name(name: str) -> bool:
     from grpoflow.tasks.dataio.sources import (
@@ -186,27 +192,22 @@ class Ledger:
             latest[e["name"]] = e
         return [e for e in latest.values() if e.get("quarantined")]
 
-    def quarantine(self, bad: list[tuple[DataFile, str]], **info) -> None:
+    def quarantine(self, bad: list[tuple[DataFile, str]], *, end_pending: bool = False, **info) -> None:
         """Record files that cannot train, each with its error: skipped by :meth:`new_files` until their content
-        changes, listed by :meth:`quarantined` (`grpoflow continuous-status`)."""
-        self._add([{**asdict(f), "quarantined": True, "error": error, **info} for f, error in bad])
+        changes, listed by :meth:`quarantined` (`grpoflow continuous-status`); ``end_pending`` in the same write."""
+        self._add([{**asdict(f), "quarantined": True, "error": error, **info} for f, error in bad], end_pending)
 
     def set_aside(self, error: str, listed: list[DataFile] = ()) -> dict | None:
         """End the pending cycle without training its files, for a cycle that fails on every run: each of its files
         is quarantined with ``error`` (skipped until its content changes, as a bad file is), in one write. ``listed``:
         the source's files, for their URIs (a file no longer listed keeps its name, size and hash). The pending
         cycle as it was; None, and nothing written, when there is none."""
-        doc = self._doc()
-        pending = doc["pending"]
+        pending = self.pending()
         if pending is None:
             return None
         by_key = {f.key: f for f in listed}
-        files = []
-        for key in pending["files"]:
-            name, size, digest = key.rsplit("|", 2)  # DataFile.key: a name may hold "|"
-            files.append(by_key.get(key) or DataFile(name, "", int(size), digest))
-        entries = [{**asdict(f), "quarantined": True, "error": error, "cycle": pending["cycle"]} for f in files]
-        self._add(entries, end_pending=True)
+        files = [by_key.get(k) or DataFile.from_key(k) for k in pending["files"]]
+        self.quarantine([(f, error) for f in files], end_pending=True, cycle=pending["cycle"])
         return pending
 
     def new_files(self, files: list[DataFile]) -> list[DataFile]:

@@ -20,7 +20,7 @@ import os
 import time
 
 _marks: dict[str, float] = {}
-_runs = 0  # runs started in this process (start_run)
+_started = False  # whether a run started in this process (start_run)
 _run_start: float | None = None  # a later run's start (None: the process's)
 IMPORTED_AT = time.time()  # imported first thing by grpoflow.flows (its __init__), so this is the interpreter's start
 # plus site imports: well under a second
@@ -54,25 +54,25 @@ def marks() -> dict[str, float]:
 
 
 def reset() -> None:
-    global _runs, _run_start
+    global _started, _run_start
     _marks.clear()
-    _runs, _run_start = 0, None
+    _started, _run_start = False, None
 
 
 def start_run() -> None:
     """A run begins now: an earlier run's marks in this process are dropped, and a run after the process's first
     is timed from now."""
-    global _runs, _run_start
+    global _started, _run_start
     _marks.clear()
-    if _runs:
+    if _started:
         _run_start = time.time()
-    _runs += 1
+    _started = True
 
 
 def start_flow() -> None:
     """Mark ``flow_start``. A flow after an earlier one with no :func:`start_run` between (the continuous flow's
     next cycle, a deployed run in a long-lived process) is a new run."""
-    if "flow_start" in _marks or not _runs:
+    if "flow_start" in _marks or not _started:
         start_run()
     mark("flow_start")
 
