@@ -43,10 +43,12 @@ def _load(args) -> PipelineConfig:
             print(f"grpoflow: warning: {w.message}", file=sys.stderr)
         else:
             warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
-    from grpoflow.tasks.model.sources import model_problem
+    from grpoflow.tasks.model.sources import model_folder_problem, model_problem
 
     if problem := model_problem(cfg.model.name):  # a bad GGUF or folder: now, not after data prep
         raise ConfigError(f"model.name: {problem}")
+    if cfg.model.warm_start is not None and (problem := model_folder_problem(cfg.model.warm_start)):
+        raise ConfigError(f"model.warm_start: {problem}")
     from grpoflow.tasks.model.sources import cached_model
 
     folder = cached_model(cfg.model.name, cfg.model.cache_dir)

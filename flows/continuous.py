@@ -151,10 +151,9 @@ def _train(cfg: PipelineConfig, source: str, state: str, ledger: Ledger, new: li
         logger.info("no champion in the registry yet: starting from %s (SFT: %s)", cfg.model.name, cfg.sft.enabled)
     else:
         logger.info("warm start from champion %s version %s", champion[1]["name"], champion[1]["version"])
-    cycle = cycle_config(cfg, name, data_file, warm_start=champion is not None)
-    init_model, init_version = (champion[0], champion[1]["version"]) if champion is not None else (None, None)
+    cycle = cycle_config(cfg, name, data_file, warm_start=champion[0] if champion is not None else None)
     ledger.begin(name, new, version)  # a cycle killed from here on is continued by the next one (_cycle)
-    result = grpo_pipeline(config=cycle, workspace=ws, init_model=init_model, init_version=init_version)
+    result = grpo_pipeline(config=cycle, workspace=ws, init_version=version)
     reg = result.get("registry")
     if reg is None:
         decision = "not registered (no exported model)"

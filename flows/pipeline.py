@@ -22,6 +22,7 @@ from prefect import flow, runtime
 
 from grpoflow.flows.stages import PIPELINE
 from grpoflow.tasks.config import ConfigError, PipelineConfig
+from grpoflow.tasks.model.sources import model_folder_problem
 from grpoflow.tasks.pipeline.resume import open_pipeline_run
 from grpoflow.tasks.pipeline.run_folder import WOULD_EMPTY, foreign_config
 from grpoflow.tasks.stages.data import data_task
@@ -64,21 +65,40 @@ def grpo_pipeline(
     config: PipelineConfig, workspace: str, init_model: str | None = None, init_version: str | None = None
 ) -> dict:
     """Run the DAG on ``config`` (the validated run config, passed on to every stage task as it is) in
-    ``workspace``. ``init_model`` (a local model folder,
-    e.g. the registry champion the continuous flow warm-starts from) replaces the SFT stage: GRPO starts from it
-    and evaluation measures it as the "before" model. ``init_version``: the registry version ``init_model`` is;
-    registration then promotes on the paired comparison of the two on the held-out rows
+    ``workspace``. ``model.warm_start`` (a local model folder, e.g. the registry champion the continuous flow
+    warm-starts from) replaces the SFT stage: GRPO starts from it and evaluation measures it as the "before" model.
+    ``init_model``: the same folder given as a flow parameter (the config then says it, so config.yaml and every
+    stage key hold it and `grpoflow resume` starts from it again). ``init_version``: the registry version the
+    warm start is; registration then promotes on the paired comparison of the two on the held-out rows
     (tasks/tracking/promotion.py)."""
     timeline.start_flow()
-    cfg = config
+    cfg = with_warm_start(config, init_model)
+    if cfg.model.warm_start is not None and (problem := model_folder_problem(cfg.model.warm_start)):
+        raise ConfigError(f"model.warm_start: {problem}")  # a deployed run: before the workspace is touched
     ws = Workspace(workspace, cfg.storage)
     if foreign := foreign_config(ws.store):  # another tool's folder (the CLI refused it already; a deployed run)
         raise ConfigError(f"workspace {ws.location}: {foreign}; {WOULD_EMPTY} and overwrite it")
     with workspace_lock(ws.store, "grpo-pipeline flow"):  # the CLI holds it already; a deployed run takes it here
-        return _pipeline(cfg, ws, init_model, init_version)
+        return _pipeline(cfg, ws, init_version)
 
 
-def _pipeline(cfg: PipelineConfig, ws: Workspace, init_model: str | None, init_version: str | None) -> dict:
+def with_warm_start(cfg: PipelineConfig, init_model: str | None) -> PipelineConfig:
+    """``cfg`` starting GRPO from ``init_model`` (model.warm_start, SFT off); ``cfg`` itself when it is None or
+    says so already. A config with another model.warm_start is refused, naming both."""
+    if init_model is None or cfg.model.warm_start == init_model:
+        return cfg
+    if cfg.model.warm_start is not None:
+        raise ConfigError(
+            f"init_model={init_model}: the config's model.warm_start is {cfg.model.warm_start}; give one of them"
+        )
+    data = cfg.to_dict()
+    data["model"]["warm_start"] = init_model
+    data["sft"]["enabled"] = False
+    return PipelineConfig.model_validate(data)
+
+
+def _pipeline(cfg: PipelineConfig, ws: Workspace, init_version: str | None) -> dict:
+    init_model = cfg.model.warm_start
     ws.write_text("config.yaml", yaml.safe_dump(cfg.to_dict(), sort_keys=False))  # what `grpoflow resume` reads
     names = PIPELINE.names
     tags = {"prefect_flow_run_id": runtime.flow_run.id, "workspace": ws.location}
@@ -89,7 +109,7 @@ def _pipeline(cfg: PipelineConfig, ws: Workspace, init_model: str | None, init_v
     ok = False
     try:
         data = _timed("data", data_task, *args)
-        sft = _timed("sft", sft_task, *args) if cfg.sft.enabled and init_model is None else None
+        sft = _timed("sft", sft_task, *args) if cfg.sft.enabled else None  # never with model.warm_start
         grpo = _timed("grpo", grpo_task, *args, init_model=sft["model_path"] if sft else init_model)
         result = {"workspace": ws.location, "mlflow_run_id": parent.run_id, "data": data, "sft": sft, "grpo": grpo}
         result["mlflow_url"] = url

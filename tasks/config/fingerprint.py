@@ -63,6 +63,9 @@ IGNORED: dict[type[BaseModel], dict[str, str]] = {
 
 # {config class: {field added after keys were first recorded: (the value that keys as before it existed, why)}}
 ADDED: dict[type[BaseModel], dict[str, tuple[Any, str]]] = {
+    ModelConfig: {
+        "warm_start": (None, "GRPO starts from model.name (or SFT's model), as every run did before the field"),
+    },
     CodeRewardConfig: {
         "cpus": (1.0, "the per-run CPU cap; before it a run's processes shared the CPUs uncapped"),
     },

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import Field, model_validator
+from pydantic import Field, field_validator, model_validator
 
 from grpoflow.tasks.config.base import _Section
 
@@ -86,6 +86,14 @@ class ModelConfig(_Section):
         description="Recompute activations in the backward pass instead of keeping them: less memory, more time "
         "(grpo.gradient_checkpointing overrides it for GRPO).",
     )
+    warm_start: str | None = Field(
+        None,
+        description="A local model folder (config.json, weights, tokenizer) GRPO starts from instead of model.name's "
+        "weights, e.g. a model an earlier run exported; SFT does not run (sft.enabled must be false). model.name still "
+        "names the run and its registered model. The continuous flow sets it to the registry champion it warm-starts "
+        "from. Its files are part of the GRPO key: an edited folder reruns GRPO, and `grpoflow resume` starts from it "
+        "again.",
+    )
     lora: LoraConfig = Field(default_factory=LoraConfig)
     tiny: TinyModelConfig = Field(default_factory=TinyModelConfig)
 
@@ -94,3 +102,10 @@ class ModelConfig(_Section):
         if self.load_in_4bit and not self.lora.enabled:
             raise ValueError("load_in_4bit needs lora.enabled: 4-bit weights cannot be trained directly")
         return self
+
+    @field_validator("warm_start")
+    @classmethod
+    def _warm_start(cls, w: str | None) -> str | None:
+        if w is not None and (not w.strip() or "://" in w or w == "tiny"):
+            raise ValueError("a local model folder (config.json, weights, tokenizer) is read here, or null")
+        return w

@@ -428,6 +428,11 @@ class PipelineConfig(_Section):
                 "sft.enabled: code rows (data.format code, data.source humaneval) have no SFT target, their answer "
                 "is the tests; set sft.enabled: false"
             )
+        if self.model.warm_start is not None and self.sft.enabled:
+            raise ValueError(
+                f"model.warm_start={self.model.warm_start}: GRPO starts from that folder, so SFT does not run; set "
+                "sft.enabled: false"
+            )
         if self.model.dtype == "float16":
             raise ValueError(
                 "model.dtype=float16: GRPO and SFT in float16 needs a loss scaler, which grpoflow does not run (small "

@@ -148,13 +148,7 @@ def model_problem(name: str) -> str | None:
     path = Path(name).expanduser()
     if not is_gguf(name):
         # an explicit path ('/x', './x', '~/x') must be a model folder; 'owner/name' may be a hub id
-        if name.startswith((".", "~")) or os.path.isabs(name):
-            if not path.is_dir():
-                return f"{name}: no such model folder"
-            if not (path / "config.json").is_file():
-                return f"{name}: a folder without config.json, not a transformers model folder"
-            return tokenizer_files_problem(path)
-        return None
+        return model_folder_problem(name) if name.startswith((".", "~")) or os.path.isabs(name) else None
     if not path.is_file():
         return f"{name}: no such GGUF file"
     try:
@@ -167,6 +161,17 @@ def model_problem(name: str) -> str | None:
     if arch not in supported:
         return f"{name}: architecture {arch!r}, which transformers cannot convert from GGUF (it takes {supported})"
     return None
+
+
+def model_folder_problem(name: str) -> str | None:
+    """Why ``name`` is no local transformers model folder with its tokenizer (model.name given as a path,
+    model.warm_start); None when it is one."""
+    path = Path(name).expanduser()
+    if not path.is_dir():
+        return f"{name}: no such model folder"
+    if not (path / "config.json").is_file():
+        return f"{name}: a folder without config.json, not a transformers model folder"
+    return tokenizer_files_problem(path)
 
 
 # what AutoTokenizer reads a vocabulary from: a fast tokenizer's tokenizer.json, a sentencepiece model, or a slow

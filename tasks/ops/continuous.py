@@ -156,9 +156,11 @@ def _pinned_default(cfg: PipelineConfig, tracking_uri) -> str | None:
     return None if os.environ.get("MLFLOW_TRACKING_URI") else tracking_uri(cfg)
 
 
-def cycle_config(cfg: PipelineConfig, name: str, data_file: Path, warm_start: bool) -> PipelineConfig:
+def cycle_config(cfg: PipelineConfig, name: str, data_file: Path, warm_start: str | None) -> PipelineConfig:
     """The pipeline config of one cycle: the new rows as the source, the tracking store pinned (its default lies
-    under run.output_dir), and no SFT when GRPO warm-starts from the champion."""
+    under run.output_dir), and, when GRPO warm-starts from the champion (``warm_start``: its local folder), that
+    folder as model.warm_start and no SFT. So the cycle's config.yaml says where it started: its keys hold the
+    champion's files, and `grpoflow resume` of the cycle's workspace starts from the champion again."""
     from grpoflow.tasks.tracking.tracker import tracking_uri
 
     update = {
@@ -168,6 +170,7 @@ def cycle_config(cfg: PipelineConfig, name: str, data_file: Path, warm_start: bo
         # the config refuses and must not write to config.yaml), every cycle reads it from the environment
         "tracking": cfg.tracking.model_copy(update={"uri": cfg.tracking.uri or _pinned_default(cfg, tracking_uri)}),
     }
-    if warm_start:
+    if warm_start is not None:
         update["sft"] = cfg.sft.model_copy(update={"enabled": False})
+        update["model"] = cfg.model.model_copy(update={"warm_start": warm_start})
     return cfg.model_copy(update=update)

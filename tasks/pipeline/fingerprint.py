@@ -16,6 +16,7 @@ tasks/config/fingerprint.py. The content digests (tasks/storage/content.py) are:
     model.name                      a local model folder or .gguf file: {file: size + sha256}, every file hashed
                                     (its sha256 cached per machine for files of 64 MiB or more: a copy with new
                                     mtimes keeps the key); a hub id: none (model.revision is in the config)
+    model.warm_start                the folder GRPO starts from (the continuous flow's champion), as model.name
     reward <module>                 the source files (size + sha256) of each custom reward module of
                                     grpo.reward_funcs (``module:function`` entries): its own file (named by its
                                     file name) and the local files it imports (named by their path under the
@@ -55,11 +56,15 @@ def data_files(cfg: PipelineConfig) -> dict[str, Any]:
 
 
 def model_files(cfg: PipelineConfig) -> dict[str, Any]:
-    """The content of model.name when it is a local folder or .gguf file."""
+    """The content of model.name when it is a local folder or .gguf file, and of model.warm_start (the folder GRPO
+    starts from) when it is set."""
+    out = {}
     path = Path(cfg.model.name).expanduser()
     if cfg.model.name != "tiny" and (path.is_dir() or (path.is_file() and path.suffix.lower() == ".gguf")):
-        return {"model.name": path_digest(path, cfg.storage.cache_dir)}
-    return {}
+        out["model.name"] = path_digest(path, cfg.storage.cache_dir)
+    if cfg.model.warm_start is not None and (start := Path(cfg.model.warm_start).expanduser()).is_dir():
+        out["model.warm_start"] = path_digest(start, cfg.storage.cache_dir)
+    return out
 
 
 def reward_module_file(module: str) -> Path | None:

@@ -37,8 +37,8 @@ def base_model_path(cfg: PipelineConfig, ws: Workspace) -> str:
 
 
 def model_params(cfg: PipelineConfig) -> dict[str, Any]:
-    """model.* (LoRA, dtype, tiny shape) as params of a training stage's run; not name (a param of its own) or
-    cache_dir."""
+    """model.* (LoRA, dtype, tiny shape) as params of a training stage's run; not name (a param of its own),
+    cache_dir, or warm_start when unset (the runs before it existed logged no such param)."""
     out: dict[str, Any] = {}
 
     def flat(d: dict[str, Any], prefix: str) -> None:
@@ -48,7 +48,8 @@ def model_params(cfg: PipelineConfig) -> dict[str, Any]:
             else:
                 out[f"{prefix}{k}"] = v
 
-    flat({k: v for k, v in cfg.model.model_dump(mode="json").items() if k not in ("name", "cache_dir")}, "model.")
+    skip = ("name", "cache_dir", *(("warm_start",) if cfg.model.warm_start is None else ()))
+    flat({k: v for k, v in cfg.model.model_dump(mode="json").items() if k not in skip}, "model.")
     return out
 
 

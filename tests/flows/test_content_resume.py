@@ -5,11 +5,13 @@ the flow starts, resume prints why each stage reruns (tasks/pipeline/resume.py e
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+import yaml
 
 from tests.paths import MICRO
 
@@ -89,3 +91,32 @@ def test_an_edited_file_the_reward_module_imports_reruns_grpo_not_data(ctx):
     assert "resume: grpo reruns: code: content_rewards (reward module, content_values.py) changed" in out
     assert "resume: data reruns" not in out and "resume: sft reruns" not in out
     assert "resume: every stage is complete with its current key; nothing reruns" in _resume(ctx)
+
+
+@pytest.mark.slow
+def test_a_warm_started_run_resumes_from_its_folder_and_reruns_grpo_when_the_folder_changes(ctx):
+    """model.warm_start (the continuous flow's champion, or a model a user exported): GRPO starts from it, the
+    run's config.yaml says so, `grpoflow resume` starts from it again, and an edited folder reruns GRPO (not
+    data). Before the config held it, the folder was a flow parameter only: a resume trained from model.name."""
+    champion = ctx["tmp"] / "champion"
+    shutil.copytree(ctx["ws"] / "base_model", champion)  # a full model folder with its tokenizer
+    out = ctx["ws"].parent
+    cmd = [sys.executable, "-m", "grpoflow.flows.cli", "run", str(MICRO), f"run.output_dir={out}", "run.name=w"]
+    start = [f"data.source={ctx['data']}", f"model.warm_start={champion}", "sft.enabled=false", "grpo.max_steps=1"]
+    res = subprocess.run([*cmd, *start, "eval.enabled=false", "export.enabled=false"], env=ctx["env"],
+                         capture_output=True, text=True)  # fmt: skip
+    assert res.returncode == 0, res.stderr[-3000:]
+    ws = out / "w"
+    assert yaml.safe_load((ws / "config.yaml").read_text())["model"]["warm_start"] == str(champion)
+    first = json.loads((ws / "grpo" / "manifest.json").read_text())
+    assert first["summary"]["base_model"] == str(champion)
+    assert "config.json" in first["fingerprint"]["content"]["model.warm_start"]
+    data_done = json.loads((ws / "data" / "manifest.json").read_text())["finished_at"]
+
+    (champion / "NOTES.md").write_text("another champion\n")
+    said = _resume({**ctx, "ws": ws})
+    assert "resume: grpo reruns: file: model.warm_start NOTES.md added" in said
+    assert "resume: data reruns" not in said
+    again = json.loads((ws / "grpo" / "manifest.json").read_text())
+    assert again["finished_at"] != first["finished_at"] and again["summary"]["base_model"] == str(champion)
+    assert json.loads((ws / "data" / "manifest.json").read_text())["finished_at"] == data_done

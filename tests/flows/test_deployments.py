@@ -16,6 +16,7 @@ from pathlib import Path
 
 import httpx
 import pytest
+import yaml
 from mlflow.tracking import MlflowClient
 
 from grpoflow.flows.run_logs import FLOW_RUN_LOG_ENV
@@ -241,6 +242,13 @@ def test_deploy_pipeline_run_and_continuous_cycle(deployed, tmp_path):
     tags = cycle[0].data.tags
     assert tags["continuous.warm_start"] == f"models:/grpoflow-tiny/{champion.version}"
     assert tags["continuous.files"] == "batch1.jsonl" and ledger[0]["mlflow_run_id"] == cycle[0].info.run_id
+    # the champion folder is the cycle's config (model.warm_start): its config.yaml and GRPO key hold it, so a
+    # `grpoflow resume` of the cycle's workspace starts from the champion again, not from model.name
+    (cycle_ws,) = (state / "cycles").iterdir()
+    warm_start = yaml.safe_load((cycle_ws / "config.yaml").read_text())["model"]["warm_start"]
+    grpo = json.loads((cycle_ws / "grpo" / "manifest.json").read_text())
+    assert warm_start.startswith(str(state)) and grpo["summary"]["base_model"] == warm_start
+    assert "config.json" in grpo["fingerprint"]["content"]["model.warm_start"]
     version = tags["registered_model"].split("/")[-1]
     reason = client.get_model_version("grpoflow-tiny", version).tags["champion_decision"]
     assert reason in tags["continuous.decision"] and reason in wait_for_log(env, first["id"], "decision: ")

@@ -72,9 +72,15 @@ def test_validate_refuses_a_bad_data_file_or_model_folder_before_any_stage(tmp_p
         f"data.source={data}": f"grpoflow: data.source: data file '{data}' line 2: not a JSON object",
         f"data.eval_source={data.with_name('held_out.csv')}": "grpoflow: data.eval_source: data file not found",
         f"model.name={tmp_path}": f"grpoflow: model.name: {tmp_path}: a folder without config.json",
+        # a warm start that is no model folder, or that asks for SFT too (GRPO starts from the folder)
+        f"model.warm_start={tmp_path / 'nope'} sft.enabled=false": (
+            f"grpoflow: model.warm_start: {tmp_path / 'nope'}: no such model folder"
+        ),
+        f"model.warm_start={tmp_path} sft.enabled=true": f"  <root>: model.warm_start={tmp_path}: GRPO starts",
+        "model.warm_start=s3://models/champion sft.enabled=false": "  model.warm_start: a local model folder",
     }
     for override, want in cases.items():
-        res = subprocess.run([*base, override], env=env, capture_output=True, text=True, timeout=300)
+        res = subprocess.run([*base, *override.split()], env=env, capture_output=True, text=True, timeout=300)
         assert res.returncode == 2, (override, res.stderr[-2000:])
         lines = res.stderr.strip().splitlines()
         assert lines[-1].startswith(want), (override, lines[-1])

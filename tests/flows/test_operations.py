@@ -32,12 +32,14 @@ def test_continuous_config_needs_a_fixed_held_out_file():
 
 def test_cycle_config_trains_on_the_new_rows_from_the_champion(tmp_path):
     cfg = load_config(MICRO, [f"run.output_dir={tmp_path}", "data.eval_source=heldout.jsonl", "sft.enabled=true"])
-    warm = cycle_config(cfg, "cycle-1", tmp_path / "train.jsonl", warm_start=True)
+    warm = cycle_config(cfg, "cycle-1", tmp_path / "train.jsonl", warm_start=str(tmp_path / "champion"))
     assert warm.data.source == str(tmp_path / "train.jsonl") and warm.data.eval_source == "heldout.jsonl"
     assert warm.run.name == "cycle-1" and not warm.sft.enabled
+    # the champion is the config's: config.yaml, every stage key and `grpoflow resume` hold it
+    assert warm.model.warm_start == str(tmp_path / "champion") and warm.model.name == cfg.model.name
     assert warm.tracking.uri == f"sqlite:///{tmp_path.resolve() / 'mlflow.db'}"  # pinned: the store stays put
-    cold = cycle_config(cfg, "cycle-1", tmp_path / "train.jsonl", warm_start=False)
-    assert cold.sft.enabled  # no champion yet: SFT as configured
+    cold = cycle_config(cfg, "cycle-1", tmp_path / "train.jsonl", warm_start=None)
+    assert cold.sft.enabled and cold.model.warm_start is None  # no champion yet: SFT as configured
 
 
 def test_gather_puts_every_format_into_one_jsonl(tmp_path):

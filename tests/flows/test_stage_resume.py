@@ -122,6 +122,38 @@ def test_grpo_hangs_off_data_when_sft_is_disabled():
     assert stage_keys(_cfg("sft.enabled=false", "sft.learning_rate=0.01"))["grpo"] == off["grpo"]
 
 
+def test_a_warm_start_keys_grpo_and_later_by_its_folder_and_its_files(tmp_path):
+    """model.warm_start (the folder GRPO starts from: the continuous flow's champion) is in the keys of grpo and
+    every stage after it, by its path and its files' content; data and the tiny base model keep theirs (sft's
+    changes too, but it does not run with a warm start)."""
+    start = tmp_path / "champion"
+    start.mkdir()
+    (start / "config.json").write_text("{}")
+    off = stage_keys(_cfg("sft.enabled=false"))
+    warm = stage_keys(_cfg("sft.enabled=false", f"model.warm_start={start}"))
+    assert {s for s in off if off[s] != warm[s]} == {"sft", "grpo", "eval", "export"}  # sft: never runs with it
+    (start / "model.safetensors").write_bytes(b"other weights")  # the same folder, other files
+    edited = stage_keys(_cfg("sft.enabled=false", f"model.warm_start={start}"))
+    assert {s for s in warm if warm[s] != edited[s]} == {"sft", "grpo", "eval", "export"}
+    fp = fingerprint.fingerprints(PIPELINE, _cfg("sft.enabled=false", f"model.warm_start={start}"))["grpo"]
+    assert set(fp["content"]["model.warm_start"]) == {"config.json", "model.safetensors"}
+
+
+def test_the_flow_parameter_init_model_becomes_the_configs_warm_start(tmp_path):
+    """grpo_pipeline(init_model=...) puts the folder into the config (and SFT off), so config.yaml, the keys and a
+    later `grpoflow resume` hold it; a config that names another warm start is refused, naming both."""
+    from grpoflow.flows.pipeline import with_warm_start
+    from grpoflow.tasks.config import ConfigError
+
+    cfg = _cfg()
+    assert cfg.sft.enabled and with_warm_start(cfg, None) is cfg
+    warm = with_warm_start(cfg, str(tmp_path / "a"))
+    assert warm.model.warm_start == str(tmp_path / "a") and not warm.sft.enabled
+    assert with_warm_start(warm, str(tmp_path / "a")) is warm
+    with pytest.raises(ConfigError, match=r"init_model=.*/b: the config's model.warm_start is .*/a; give one"):
+        with_warm_start(warm, str(tmp_path / "b"))
+
+
 def test_workspace_attempts_clear_files_of_another_key(tmp_path):
     ws = Workspace(tmp_path)
     ws.begin("grpo", "k1")
