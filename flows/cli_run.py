@@ -71,6 +71,11 @@ def _load(args) -> PipelineConfig:
 
     if problem := output_dir_problem(cfg.run.output_dir):
         raise ConfigError(problem)
+    from grpoflow.tasks.pipeline.fingerprint import reward_file_problem
+
+    for path in cfg.grpo.reward_files:  # keyed by content: one that is gone cannot be, nor read by the reward
+        if "://" not in path and not Path(path).expanduser().exists():
+            raise ConfigError(f"grpo.reward_files: {path}: {reward_file_problem(path)}")
     from grpoflow.tasks.rewards import resolve_reward_funcs
 
     try:  # imported and their signatures checked now, not in the GRPO stage after data prep and SFT

@@ -63,6 +63,9 @@ IGNORED: dict[type[BaseModel], dict[str, str]] = {
 
 # {config class: {field added after keys were first recorded: (the value that keys as before it existed, why)}}
 ADDED: dict[type[BaseModel], dict[str, tuple[Any, str]]] = {
+    GRPOConfig: {
+        "reward_files": ([], "no data file of the rewards keyed, as before the field"),
+    },
     ModelConfig: {
         "warm_start": (None, "GRPO starts from model.name (or SFT's model), as every run did before the field"),
     },

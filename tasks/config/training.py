@@ -197,6 +197,13 @@ class GRPOConfig(OptimizerFields):
     reward_weights: list[float] | None = Field(
         None, description="Weight of each reward function in the summed reward, one per reward_funcs; null: all 1."
     )
+    reward_files: list[str] = Field(
+        [],
+        description="Files or folders your custom reward functions read (a rubric, a judge prompt, a word list), "
+        "local paths as the reward opens them or s3:// URIs: their content joins the keys of grpo and eval (as the "
+        "reward modules' source does), so `grpoflow resume` after an edit reruns them. A path that does not exist "
+        "is refused before any stage.",
+    )
     code_reward: CodeRewardConfig = Field(
         default_factory=CodeRewardConfig, description="Sandbox limits of the code_tests reward."
     )
@@ -346,6 +353,13 @@ class GRPOConfig(OptimizerFields):
                 f"{self.vllm_importance_sampling_mode} (as TRL 1.16 refuses)"
             )
         return self
+
+    @field_validator("reward_files")
+    @classmethod
+    def _reward_files(cls, paths: list[str]) -> list[str]:
+        if blank := [i for i, p in enumerate(paths) if not p.strip()]:
+            raise ValueError(f"entry {blank[0]} is empty; give the path of a file or folder a reward reads")
+        return paths
 
     @field_validator("scale_rewards", mode="before")
     @classmethod

@@ -21,6 +21,8 @@ tasks/config/fingerprint.py. The content digests (tasks/storage/content.py) are:
                                     grpo.reward_funcs (``module:function`` entries): its own file (named by its
                                     file name) and the local files it imports (named by their path under the
                                     module's sys.path entry; tasks/pipeline/imports.py)
+    grpo.reward_files               what the rewards read (a rubric, a word list): a file {path: size + sha256},
+                                    a folder or s3:// prefix {path/name: digest} of each of its files
 
 A changed key changes every downstream key. The code version of grpoflow itself is not in the key. The manifest of
 a published stage records its fingerprint, so :func:`explain` can say what changed since. Keys recorded before big
@@ -43,6 +45,7 @@ from grpoflow.tasks.config.fingerprint import digest, section_value
 from grpoflow.tasks.pipeline.imports import imported_sources
 from grpoflow.tasks.pipeline.spec import Pipeline, StageSpec
 from grpoflow.tasks.storage.content import file_digest, path_digest, source_digest
+from grpoflow.tasks.storage.s3_uri import is_s3_uri, split_s3_uri
 
 
 # ------------------------------------------------------------------ content readers (a StageSpec's ``reads``)
@@ -104,6 +107,30 @@ def reward_modules(cfg: PipelineConfig) -> dict[str, Any]:
             files[name if name != path.name else f"./{name}"] = file_digest(found)  # a helper named as the module
         out[f"reward {module}"] = files
     return out
+
+
+def reward_files(cfg: PipelineConfig) -> dict[str, Any]:
+    """The content of grpo.reward_files (what the custom rewards read): {path: digest} of a file, {path/name:
+    digest} of each file of a folder or S3 prefix, under one label. A path that is gone is a ValueError naming it
+    (`grpoflow run` and `resume` refuse it before any stage)."""
+    files: dict[str, Any] = {}
+    for path in cfg.grpo.reward_files:
+        found = source_digest(path, cfg.storage)
+        if found is None:
+            raise ValueError(f"grpo.reward_files: {path}: {reward_file_problem(path)}")
+        if is_s3_uri(path):  # an object or every object under a prefix, named by its key in the bucket
+            bucket = split_s3_uri(path)[0]
+            files.update({f"s3://{bucket}/{name}": digest for name, digest in found.items()})
+        elif Path(path).expanduser().is_file():
+            files[path] = next(iter(found.values()))
+        else:
+            files.update({f"{path.rstrip('/')}/{name}": digest for name, digest in found.items()})
+    return {"grpo.reward_files": files} if files else {}
+
+
+def reward_file_problem(path: str) -> str:
+    """Why a local grpo.reward_files entry cannot be keyed (it does not exist), naming where it was looked for."""
+    return f"no such file or folder (looked at {Path(path).expanduser().absolute()})"
 
 
 # ------------------------------------------------------------------ fingerprints and keys

@@ -42,7 +42,7 @@ from grpoflow.tasks.generation.transformers_loop import TransformersGenerator
 from grpoflow.tasks.generation.types import SamplingParams
 from grpoflow.tasks.model.device import model_device, select_device
 from grpoflow.tasks.model.loading import load_causal_lm, load_tokenizer, load_with_adapter, prompt_ids
-from grpoflow.tasks.pipeline.fingerprint import reward_modules
+from grpoflow.tasks.pipeline.fingerprint import reward_files, reward_modules
 from grpoflow.tasks.pipeline.shell import run_stage
 from grpoflow.tasks.pipeline.spec import Pipeline, StageSpec
 from grpoflow.tasks.rewards import BUILTIN_REWARDS, resolve_reward_funcs, score_completions
@@ -351,7 +351,7 @@ SPEC = StageSpec(
     keys=("run.torch_threads", "generation.torch_threads", "eval"),
     upstream=lambda cfg: ("grpo",),
     enabled=lambda cfg: cfg.eval.enabled,
-    reads=(reward_modules,),  # it scores with the run's reward functions
+    reads=(reward_modules, reward_files),  # it scores with the run's reward functions
     splits=("eval",),
     description="Held-out evaluation of the model before and after GRPO on {dataset}.",
     param_sections=("eval",),

@@ -26,7 +26,7 @@ from grpoflow.tasks.grpo.trainer import GRPOTrainer, list_checkpoints
 from grpoflow.tasks.grpo.trainer_runtime import CheckpointHooks, TrainerRuntime
 from grpoflow.tasks.launch.dist import Comm
 from grpoflow.tasks.launch.torchrun import run_torchrun, torchrun_command
-from grpoflow.tasks.pipeline.fingerprint import model_files, reward_modules
+from grpoflow.tasks.pipeline.fingerprint import model_files, reward_files, reward_modules
 from grpoflow.tasks.pipeline.shell import run_stage
 from grpoflow.tasks.pipeline.spec import Pipeline, StageSpec
 from grpoflow.tasks.stages.common import BASE_MODEL, model_and_dataset, model_params
@@ -208,7 +208,7 @@ SPEC = StageSpec(
     # its plumbing (addresses, ports, launcher) is IGNORED in tasks/config/fingerprint.py
     keys=("run.seed", "run.torch_threads", "model", "grpo", "generation", "distributed"),
     upstream=lambda cfg: ("sft",) if cfg.sft.enabled else ("data",),
-    reads=(model_files, reward_modules),
+    reads=(model_files, reward_modules, reward_files),
     writes=(BASE_MODEL,),
     extends=("grpo.max_steps",),  # raised: train on from the last checkpoint (the trainer's hash ignores it)
     splits=("train",),

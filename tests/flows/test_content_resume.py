@@ -15,9 +15,11 @@ import yaml
 
 from tests.paths import MICRO
 
-REWARD = (
-    "import content_values\n\n"
-    "def constant(prompts, completions, **columns):\n    return [content_values.VALUE for _ in completions]\n"
+REWARD = (  # reads a helper module (keyed as its import) and a rubric file (keyed as grpo.reward_files)
+    "import pathlib\n\nimport content_values\n\nRUBRIC = pathlib.Path(__file__).with_name('rubric.txt')\n\n"
+    "def constant(prompts, completions, **columns):\n"
+    "    bonus = 0.1 * len(RUBRIC.read_text().split())\n"
+    "    return [content_values.VALUE + bonus for _ in completions]\n"
 )
 RUN = [
     "run.name=c",
@@ -47,6 +49,7 @@ def ctx(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("content_resume")
     (tmp / "content_rewards.py").write_text(REWARD)
     (tmp / "content_values.py").write_text("VALUE = 1.0\n")
+    (tmp / "rubric.txt").write_text("exact\n")
     data = tmp / "train.jsonl"
     data.write_text(_rows(30))
     env = dict(
@@ -57,7 +60,8 @@ def ctx(tmp_path_factory):
     )
     out = tmp / "runs"
     cmd = [sys.executable, "-m", "grpoflow.flows.cli", "run", str(MICRO), f"run.output_dir={out}", *RUN]
-    res = subprocess.run([*cmd, f"data.source={data}"], env=env, capture_output=True, text=True)
+    rubric = f"grpo.reward_files=[{tmp / 'rubric.txt'}]"
+    res = subprocess.run([*cmd, f"data.source={data}", rubric], env=env, capture_output=True, text=True)
     assert res.returncode == 0, res.stderr[-3000:]
     return {"tmp": tmp, "data": data, "ws": out / "c", "env": env}
 
@@ -85,10 +89,12 @@ def test_an_edited_data_file_reruns_data_and_everything_after(ctx):
 def test_an_edited_file_the_reward_module_imports_reruns_grpo_not_data(ctx):
     before = _finished_at(ctx["ws"])
     (ctx["tmp"] / "content_values.py").write_text("VALUE = 0.5\n")  # the module itself is unchanged
+    (ctx["tmp"] / "rubric.txt").write_text("exact and brief\n")  # a file it reads, named in grpo.reward_files
     out = _resume(ctx)
     after = _finished_at(ctx["ws"])
     assert [s for s in STAGES if after[s] != before[s]] == ["grpo", "eval"]
     assert "resume: grpo reruns: code: content_rewards (reward module, content_values.py) changed" in out
+    assert f"resume: grpo reruns: file: grpo.reward_files {ctx['tmp'] / 'rubric.txt'} changed (size 6 -> 16" in out
     assert "resume: data reruns" not in out and "resume: sft reruns" not in out
     assert "resume: every stage is complete with its current key; nothing reruns" in _resume(ctx)
 

@@ -78,6 +78,10 @@ def test_validate_refuses_a_bad_data_file_or_model_folder_before_any_stage(tmp_p
         ),
         f"model.warm_start={tmp_path} sft.enabled=true": f"  <root>: model.warm_start={tmp_path}: GRPO starts",
         "model.warm_start=s3://models/champion sft.enabled=false": "  model.warm_start: a local model folder",
+        # a file the rewards read, keyed by its content: it must be there
+        f"grpo.reward_files=[{tmp_path / 'rubric.txt'}]": (
+            f"grpoflow: grpo.reward_files: {tmp_path / 'rubric.txt'}: no such file or folder (looked at "
+        ),
     }
     for override, want in cases.items():
         res = subprocess.run([*base, *override.split()], env=env, capture_output=True, text=True, timeout=300)

@@ -139,6 +139,31 @@ def test_a_warm_start_keys_grpo_and_later_by_its_folder_and_its_files(tmp_path):
     assert set(fp["content"]["model.warm_start"]) == {"config.json", "model.safetensors"}
 
 
+def test_the_files_the_rewards_read_key_grpo_and_eval_by_their_content(tmp_path):
+    """grpo.reward_files (a rubric, a word list the custom rewards read): a file by its path, a folder by each of
+    its files; an edit reruns grpo and everything after it, not data or sft; a path that is gone is named."""
+    rubric, words = tmp_path / "rubric.txt", tmp_path / "words"
+    rubric.write_text("be exact\n")
+    words.mkdir()
+    (words / "a.txt").write_text("alpha\n")
+    given = f"grpo.reward_files=[{rubric},{words}]"
+    plain, keyed = stage_keys(_cfg()), stage_keys(_cfg(given))
+    assert {s for s in plain if plain[s] != keyed[s]} == {"grpo", "eval", "export"}
+    fp = fingerprint.fingerprints(PIPELINE, _cfg(given))
+    assert set(fp["grpo"]["content"]["grpo.reward_files"]) == {str(rubric), f"{words}/a.txt"}
+    assert fp["eval"]["content"]["grpo.reward_files"] == fp["grpo"]["content"]["grpo.reward_files"]
+    rubric.write_text("be exact, and brief\n")
+    edited = stage_keys(_cfg(given))
+    assert {s for s in keyed if keyed[s] != edited[s]} == {"grpo", "eval", "export"}
+    (words / "b.txt").write_text("beta\n")  # a file added to the folder
+    assert stage_keys(_cfg(given))["grpo"] != edited["grpo"]
+    (words / "b.txt").unlink()
+    assert stage_keys(_cfg(given)) == edited
+    rubric.unlink()
+    with pytest.raises(ValueError, match=r"grpo.reward_files: .*rubric.txt: no such file or folder \(looked at "):
+        stage_keys(_cfg(given))
+
+
 def test_the_flow_parameter_init_model_becomes_the_configs_warm_start(tmp_path):
     """grpo_pipeline(init_model=...) puts the folder into the config (and SFT off), so config.yaml, the keys and a
     later `grpoflow resume` hold it; a config that names another warm start is refused, naming both."""
