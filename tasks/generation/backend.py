@@ -53,11 +53,12 @@ def make_generator(
     load_in_4bit: bool = False,
     max_model_len: int = 1024,
     seed: int = 0,
+    revision: str | None = None,
 ):
     """Pick the generation backend for ``cfg`` (a GenerationConfig), log which one and why, build it.
 
-    The vLLM engine starts from ``model_path`` (the model as trained from) and then follows
-    ``model``'s weights in memory."""
+    The vLLM engine starts from ``model_path`` (the model as trained from; ``revision``: its hub commit) and then
+    follows ``model``'s weights in memory."""
     problem = None
     if cfg.backend != "transformers":
         from grpoflow.tasks.generation.vllm_engine import model_architectures, model_head_dim, unsupported_reason
@@ -81,4 +82,6 @@ def make_generator(
         )
     from grpoflow.tasks.generation.vllm_engine import VLLMGenerator
 
-    return VLLMGenerator(model, tokenizer, model_path, cfg, dtype=dtype, max_model_len=max_model_len, seed=seed)
+    return VLLMGenerator(
+        model, tokenizer, model_path, cfg, dtype=dtype, max_model_len=max_model_len, seed=seed, revision=revision
+    )

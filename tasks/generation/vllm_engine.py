@@ -187,13 +187,17 @@ def engine_kwargs(
     sleep_available: bool,
     lora_rank: int | None = None,
     world: int = 1,
+    revision: str | None = None,
 ) -> dict:
     """Arguments of ``vllm.LLM`` for a co-located engine on ``device`` ("cpu", "cuda" or "cuda:N"; the GPU's own
     placement: vllm_device.placement_kwargs), in a process of a ``world``-process torch.distributed group
     (tasks/generation/vllm_ranks.py).
 
     KV cache: ``vllm_kv_cache_gib`` when set; else on CPU room for ``vllm_max_num_seqs`` full-length
-    sequences (block-rounded, at least 32 MiB); on GPU ``vllm_gpu_memory_utilization`` of the device."""
+    sequences (block-rounded, at least 32 MiB); on GPU ``vllm_gpu_memory_utilization`` of the device.
+    ``revision``: the hub commit of a hub-id ``model_path`` (model.revision): the engine starts from the config
+    and weights the policy loaded, not from whatever the branch names now (the first sync then streams the
+    policy's weights); None: a local folder, or the default branch."""
     kw = dict(
         model=model_path,
         dtype=dtype,
@@ -207,6 +211,8 @@ def engine_kwargs(
         max_num_seqs=cfg.vllm_max_num_seqs,
         enforce_eager=cfg.vllm_enforce_eager if cfg.vllm_enforce_eager is not None else device == "cpu",
     )
+    if revision is not None:
+        kw["revision"] = revision
     if device == "cpu":
         # No chunked prefill on CPU: vLLM rewinds a seeded request's generator after a partial prefill with
         # Generator.set_offset, which only CUDA generators have ("CPU Generator does not use offset"). Whole
@@ -345,6 +351,7 @@ class VLLMGenerator:
         dtype: str = "float32",
         max_model_len: int = 1024,
         seed: int = 0,
+        revision: str | None = None,
     ):
         vllm = import_vllm()
         from vllm.platforms import current_platform
@@ -362,6 +369,7 @@ class VLLMGenerator:
         kwargs = engine_kwargs(
             cfg,
             model_path=str(Path(model_path)),
+            revision=revision,
             dtype=dtype,
             max_model_len=max_model_len,
             seed=seed,

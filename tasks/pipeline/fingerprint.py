@@ -15,7 +15,8 @@ tasks/config/fingerprint.py. The content digests (tasks/storage/content.py) are:
                                     a hub id or builtin source: none (the config names it)
     model.name                      a local model folder or .gguf file: {file: size + sha256}, every file hashed
                                     (its sha256 cached per machine for files of 64 MiB or more: a copy with new
-                                    mtimes keeps the key); a hub id: none (model.revision is in the config)
+                                    mtimes keeps the key); a hub id: none (model.revision is in the config,
+                                    pinned to a commit when the run starts: tasks/pipeline/revision.py)
     model.warm_start                the folder GRPO starts from (the continuous flow's champion), as model.name
     reward <module>                 the source files (size + sha256) of each custom reward module of
                                     grpo.reward_funcs (``module:function`` entries): its own file (named by its

@@ -126,6 +126,7 @@ def start_generator(cfg: PipelineConfig, model, tokenizer, start: str, prompts: 
         load_in_4bit=cfg.model.load_in_4bit,
         max_model_len=max(len(p) for p in prompts) + cfg.grpo.max_completion_length,
         seed=cfg.run.seed,
+        revision=cfg.model.revision if start == cfg.model.name else None,  # the hub commit the policy loaded
     )
     timeline.mark("grpo/generator_up")
     return generator

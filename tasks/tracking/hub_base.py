@@ -26,18 +26,20 @@ from pathlib import Path
 FLAVOR = "transformers"
 
 
-def hub_commit(repo_id: str) -> str:
-    """The commit ``repo_id``'s default branch points at: asked of the hub, or read from the local hub cache
-    (``refs/main``) when the hub cannot be reached or ``HF_HUB_OFFLINE`` is set."""
+def hub_commit(repo_id: str, revision: str | None = None) -> str:
+    """The commit ``revision`` of ``repo_id`` names (a branch, tag or commit; None: the default branch): asked of
+    the hub, or read from the local hub cache (``refs/<revision>``) when the hub cannot be reached or
+    ``HF_HUB_OFFLINE`` is set. A commit is returned as it is once the cache or the hub knows it."""
     from huggingface_hub import HfApi
     from huggingface_hub.errors import RevisionResolutionError
 
     try:
-        return HfApi().resolve_revision(repo_id).resolved
+        return str(HfApi().resolve_revision(repo_id, revision=revision).resolved)
     except RevisionResolutionError as e:
+        ref = revision or "main"
         raise FileNotFoundError(
-            f"registry: base model {repo_id} is neither a local folder nor a hub repo whose commit can be resolved "
-            f"(the hub cannot be reached and the hub cache has no refs/main for it): {e}"
+            f"base model {repo_id} is neither a local folder nor a hub repo whose revision {ref!r} can be resolved "
+            f"(the hub cannot be reached and the hub cache has no refs/{ref} for it): {e}"
         ) from e
 
 

@@ -110,17 +110,22 @@ def log_adapter_model(
     name: str,
     example_prompt: str,
     max_new_tokens: int,
+    revision: str | None = None,
 ) -> LoggedExport:
     """Save the adapter in ``adapter_dir`` on ``base_model`` (a hub id or a local folder: the module docstring says
     what is kept of each) as an MLflow transformers model with its peft adapter, and log it as a LoggedModel output
-    of ``run_id``. The tokenizer is the one the export saved beside the adapter."""
+    of ``run_id``. The tokenizer is the one the export saved beside the adapter. ``revision``: the hub base's
+    revision the run trained on (model.revision, a commit once pinned); None: the default branch."""
     from peft import PeftModel
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     if not (Path(adapter_dir) / "adapter_config.json").is_file():
         raise FileNotFoundError(f"registry: no adapter_config.json in the exported adapter folder {adapter_dir}")
     local = Path(base_model).is_dir()
-    commit = None if local else hub_commit(base_model)
+    try:
+        commit = None if local else hub_commit(base_model, revision)
+    except FileNotFoundError as e:
+        raise FileNotFoundError(f"registry: {e}") from e
     base = AutoModelForCausalLM.from_pretrained(base_model, revision=commit, dtype="auto")
     model = PeftModel.from_pretrained(base, adapter_dir).eval()
     tokenizer = AutoTokenizer.from_pretrained(adapter_dir)

@@ -159,7 +159,8 @@ def register_pipeline_model(
         logged = log_merged_model(client, export_run, export["merged_path"], name, example, max_new)
     else:  # the adapter on its base: MLflow's transformers flavour with a peft adapter (model_registry.py)
         base = export.get("base_model") or adapter_base(export["adapter_path"])
-        logged = log_adapter_model(client, export_run, export["adapter_path"], base, name, example, max_new)
+        revision = cfg.model.revision if base == cfg.model.name else None  # the hub base's commit it trained on
+        logged = log_adapter_model(client, export_run, export["adapter_path"], base, name, example, max_new, revision)
     source, model_id = logged.source, logged.model_id
     accuracy = (evaluation or {}).get("accuracy_after")
     baseline = paired_baseline(cfg, evaluation, champion_version)

@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from tests.hub_cache import write_hub_cache
 from tests.paths import MICRO
 
 REWARD = (  # reads a helper module (keyed as its import) and a rubric file (keyed as grpo.reward_files)
@@ -126,3 +127,35 @@ def test_a_warm_started_run_resumes_from_its_folder_and_reruns_grpo_when_the_fol
     again = json.loads((ws / "grpo" / "manifest.json").read_text())
     assert again["finished_at"] != first["finished_at"] and again["summary"]["base_model"] == str(champion)
     assert json.loads((ws / "data" / "manifest.json").read_text())["finished_at"] == data_done
+
+
+@pytest.mark.slow
+def test_a_hub_model_is_pinned_to_its_commit_so_a_push_changes_nothing_of_the_run(ctx, tmp_path):
+    """model.name a hub id (a hub cache written here, the hub offline): `grpoflow run` pins the default branch to
+    the commit it names and config.yaml records it. After a push moves main (to files that do not even load), the
+    run's own stages still load the pinned commit: `resume --from-stage grpo` retrains on it, and a `grpoflow run`
+    of the same run.name, which asks for main again, is refused naming the revision change."""
+    repo, cache = "grpoflow-test/micro-base", tmp_path / "hf" / "hub"
+    commit = write_hub_cache(cache, repo, ctx["ws"] / "base_model")
+    env = {**ctx["env"], "HF_HOME": str(cache.parent), "HF_HUB_CACHE": str(cache), "HF_HUB_OFFLINE": "1"}
+    out = ctx["ws"].parent
+    cmd = [sys.executable, "-m", "grpoflow.flows.cli", "run", str(MICRO), f"run.output_dir={out}", "run.name=hub",
+           f"data.source={ctx['data']}", f"model.name={repo}", "sft.enabled=false", "grpo.max_steps=1",
+           "eval.enabled=false", "export.enabled=false"]  # fmt: skip
+    res = subprocess.run(cmd, env=env, capture_output=True, text=True)
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert f"grpoflow: model.revision: {repo} pinned to commit {commit} (its default branch now)" in res.stdout
+    ws = out / "hub"
+    assert yaml.safe_load((ws / "config.yaml").read_text())["model"]["revision"] == commit
+    first = json.loads((ws / "grpo" / "manifest.json").read_text())["finished_at"]
+
+    (tmp_path / "pushed").mkdir()
+    (tmp_path / "pushed" / "config.json").write_text('{"model_type": "no-such-architecture"}')
+    pushed = write_hub_cache(cache, repo, tmp_path / "pushed")
+    again = subprocess.run(cmd, env=env, capture_output=True, text=True)
+    assert again.returncode == 2, again.stderr[-3000:]
+    assert f'config: model.revision "{commit}" -> "{pushed}"' in again.stderr
+    res = subprocess.run([*cmd[:3], "resume", str(ws), "--from-stage", "grpo"], env=env, capture_output=True, text=True)
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert "pinned" not in res.stdout  # the recorded commit, as it is
+    assert json.loads((ws / "grpo" / "manifest.json").read_text())["finished_at"] != first

@@ -277,6 +277,11 @@ def test_engine_kwargs_cpu_sizes_the_kv_cache_explicitly():
     assert kw["enforce_eager"] is True and kw["distributed_executor_backend"] == "uni"
     assert kw["logprobs_mode"] == "processed_logprobs" and kw["generation_config"] == "vllm"
     assert kw["enable_chunked_prefill"] is False and kw["max_num_batched_tokens"] == 8192
+    assert "revision" not in kw  # a local folder, or a hub id's default branch: vLLM's own default
+    commit = "0123456789abcdef0123456789abcdef01234567"
+    pinned = engine_kwargs(GenerationConfig(), model_path="org/m", dtype="float32", max_model_len=160, seed=3,
+                           hf_config=_HF, device="cpu", sleep_available=False, revision=commit)  # fmt: skip
+    assert pinned["revision"] == commit  # the commit the policy loaded (model.revision, pinned at the run's start)
     small = engine_kwargs(GenerationConfig(vllm_max_num_seqs=1), model_path="m", dtype="float32", max_model_len=16,
                           seed=3, hf_config=_HF, device="cpu", sleep_available=False)  # fmt: skip
     assert small["kv_cache_memory_bytes"] == 32 << 20

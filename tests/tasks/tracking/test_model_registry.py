@@ -4,12 +4,9 @@ same greedy answer as the merged export of the same adapter, with the workspace 
 gone. An adapter on a hub base (a hub cache written here, the hub offline) registers the repo and commit, no base
 weights, and loads to the base-plus-adapter's logits and answer."""
 
-import hashlib
-import os
 import shutil
 from pathlib import Path
 
-import huggingface_hub.constants
 import mlflow.artifacts
 import mlflow.pyfunc
 import mlflow.transformers
@@ -29,6 +26,7 @@ from grpoflow.tasks.tracking.model_registry import log_adapter_model
 from grpoflow.tasks.tracking.registry import register_pipeline_model
 from grpoflow.tasks.tracking.tracker import RunLogger
 from tests.adapters import save_trained_adapter
+from tests.hub_cache import offline_hub, write_hub_cache
 from tests.paths import MICRO
 
 NAME = "grpoflow-adapter-registry-test"
@@ -47,36 +45,6 @@ def logits(model, tokenizer, prompt: str) -> torch.Tensor:
     ids = tokenizer(prompt, return_tensors="pt").input_ids
     with torch.no_grad():
         return model(input_ids=ids).logits[0].float()
-
-
-def write_hub_cache(cache: Path, repo_id: str, files: Path) -> str:
-    """The files of the folder ``files`` as the hub model ``repo_id`` in a hub cache at ``cache``, laid out as
-    huggingface_hub downloads them: blobs named by content hash, the commit's snapshot of links to them, and
-    refs/main naming the commit. Returns the commit: 40 hex digits (a hash of the files), as a git commit id is."""
-    repo = cache / ("models--" + repo_id.replace("/", "--"))
-    names = sorted(f.name for f in files.iterdir() if f.is_file())
-    commit = hashlib.sha1(b"".join(n.encode() + (files / n).read_bytes() for n in names)).hexdigest()
-    snapshot = repo / "snapshots" / commit
-    snapshot.mkdir(parents=True)
-    (repo / "blobs").mkdir()
-    for name in names:
-        data = (files / name).read_bytes()
-        blob = repo / "blobs" / hashlib.sha256(data).hexdigest()
-        blob.write_bytes(data)
-        (snapshot / name).symlink_to(os.path.relpath(blob, snapshot))
-    (repo / "refs").mkdir()
-    (repo / "refs" / "main").write_text(commit)
-    return commit
-
-
-def offline_hub(monkeypatch, cache: Path) -> None:
-    """The hub is ``cache`` and out of reach: the environment a process started here would see, and the values
-    huggingface_hub read from it when it was imported (before this test), which its functions consult."""
-    env = {"HF_HOME": cache.parent, "HF_HUB_CACHE": cache, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
-    for var, value in env.items():
-        monkeypatch.setenv(var, str(value))
-    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(cache))
-    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
 
 
 def greedy_answer(model, tokenizer, prompt: str, max_new_tokens: int) -> str:
@@ -143,8 +111,9 @@ def test_an_adapter_folder_without_its_config_is_refused_by_name(mlflow_server, 
 
 def test_an_adapter_on_a_hub_base_registers_the_repo_and_commit_and_loads_offline(mlflow_server, tmp_path, monkeypatch):
     """The hub-id path with no hub: the tiny base is written into a hub cache as ``HUB_REPO`` and the hub is
-    offline. The registered model names the repo and the cache's commit, holds no base weights, and loads (base and
-    tokenizer from the cache) to the logits and greedy answer of the base with the adapter applied by peft."""
+    offline. The registered model names the repo and the commit the run pinned (main has moved on since), holds no
+    base weights, and loads (base and tokenizer from the cache) to the logits and greedy answer of the base with
+    the adapter applied by peft."""
     monkeypatch.setenv("MLFLOW_TRACKING_URI", mlflow_server)
     name = f"{NAME}-hub"
     cfg = load_config(MICRO, [*SETTINGS, f"tracking.registered_model={name}"])
@@ -174,7 +143,12 @@ def test_an_adapter_on_a_hub_base_registers_the_repo_and_commit_and_loads_offlin
     grown_tokenizer.save_pretrained(grown)
     with pytest.raises(ValueError, match=f"tokenizer in {grown} has a vocabulary other than {HUB_REPO}@{commit}"):
         log_adapter_model(client, run, str(grown), HUB_REPO, name, PROMPT, 4)  # it would load the hub's tokenizer
-    reg = register_pipeline_model(client, cfg, parent, export, None, None)
+    # a push to the repo after the run pinned its commit (model.revision): the base stays the commit it trained on
+    (tmp_path / "pushed").mkdir()
+    (tmp_path / "pushed" / "config.json").write_text("{}")
+    assert write_hub_cache(cache, HUB_REPO, tmp_path / "pushed") != commit
+    pinned = cfg.model_copy(update={"model": cfg.model.model_copy(update={"name": HUB_REPO, "revision": commit})})
+    reg = register_pipeline_model(client, pinned, parent, export, None, None)
     shutil.rmtree(tmp_path / "ws")  # the base folder the cache was written from: only the hub cache holds it now
     shutil.rmtree(adapter)
 
