@@ -23,7 +23,7 @@ from prefect import flow, runtime
 from grpoflow.flows.stages import PIPELINE
 from grpoflow.tasks.config import ConfigError, PipelineConfig
 from grpoflow.tasks.model.sources import model_folder_problem
-from grpoflow.tasks.pipeline.resume import open_pipeline_run
+from grpoflow.tasks.pipeline.resume import open_pipeline_run, warm_start_version
 from grpoflow.tasks.pipeline.revision import pin_revision
 from grpoflow.tasks.pipeline.run_folder import WOULD_EMPTY, foreign_config
 from grpoflow.tasks.stages.data import data_task
@@ -104,6 +104,7 @@ def _pipeline(cfg: PipelineConfig, ws: Workspace, init_version: str | None) -> d
     if pinned:
         log.info(pinned)
     ws.write_text("config.yaml", yaml.safe_dump(cfg.to_dict(), sort_keys=False))  # what `grpoflow resume` reads
+    init_version = warm_start_version(ws, cfg, init_version)  # a hand resume of a cycle: the version it recorded
     names = PIPELINE.names
     tags = {"prefect_flow_run_id": runtime.flow_run.id, "workspace": ws.location}
     parent = open_pipeline_run(cfg, ws, tags={**tags, NOTE: describe_pipeline(cfg, names, None)})

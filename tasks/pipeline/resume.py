@@ -21,7 +21,7 @@ from grpoflow.tasks.config import PipelineConfig
 from grpoflow.tasks.config.secrets import redact
 from grpoflow.tasks.pipeline.fingerprint import continue_key, extents, fingerprints, key_of
 from grpoflow.tasks.pipeline.legacy import legacy_continue_keys, legacy_fingerprints, legacy_keys
-from grpoflow.tasks.pipeline.run_folder import RUN_FILE
+from grpoflow.tasks.pipeline.run_folder import RUN_FILE, WARM_START_FILE
 from grpoflow.tasks.pipeline.spec import Pipeline
 from grpoflow.tasks.storage.workspace import Workspace
 from grpoflow.tasks.tracking.tracker import RunLogger, flatten, logger_for, start_pipeline_run, tracking_uri
@@ -196,3 +196,20 @@ def replay_journal(cfg: PipelineConfig, root, uri: str) -> dict[str, int]:
             "tracking journal: %d records still unsent to %s (%s)", n, redact(uri), "; ".join(errors) or "no answer"
         )
     return left
+
+
+def warm_start_version(ws: Workspace, cfg: PipelineConfig, init_version: str | None) -> str | None:
+    """The registry version of the model GRPO warm-starts from (model.warm_start), which registration compares
+    the new model with, paired on the held-out rows: ``init_version`` when given (the continuous flow's champion;
+    recorded in the workspace's warm_start.json), else the version recorded there for this same folder, so a
+    hand `grpoflow resume` of a cycle's workspace registers as the cycle would have; None without a warm start."""
+    if cfg.model.warm_start is None:
+        return None
+    if init_version is not None:
+        ws.write_text(WARM_START_FILE, json.dumps({"warm_start": cfg.model.warm_start, "version": str(init_version)}))
+        return str(init_version)
+    try:
+        recorded = json.loads(ws.read_text(WARM_START_FILE) or "{}")
+    except ValueError:
+        return None
+    return recorded.get("version") if recorded.get("warm_start") == cfg.model.warm_start else None

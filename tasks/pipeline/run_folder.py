@@ -28,6 +28,7 @@ from grpoflow.tasks.storage.workspace import ATTEMPT, MANIFEST
 
 CONFIG = "config.yaml"
 RUN_FILE = "run.json"  # the MLflow parent run of the workspace (tasks/pipeline/resume.py writes it)
+WARM_START_FILE = "warm_start.json"  # the registry version of model.warm_start (resume.py warm_start_version)
 STAGES = ("data", "sft", "grpo", "eval", "export")  # the stage folders a record may lie in (flows/stages.py)
 # the sections of every config.yaml grpoflow has written (the first version's; later ones only added sections)
 ALWAYS_WRITTEN = ("run", "data", "model", "sft", "grpo", "generation", "eval", "export", "tracking")

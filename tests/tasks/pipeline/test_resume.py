@@ -3,7 +3,7 @@
 from grpoflow.flows.stages import PIPELINE
 from grpoflow.tasks.config import load_config
 from grpoflow.tasks.pipeline.fingerprint import fingerprints, key_of
-from grpoflow.tasks.pipeline.resume import changes, explain
+from grpoflow.tasks.pipeline.resume import changes, explain, warm_start_version
 from grpoflow.tasks.storage.workspace import Workspace
 from tests.paths import MICRO
 
@@ -52,3 +52,17 @@ def test_a_manifest_without_a_fingerprint_still_explains(tmp_path):
     ws = Workspace(tmp_path)
     ws.publish("data", "an-old-key", {})
     assert explain(PIPELINE, cfg, ws)["data"] == ["key changed (its manifest records no fingerprint)"]
+
+
+def test_the_champion_version_of_a_warm_start_is_recorded_for_a_later_resume(tmp_path):
+    """The continuous flow passes the champion's registry version; a hand `grpoflow resume` of the cycle's
+    workspace passes none and gets the recorded one back, for the same folder only."""
+    ws = Workspace(str(tmp_path / "ws"))
+    cold = load_config(str(MICRO))
+    warm = load_config(str(MICRO), ["sft.enabled=false", f"model.warm_start={tmp_path / 'champion'}"])
+    assert warm_start_version(ws, cold, "4") is None and ws.read_text("warm_start.json") is None
+    assert warm_start_version(ws, warm, None) is None  # nothing recorded yet
+    assert warm_start_version(ws, warm, "4") == "4"
+    assert warm_start_version(ws, warm, None) == "4"  # the resume
+    other = load_config(str(MICRO), ["sft.enabled=false", f"model.warm_start={tmp_path / 'another'}"])
+    assert warm_start_version(ws, other, None) is None
