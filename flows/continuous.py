@@ -124,17 +124,28 @@ def _train(cfg: PipelineConfig, source: str, state: str, ledger: Ledger, new: li
     # the new rows and the champion are this worker's local inputs of the cycle (beside an S3 workspace's cache)
     incoming = (local_path(ws, cfg.storage.cache_dir) if is_s3_uri(ws) else Path(ws)) / "incoming"
     check = functools.partial(check_file, cfg=cfg)
-    data_file, rows, bad, changed = gather(new, incoming / "train.jsonl", cfg.storage, check=check)
+    got = gather(new, incoming / "train.jsonl", cfg.storage, check=check, seen=ledger.contents())
+    data_file, rows, bad, changed = got.path, got.rows, got.bad, got.changed
     for f in changed:  # rewritten since listed: neither trained nor recorded; the next cycle lists the new version
         logger.warning("%s changed since it was listed: left for the next cycle", f.name)
+    for f, seen in got.same:  # uploaded again (a new ETag), the same bytes: recorded as the earlier one was
+        logger.info(
+            "%s: the same bytes as %s, %s in cycle %s (uploaded again: a new ETag): not trained again",
+            f.name, seen["name"], "quarantined" if seen.get("quarantined") else "trained", seen.get("cycle"),
+        )  # fmt: skip
+    if got.same:
+        ledger.same_content(got.same, cycle=name)
     for f, error in bad:  # one line each, naming the landed file and line; the good files train
         logger.error("quarantined %s: %s (fix it and land it again under its name)", f.name, error)
     if bad:
         ledger.quarantine(bad, cycle=name)
-    new = [f for f in new if f not in {b for b, _ in bad} and f not in changed]
+    new = got.files
     quarantined = [{"name": f.name, "uri": f.uri, "error": e} for f, e in bad]
     if not new:
-        logger.info("no new data file can train (%d quarantined, %d changed): nothing to do", len(bad), len(changed))
+        logger.info(
+            "no new data file can train (%d quarantined, %d changed, %d already seen): nothing to do",
+            len(bad), len(changed), len(got.same),
+        )  # fmt: skip
         return {"consumed": [], "quarantined": quarantined, "decision": None}
     logger.info("%d new data files (%d rows) in %s: %s", len(new), rows, source, [f.name for f in new])
     champion = champion_task(cfg, str(incoming / "champion"))

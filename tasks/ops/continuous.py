@@ -12,15 +12,17 @@ that finds no new data should not wait for them.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
 import shutil
 from collections.abc import Callable
 from pathlib import Path
+from typing import NamedTuple
 
 from grpoflow.tasks.config import ConfigError, PipelineConfig, StorageConfig
-from grpoflow.tasks.ops.datasource import DataFile, DataFileChanged, fetch
+from grpoflow.tasks.ops.datasource import DataFile, DataFileChanged, fetch, sha256_file
 
 log = logging.getLogger(__name__)
 
@@ -58,24 +60,39 @@ def check_file(f: DataFile, path: Path, cfg: PipelineConfig) -> str | None:
     return None
 
 
+class Gathered(NamedTuple):
+    """What :func:`gather` made of the listed files."""
+
+    path: Path  # the JSON-lines file of every row that trains
+    rows: int
+    bad: list[tuple[DataFile, str]]  # left out, with why (quarantined by the cycle)
+    changed: list[DataFile]  # changed since listed: neither trained nor recorded; the next cycle lists them
+    files: list[DataFile]  # the files whose rows it holds, each with its snapshot's sha256 (what the ledger records)
+    same: list[tuple[DataFile, dict]]  # a new key, the bytes of a file already recorded (its entry): not trained
+
+
 def gather(
     files: list[DataFile],
     dest: Path,
     storage: StorageConfig | None = None,
     check: Callable[[DataFile, Path], str | None] | None = None,
-) -> tuple[Path, int, list[tuple[DataFile, str]], list[DataFile]]:
+    seen: dict[tuple[str, int, str], dict] | None = None,
+) -> Gathered:
     """Every row of ``files`` (any format the data stage reads; S3 ones fetched with ``storage``) in one JSON-lines
-    file: (path, rows, the files left out with why, the files changed since listed). ``check(file, local path)``
-    (:func:`check_file`) says why a file cannot train; such a file, or one that does not load, is left out rather
-    than failing the others. Each file is read from one snapshot of the listed bytes (:func:`fetch`); one that
-    changed since it was listed is left out too, neither trained nor to be recorded: the next cycle lists its new
-    version."""
+    file (:class:`Gathered`). ``check(file, local path)`` (:func:`check_file`) says why a file cannot train; such a
+    file, or one that does not load, is left out rather than failing the others. Each file is read from one
+    snapshot of the listed bytes (:func:`fetch`), whose sha256 it then carries; one that changed since it was
+    listed is left out too, neither trained nor to be recorded: the next cycle lists its new version. A file whose
+    name, size and sha256 are in ``seen`` (the ledger's :meth:`~Ledger.contents`: an S3 object uploaded again,
+    with another ETag) is left out as ``same``, with the entry it repeats."""
     from grpoflow.tasks.dataio.sources import load_source
 
     download_dir = dest.parent / "downloads"
     rows = 0
     bad: list[tuple[DataFile, str]] = []
     changed: list[DataFile] = []
+    kept: list[DataFile] = []
+    same: list[tuple[DataFile, dict]] = []
     dest.parent.mkdir(parents=True, exist_ok=True)
     with open(dest, "w") as out:
         for f in files:
@@ -84,6 +101,10 @@ def gather(
             except DataFileChanged as e:
                 log.warning("%s: left for the next cycle", e)
                 changed.append(f)
+                continue
+            f = dataclasses.replace(f, sha256=f.sha256 or sha256_file(path))
+            if f.content in (seen or {}):
+                same.append((f, seen[f.content]))
                 continue
             problem = check(f, path) if check is not None else None
             if problem is None:
@@ -97,7 +118,8 @@ def gather(
             for row in ds:
                 out.write(json.dumps(row, default=str) + "\n")
                 rows += 1
-    return dest, rows, bad, changed
+            kept.append(f)
+    return Gathered(dest, rows, bad, changed, kept, same)
 
 
 def champion_model(cfg: PipelineConfig, dest: Path) -> tuple[str, dict] | None:

@@ -3,7 +3,11 @@ it has already trained on.
 
 A file is identified by its name (path relative to the source), size and content hash (sha256 for local files,
 the ETag for S3 objects), so a file rewritten in place with new content counts as new, and the same bytes under
-another name count as new too. The ledger is one JSON file, replaced atomically and durably (a temporary file,
+another name count as new too. An S3 ETag is not always a hash of the bytes (a multipart upload's is a hash of its
+parts' hashes, so the same file uploaded with another part size, or to an SSE-KMS bucket, gets another ETag): the
+ledger also records the sha256 of each snapshot a cycle read, and a file whose ETag is new but whose name, size
+and sha256 are those of a file already recorded is not trained again (:meth:`Ledger.contents`, the cycle's
+gather in tasks/ops/continuous.py). The ledger is one JSON file, replaced atomically and durably (a temporary file,
 fsynced, then ``os.replace`` and an fsync of the folder), and the continuous flow adds to it only after a cycle
 succeeded: a failed cycle consumes nothing. A cycle reads each file from one snapshot of the bytes its listing
 identified (:func:`fetch`), so what it trains on is what the ledger records; a file changed since it was listed is
@@ -19,7 +23,7 @@ from __future__ import annotations
 import hashlib
 import json
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from grpoflow.tasks.config.storage import StorageConfig
@@ -35,10 +39,18 @@ class DataFile:
     uri: str
     size: int
     hash: str
+    # of the bytes, once known (the hash itself for a local file, an S3 snapshot's); not part of equality: a file is
+    # the one its listing named
+    sha256: str | None = field(default=None, compare=False)
 
     @property
     def key(self) -> str:
         return f"{self.name}|{self.size}|{self.hash}"
+
+    @property
+    def content(self) -> tuple[str, int, str] | None:
+        """(name, size, sha256): the file's identity by its bytes, whatever the ETag says; None until known."""
+        return (self.name, self.size, self.sha256) if self.sha256 else None
 
     @classmethod
     def from_key(cls, key: str, uri: str = "") -> DataFile:
@@ -84,7 +96,8 @@ def list_source(source: str, storage: StorageConfig | None = None) -> list[DataF
     for path in sorted(root.rglob("*")):
         rel = path.relative_to(root).as_posix()
         if path.is_file() and _is_data_name(rel):
-            files.append(DataFile(rel, str(path.resolve()), path.stat().st_size, sha256_file(path)))
+            digest = sha256_file(path)
+            files.append(DataFile(rel, str(path.resolve()), path.stat().st_size, digest, digest))
     return files
 
 
@@ -209,6 +222,27 @@ class Ledger:
         files = [by_key.get(k) or DataFile.from_key(k) for k in pending["files"]]
         self.quarantine([(f, error) for f in files], end_pending=True, cycle=pending["cycle"])
         return pending
+
+    def contents(self) -> dict[tuple[str, int, str], dict]:
+        """{(name, size, sha256): the latest entry} of the entries that recorded their bytes' sha256 (consumed, or
+        quarantined): a listed file with a new key but one of these contents is a copy already seen (an S3 object
+        uploaded again, its ETag another). Entries of older grpoflow recorded no sha256 and are not here."""
+        out = {}
+        for e in self.entries():
+            if e.get("sha256"):
+                out[(e["name"], int(e["size"]), e["sha256"])] = e
+        return out
+
+    def same_content(self, files: list[tuple[DataFile, dict]], **info) -> None:
+        """Record ``files`` (each with the earlier entry of the same content: :meth:`contents`) as that entry was,
+        consumed or quarantined with its error, and naming it (``same_as``: its key and cycle), without training
+        them; the pending cycle stays. So the next listing skips them by their own key."""
+        entries = []
+        for f, seen in files:
+            was = {"quarantined": True, "error": seen.get("error")} if seen.get("quarantined") else {}
+            same_as = {"key": f"{seen['name']}|{seen['size']}|{seen['hash']}", "cycle": seen.get("cycle")}
+            entries.append({**asdict(f), **was, "same_as": same_as, **info})
+        self._add(entries)
 
     def new_files(self, files: list[DataFile]) -> list[DataFile]:
         """The files of ``files`` not in the ledger yet (a rewritten file has another size or hash: new)."""

@@ -47,7 +47,7 @@ def test_gather_puts_every_format_into_one_jsonl(tmp_path):
     src.mkdir()
     (src / "a.jsonl").write_text(json.dumps({"question": "What is 1 + 2?", "answer": "3"}) + "\n")
     (src / "b.csv").write_text("question,answer\nWhat is 2 + 2?,4\nWhat is 5 + 1?,6\n")
-    path, rows, bad, _ = gather(list_source(str(src)), tmp_path / "cycle" / "train.jsonl")
+    path, rows, bad, *_ = gather(list_source(str(src)), tmp_path / "cycle" / "train.jsonl")
     assert bad == []
     lines = [json.loads(line) for line in path.read_text().splitlines()]
     assert rows == 3 and [r["question"] for r in lines] == ["What is 1 + 2?", "What is 2 + 2?", "What is 5 + 1?"]
@@ -55,7 +55,7 @@ def test_gather_puts_every_format_into_one_jsonl(tmp_path):
 
 def test_gather_names_a_bad_file(tmp_path):
     (tmp_path / "bad.parquet").write_text("not parquet")
-    _, rows, bad, _ = gather(list_source(str(tmp_path)), tmp_path / "out" / "train.jsonl")
+    _, rows, bad, *_ = gather(list_source(str(tmp_path)), tmp_path / "out" / "train.jsonl")
     assert rows == 0 and [f.name for f, _ in bad] == ["bad.parquet"] and "bad.parquet" in bad[0][1]
 
 
@@ -71,7 +71,7 @@ def test_each_landed_file_is_checked_alone_and_a_bad_one_is_quarantined_by_its_o
     _landed(src)
     cfg = load_config(MICRO, [f"run.output_dir={tmp_path}", "data.eval_source=heldout.jsonl"])
     files = list_source(str(src))
-    path, rows, bad, changed = gather(files, tmp_path / "cycle" / "train.jsonl", check=partial(check_file, cfg=cfg))
+    path, rows, bad, changed, *_ = gather(files, tmp_path / "cycle" / "train.jsonl", check=partial(check_file, cfg=cfg))
     assert rows == 1 and changed == [] and json.loads(path.read_text())["question"] == "What is 1 + 2?"  # good trains
     ((file, error),) = bad
     assert file.name == "bad.jsonl" and error.startswith(f"{src / 'bad.jsonl'} line 2: answer is missing"), error
@@ -355,6 +355,39 @@ def test_a_cycle_keeps_its_state_on_s3(tmp_path, seaweedfs, monkeypatch):
     assert not (tmp_path / "s3:").exists() and not (tmp_path / "runs" / "continuous").exists()
     assert [f.name for f in Ledger(ledger).new_files(list_source(source))] == ["new.jsonl"]
     assert not store.exists(f"{source}/_grpoflow-continuous/.grpoflow.lease")  # the cycle's lease, released
+
+
+def test_a_cycle_does_not_train_a_file_uploaded_again_with_another_etag(tmp_path, seaweedfs, monkeypatch):
+    """The flow on an s3:// source: a file a cycle trained (its snapshot's sha256 in the ledger) is uploaded again
+    in parts, which gives it another ETag. The next cycle fetches it, finds the same bytes, records it as the
+    earlier entry was (consumed, naming it) and trains nothing: no pipeline, no workspace."""
+    from grpoflow.flows.continuous import grpo_continuous
+    from grpoflow.tasks.config import StorageConfig
+    from grpoflow.tasks.storage import s3
+
+    for k, v in seaweedfs.env().items():
+        monkeypatch.setenv(k, v)
+    monkeypatch.chdir(tmp_path)
+    cache = str(tmp_path / "cache")
+    store = s3.S3Client(StorageConfig(cache_dir=cache, multipart_threshold_mb=5, multipart_chunksize_mb=5))
+    source = f"s3://{seaweedfs.bucket}/landing-again-{tmp_path.name}"
+    rows = "".join(json.dumps({"question": f"What is {i} + 1?", "answer": str(i + 1)}) + "\n" for i in range(170_000))
+    batch = tmp_path / "batch.jsonl"
+    batch.write_text(rows)
+    store.put_bytes(batch.read_bytes(), f"{source}/batch.jsonl")
+    ledger = Ledger(f"{source}/_grpoflow-continuous/ledger.json")
+    trained = gather(list_source(source), tmp_path / "earlier" / "train.jsonl").files  # as the earlier cycle did
+    ledger.record(trained, cycle="cycle-1")
+    store.upload_file(batch, f"{source}/batch.jsonl")  # the same bytes, in parts: another ETag
+    assert [f.name for f in ledger.new_files(list_source(source))] == ["batch.jsonl"]
+
+    (tmp_path / "heldout.jsonl").write_text(json.dumps({"question": "What is 1 + 1?", "answer": "2"}) + "\n")
+    overrides = ["run.output_dir=runs", f"data.eval_source={tmp_path / 'heldout.jsonl'}", f"storage.cache_dir={cache}"]
+    out = grpo_continuous(config=str(MICRO), overrides=overrides, source=source)
+    assert out["consumed"] == [] and out["decision"] is None
+    assert ledger.new_files(list_source(source)) == [] and ledger.pending() is None
+    assert ledger.entries()[-1]["same_as"] == {"key": trained[0].key, "cycle": "cycle-1"}
+    assert not store.list_objects(f"{source}/_grpoflow-continuous/cycles/")  # no workspace: nothing trained
 
 
 def test_a_champion_adapter_is_merged_onto_its_base(tmp_path):

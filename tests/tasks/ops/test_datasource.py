@@ -111,7 +111,7 @@ def test_s3_prefix_source_lists_fetches_and_gathers(seaweedfs, monkeypatch, tmp_
     with pytest.raises(ValueError, match=f"ledger {state}/ledger.json: not a grpoflow ledger"):
         restarted.keys()
 
-    out, rows, bad, changed = gather(list_source(prefix), tmp_path / "cycle" / "train.jsonl")
+    out, rows, bad, changed, *_ = gather(list_source(prefix), tmp_path / "cycle" / "train.jsonl")
     assert bad == [] and changed == []
     assert rows == 2
     assert [json.loads(line)["answer"] for line in out.read_text().splitlines()] == ["10", "4"]
@@ -133,13 +133,13 @@ def test_a_file_rewritten_after_listing_is_left_for_the_next_cycle(tmp_path):
     ledger = Ledger(tmp_path / "state" / "ledger.json")
     listed = ledger.new_files(list_source(str(src)))
     write(src / "a.jsonl", [{"question": "q1", "answer": "1"}, {"question": "q3", "answer": "3"}])  # appended
-    out, rows, bad, changed = gather(listed, tmp_path / "cycle" / "train.jsonl")
+    out, rows, bad, changed, *_ = gather(listed, tmp_path / "cycle" / "train.jsonl")
     assert bad == [] and [f.name for f in changed] == ["a.jsonl"]
     assert _trained_answers(out) == ["2"] and rows == 1  # version 2 of a.jsonl not trained under version 1's name
     ledger.record([f for f in listed if f not in changed], cycle="c1")
     again = ledger.new_files(list_source(str(src)))
     assert [f.name for f in again] == ["a.jsonl"]  # the next cycle: version 2, once
-    out, rows, bad, changed = gather(again, tmp_path / "cycle2" / "train.jsonl")
+    out, rows, bad, changed, *_ = gather(again, tmp_path / "cycle2" / "train.jsonl")
     assert _trained_answers(out) == ["1", "3"] and changed == []
     ledger.record(again, cycle="c2")
     assert ledger.new_files(list_source(str(src))) == []
@@ -158,7 +158,7 @@ def test_a_file_rewritten_while_read_trains_what_was_listed(tmp_path, monkeypatc
         write(a, [{"question": "q1", "answer": "BAD"}])
         return None
 
-    out, rows, bad, changed = gather(listed, tmp_path / "cycle" / "train.jsonl", check=check)
+    out, rows, bad, changed, *_ = gather(listed, tmp_path / "cycle" / "train.jsonl", check=check)
     assert _trained_answers(out) == ["1"] and changed == [] and bad == []
 
 
@@ -198,15 +198,56 @@ def test_s3_object_rewritten_or_deleted_after_listing_is_left_for_the_next_cycle
     listed = list_source(prefix)
     store.put_bytes(b'{"question": "q", "answer": "1"}\n{"question": "q", "answer": "9"}\n', f"{prefix}/a.jsonl")
     store.delete_objects([f"{prefix}/c.jsonl"])
-    out, rows, bad, changed = gather(listed, tmp_path / "cycle" / "train.jsonl")
+    out, rows, bad, changed, *_ = gather(listed, tmp_path / "cycle" / "train.jsonl")
     assert bad == [] and [f.name for f in changed] == ["a.jsonl", "c.jsonl"]
     assert _trained_answers(out) == ["2"]
     ledger = Ledger(tmp_path / "ledger.json")
     ledger.record([f for f in listed if f not in changed], cycle="c1")
     again = ledger.new_files(list_source(prefix))
     assert [f.name for f in again] == ["a.jsonl"]
-    out, rows, bad, changed = gather(again, tmp_path / "cycle2" / "train.jsonl")
+    out, rows, bad, changed, *_ = gather(again, tmp_path / "cycle2" / "train.jsonl")
     assert _trained_answers(out) == ["1", "9"] and changed == []
+
+
+def test_an_s3_file_uploaded_again_with_another_etag_is_recognised_by_its_bytes(seaweedfs, monkeypatch, tmp_path):
+    """On a real S3 server: the same file uploaded again in parts (a multipart ETag, not the MD5 of the first
+    upload) lists as new, but its snapshot's sha256 is the one the ledger recorded: gather leaves it out as
+    ``same`` with the entry it repeats, and once recorded so the next listing skips it. New bytes under the same
+    name still train, and a file the ledger recorded before sha256s were (no sha256) cannot be recognised."""
+    from grpoflow.tasks.config import StorageConfig
+    from grpoflow.tasks.ops.continuous import gather
+    from grpoflow.tasks.storage import s3
+
+    for k, v in seaweedfs.env().items():
+        monkeypatch.setenv(k, v)
+    parts = StorageConfig(cache_dir=str(tmp_path / "cache"), multipart_threshold_mb=5, multipart_chunksize_mb=5)
+    store = s3.S3Client(parts)
+    prefix = f"s3://{seaweedfs.bucket}/reuploaded-{tmp_path.name}"
+    rows = [{"question": f"What is {i} + {i}?", "answer": str(2 * i)} for i in range(160_000)]  # 6.2 MiB
+    big = write(tmp_path / "big.jsonl", rows)
+    assert big.stat().st_size > 6 << 20
+    store.put_bytes(big.read_bytes(), f"{prefix}/big.jsonl")  # one part: the ETag is the bytes' MD5
+    ledger = Ledger(tmp_path / "ledger.json")
+    first = gather(ledger.new_files(list_source(prefix)), tmp_path / "c1" / "train.jsonl", seen=ledger.contents())
+    assert first.rows == len(rows) and first.same == [] and first.files[0].sha256 == sha256_file(big)
+    ledger.record(first.files, cycle="c1")
+
+    store.upload_file(big, f"{prefix}/big.jsonl")  # the same bytes in two parts: another ETag
+    again = ledger.new_files(list_source(prefix))
+    assert [f.name for f in again] == ["big.jsonl"] and again[0].hash != first.files[0].hash
+    got = gather(again, tmp_path / "c2" / "train.jsonl", seen=ledger.contents())
+    assert got.rows == 0 and got.files == [] and [(f.name, e["cycle"]) for f, e in got.same] == [("big.jsonl", "c1")]
+    ledger.same_content(got.same, cycle="c2")
+    assert ledger.new_files(list_source(prefix)) == []
+    assert ledger.entries()[-1]["same_as"] == {"key": first.files[0].key, "cycle": "c1"}
+
+    write(big, [*rows, {"question": "What is 1 + 0?", "answer": "1"}])  # new bytes, the same name
+    store.upload_file(big, f"{prefix}/big.jsonl")
+    changed = gather(ledger.new_files(list_source(prefix)), tmp_path / "c3" / "train.jsonl", seen=ledger.contents())
+    assert changed.rows == len(rows) + 1 and changed.same == []
+    older = Ledger(tmp_path / "older.json")  # recorded by grpoflow before sha256s: by key only
+    older.record([DataFile(f.name, f.uri, f.size, f.hash) for f in first.files], cycle="c1")
+    assert older.contents() == {}
 
 
 def test_an_s3_ledger_is_not_written_once_the_state_folders_lease_was_taken(seaweedfs, monkeypatch, tmp_path):
