@@ -176,7 +176,9 @@ def cmd_continuous_status(args) -> int:
     except (ValueError, OSError) as e:
         raise ConfigError(str(e)) from None
     consumed = [e for e in entries if not e.get("quarantined")]
-    print(f"ledger {ledger.location}: {len(consumed)} files consumed")
+    again = sum(1 for e in consumed if e.get("same_as"))  # uploaded again, the same bytes: recorded, not trained
+    print(f"ledger {ledger.location}: {len(consumed) - again} files consumed"
+          + (f" ({again} uploaded again with the same bytes, not trained again)" if again else ""))  # fmt: skip
     for e in ledger.quarantined():
         when = e.get("quarantined_at", "?")
         print(f"quarantined: {e['name']} (cycle {e.get('cycle', '?')}, {when}): {e['error']}")

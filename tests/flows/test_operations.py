@@ -357,7 +357,7 @@ def test_a_cycle_keeps_its_state_on_s3(tmp_path, seaweedfs, monkeypatch):
     assert not store.exists(f"{source}/_grpoflow-continuous/.grpoflow.lease")  # the cycle's lease, released
 
 
-def test_a_cycle_does_not_train_a_file_uploaded_again_with_another_etag(tmp_path, seaweedfs, monkeypatch):
+def test_a_cycle_does_not_train_a_file_uploaded_again_with_another_etag(tmp_path, seaweedfs, monkeypatch, capsys):
     """The flow on an s3:// source: a file a cycle trained (its snapshot's sha256 in the ledger) is uploaded again
     in parts, which gives it another ETag. The next cycle fetches it, finds the same bytes, records it as the
     earlier entry was (consumed, naming it) and trains nothing: no pipeline, no workspace."""
@@ -388,6 +388,11 @@ def test_a_cycle_does_not_train_a_file_uploaded_again_with_another_etag(tmp_path
     assert ledger.new_files(list_source(source)) == [] and ledger.pending() is None
     assert ledger.entries()[-1]["same_as"] == {"key": trained[0].key, "cycle": "cycle-1"}
     assert not store.list_objects(f"{source}/_grpoflow-continuous/cycles/")  # no workspace: nothing trained
+    capsys.readouterr()
+    assert main(["continuous-status", source]) == 0
+    out = capsys.readouterr().out
+    assert "1 files consumed (1 uploaded again with the same bytes, not trained again)" in out
+    assert "waiting: 0 new files" in out
 
 
 def test_a_champion_adapter_is_merged_onto_its_base(tmp_path):
