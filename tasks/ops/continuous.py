@@ -146,7 +146,9 @@ def champion_model(cfg: PipelineConfig, dest: Path) -> tuple[str, dict] | None:
     # the version's own artifact location (a models:/ URI would resolve against the default registry, not ``uri``)
     source = client.get_model_version_download_uri(name, version.version)
     local = Path(download_artifacts(artifact_uri=source, dst_path=str(dest), tracking_uri=uri))
-    if (local / "MLmodel").is_file():  # an MLflow transformers model: the HF folder (weights, tokenizer) in model/
+    if (local / "MLmodel").is_file() and (local / "peft").is_dir():  # an adapter-only export: base + peft/ adapter
+        local = _merge_mlflow_adapter(local, dest / "merged", cfg)
+    elif (local / "MLmodel").is_file():  # an MLflow transformers model: the HF folder (weights, tokenizer) in model/
         local = local / "model"
     if (local / "adapter_config.json").is_file():
         local = _merge_adapter(local, dest / "merged", cfg)
@@ -159,6 +161,21 @@ def champion_model(cfg: PipelineConfig, dest: Path) -> tuple[str, dict] | None:
         "source": version.source,
     }
     return str(local), info
+
+
+def _merge_mlflow_adapter(saved: Path, out: Path, cfg: PipelineConfig) -> Path:
+    """An adapter-only MLflow model (tasks/tracking/model_registry.py log_adapter_model: its base under model/, or
+    a hub repo at a commit, and the adapter under peft/) loaded as MLflow loads it, base with the adapter applied,
+    and merged into a plain model folder. Its model/ folder alone is the base without the adapter."""
+    import mlflow.transformers
+
+    from grpoflow.tasks.model.save import save_merged
+
+    parts = mlflow.transformers.load_model(str(saved), return_type="components")
+    model = parts["model"]
+    dtype = cfg.model.dtype if cfg.model.dtype != "auto" else str(model.dtype).removeprefix("torch.")
+    save_merged(model, parts["tokenizer"], out, dtype, is_adapter=True)
+    return out
 
 
 def _merge_adapter(adapter_dir: Path, out: Path, cfg: PipelineConfig) -> Path:

@@ -176,3 +176,33 @@ def test_a_hub_base_neither_reachable_nor_cached_is_refused_by_name(mlflow_serve
     (tmp_path / "adapter_config.json").write_text("{}")
     with pytest.raises(FileNotFoundError, match="base model grpoflow-test/not-cached is neither a local folder"):
         log_adapter_model(client, run, str(tmp_path), "grpoflow-test/not-cached", NAME, "q", 4)
+
+
+def test_a_champion_registered_as_an_adapter_warm_starts_as_base_plus_adapter(mlflow_server, tmp_path, monkeypatch):
+    """The continuous flow's champion download (tasks/ops/continuous.py champion_model) of an adapter-only export
+    (export.merged: false): the registered MLflow model holds the base under model/ and the adapter under peft/, and
+    the folder GRPO warm-starts from is the two merged, with the logits of the base with the adapter applied."""
+    from grpoflow.tasks.ops.continuous import champion_model
+
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", mlflow_server)
+    name = f"{NAME}-champion"
+    cfg = load_config(MICRO, [*SETTINGS, f"tracking.registered_model={name}", f"tracking.uri={mlflow_server}"])
+    ws = Workspace(tmp_path / "ws")
+    prepare_data(cfg, ws)
+    base = base_model_path(cfg, ws)
+    adapter = trained_adapter(cfg, base, tmp_path / "trained-adapter")
+    tokenizer = AutoTokenizer.from_pretrained(adapter)
+    base_model = AutoModelForCausalLM.from_pretrained(base)
+    base_logits = logits(base_model, tokenizer, PROMPT)
+    direct_logits = logits(PeftModel.from_pretrained(base_model, adapter).eval(), tokenizer, PROMPT)
+    assert (direct_logits - base_logits).abs().max() > 1e-2  # the adapter is not a no-op
+
+    client = MlflowClient(mlflow_server)
+    exp = client.create_experiment("champion-adapter")
+    parent, run = (client.create_run(exp).info.run_id for _ in range(2))
+    export = {"adapter_path": str(adapter), "base_model": base, "mlflow_run_id": run}
+    assert register_pipeline_model(client, cfg, parent, export, {"accuracy_after": 0.5}, None).promoted  # the first
+    folder, info = champion_model(cfg, tmp_path / "champion")
+    assert info["name"] == name and not (Path(folder) / "adapter_config.json").exists()
+    champion = AutoModelForCausalLM.from_pretrained(folder)
+    torch.testing.assert_close(logits(champion, AutoTokenizer.from_pretrained(folder), PROMPT), direct_logits)
