@@ -71,11 +71,10 @@ def _load(args) -> PipelineConfig:
 
     if problem := output_dir_problem(cfg.run.output_dir):
         raise ConfigError(problem)
-    from grpoflow.tasks.pipeline.fingerprint import reward_file_problem
+    from grpoflow.tasks.pipeline.fingerprint import missing_reward_file
 
-    for path in cfg.grpo.reward_files:  # keyed by content: one that is gone cannot be, nor read by the reward
-        if "://" not in path and not Path(path).expanduser().exists():
-            raise ConfigError(f"grpo.reward_files: {path}: {reward_file_problem(path)}")
+    if problem := missing_reward_file(cfg):  # keyed by content: one that is gone cannot be, nor read by the reward
+        raise ConfigError(problem)
     from grpoflow.tasks.rewards import resolve_reward_funcs
 
     try:  # imported and their signatures checked now, not in the GRPO stage after data prep and SFT
@@ -192,7 +191,6 @@ def preflight(cfg: PipelineConfig) -> None:
     """What must be reachable for a run, checked in seconds before any stage (tasks/pipeline/preflight.py): the
     MLflow tracking server, and hub ids that are not cached. `grpoflow validate` stays offline and skips these."""
     from grpoflow.tasks.dataio.sources import BUILTIN_SOURCE, HUMANEVAL_SOURCE, looks_like_file
-    from grpoflow.tasks.model.sources import ALIASES, is_gguf
     from grpoflow.tasks.pipeline import preflight as pf
 
     uri = cfg.tracking.uri or os.environ.get("MLFLOW_TRACKING_URI") or ""
@@ -200,7 +198,7 @@ def preflight(cfg: PipelineConfig) -> None:
     if problem := pf.tracking_problem(uri):
         raise ConfigError(f"{key}: {problem}")
     m, d = cfg.model, cfg.data
-    if m.name != "tiny" and m.name not in ALIASES and not is_gguf(m.name) and pf.is_hub_id(m.name):
+    if pf.is_hub_model(m.name):
         if problem := pf.hub_problem("model.name", m.name, "model", m.revision):
             raise ConfigError(problem)
     if d.source not in (BUILTIN_SOURCE, HUMANEVAL_SOURCE) and not s3.is_s3_uri(d.source):

@@ -125,7 +125,7 @@ def _train(cfg: PipelineConfig, source: str, state: str, ledger: Ledger, new: li
     incoming = (local_path(ws, cfg.storage.cache_dir) if is_s3_uri(ws) else Path(ws)) / "incoming"
     check = functools.partial(check_file, cfg=cfg)
     got = gather(new, incoming / "train.jsonl", cfg.storage, check=check, seen=ledger.contents())
-    data_file, rows, bad, changed = got.path, got.rows, got.bad, got.changed
+    bad, changed = got.bad, got.changed
     for f in changed:  # rewritten since listed: neither trained nor recorded; the next cycle lists the new version
         logger.warning("%s changed since it was listed: left for the next cycle", f.name)
     for f, seen in got.same:  # uploaded again (a new ETag), the same bytes: recorded as the earlier one was
@@ -147,7 +147,7 @@ def _train(cfg: PipelineConfig, source: str, state: str, ledger: Ledger, new: li
             len(bad), len(changed), len(got.same),
         )  # fmt: skip
         return {"consumed": [], "quarantined": quarantined, "decision": None}
-    logger.info("%d new data files (%d rows) in %s: %s", len(new), rows, source, [f.name for f in new])
+    logger.info("%d new data files (%d rows) in %s: %s", len(new), got.rows, source, [f.name for f in new])
     champion = champion_task(cfg, str(incoming / "champion"))
     version = champion[1]["version"] if champion is not None else None
     if pending is not None and (version != pending["champion"] or [f.key for f in new] != pending["files"]):
@@ -162,7 +162,7 @@ def _train(cfg: PipelineConfig, source: str, state: str, ledger: Ledger, new: li
         logger.info("no champion in the registry yet: starting from %s (SFT: %s)", cfg.model.name, cfg.sft.enabled)
     else:
         logger.info("warm start from champion %s version %s", champion[1]["name"], champion[1]["version"])
-    cycle = cycle_config(cfg, name, data_file, warm_start=champion[0] if champion is not None else None)
+    cycle = cycle_config(cfg, name, got.path, warm_start=champion[0] if champion is not None else None)
     ledger.begin(name, new, version)  # a cycle killed from here on is continued by the next one (_cycle)
     result = grpo_pipeline(config=cycle, workspace=ws, init_version=version)
     reg = result.get("registry")

@@ -92,10 +92,7 @@ def with_warm_start(cfg: PipelineConfig, init_model: str | None) -> PipelineConf
         raise ConfigError(
             f"init_model={init_model}: the config's model.warm_start is {cfg.model.warm_start}; give one of them"
         )
-    data = cfg.to_dict()
-    data["model"]["warm_start"] = init_model
-    data["sft"]["enabled"] = False
-    return PipelineConfig.model_validate(data)
+    return cfg.warm_started(init_model)
 
 
 def _pipeline(cfg: PipelineConfig, ws: Workspace, init_version: str | None) -> dict:

@@ -443,6 +443,11 @@ class PipelineConfig(_Section):
     def to_dict(self) -> dict[str, Any]:
         return self.model_dump(mode="json")
 
+    def warm_started(self, folder: str) -> PipelineConfig:
+        """This config with GRPO starting from the model folder ``folder`` (model.warm_start) and no SFT."""
+        model = self.model.model_copy(update={"warm_start": folder})
+        return self.model_copy(update={"model": model, "sft": self.sft.model_copy(update={"enabled": False})})
+
 
 def resolve_eval_size(eval_size: float, n_rows: int) -> int:
     """A fraction (<1) of n_rows, at least 1, or an absolute count (>=1)."""

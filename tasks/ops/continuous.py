@@ -169,25 +169,27 @@ def _merge_mlflow_adapter(saved: Path, out: Path, cfg: PipelineConfig) -> Path:
     and merged into a plain model folder. Its model/ folder alone is the base without the adapter."""
     import mlflow.transformers
 
-    from grpoflow.tasks.model.save import save_merged
-
     parts = mlflow.transformers.load_model(str(saved), return_type="components")
-    model = parts["model"]
-    dtype = cfg.model.dtype if cfg.model.dtype != "auto" else str(model.dtype).removeprefix("torch.")
-    save_merged(model, parts["tokenizer"], out, dtype, is_adapter=True)
-    return out
+    return _save_merged(parts["model"], parts["tokenizer"], out, cfg)
 
 
 def _merge_adapter(adapter_dir: Path, out: Path, cfg: PipelineConfig) -> Path:
     from grpoflow.tasks.model.loading import load_tokenizer, load_with_adapter
-    from grpoflow.tasks.model.save import save_merged
 
     base = json.loads((adapter_dir / "adapter_config.json").read_text()).get("base_model_name_or_path")
     if not base or (base.startswith(("/", ".")) and not Path(base).exists()):
         raise ValueError(f"champion adapter {adapter_dir}: its base model {base!r} is not available here")
     model = load_with_adapter(base, str(adapter_dir), cfg.model, quantize=False)
+    return _save_merged(model, load_tokenizer(str(adapter_dir), cfg.model), out, cfg)
+
+
+def _save_merged(model, tokenizer, out: Path, cfg: PipelineConfig) -> Path:
+    """The champion's adapter folded into its base, saved as a plain model folder at ``out`` in model.dtype (auto:
+    the loaded model's)."""
+    from grpoflow.tasks.model.save import save_merged
+
     dtype = cfg.model.dtype if cfg.model.dtype != "auto" else str(model.dtype).removeprefix("torch.")
-    save_merged(model, load_tokenizer(str(adapter_dir), cfg.model), out, dtype, is_adapter=True)
+    save_merged(model, tokenizer, out, dtype, is_adapter=True)
     return out
 
 
@@ -209,7 +211,5 @@ def cycle_config(cfg: PipelineConfig, name: str, data_file: Path, warm_start: st
         # the config refuses and must not write to config.yaml), every cycle reads it from the environment
         "tracking": cfg.tracking.model_copy(update={"uri": cfg.tracking.uri or _pinned_default(cfg, tracking_uri)}),
     }
-    if warm_start is not None:
-        update["sft"] = cfg.sft.model_copy(update={"enabled": False})
-        update["model"] = cfg.model.model_copy(update={"warm_start": warm_start})
-    return cfg.model_copy(update=update)
+    cycle = cfg.model_copy(update=update)
+    return cycle.warm_started(warm_start) if warm_start is not None else cycle

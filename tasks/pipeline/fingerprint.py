@@ -114,11 +114,11 @@ def reward_files(cfg: PipelineConfig) -> dict[str, Any]:
     """The content of grpo.reward_files (what the custom rewards read): {path: digest} of a file, {path/name:
     digest} of each file of a folder or S3 prefix, under one label. A path that is gone is a ValueError naming it
     (`grpoflow run` and `resume` refuse it before any stage)."""
+    if problem := missing_reward_file(cfg):
+        raise ValueError(problem)
     files: dict[str, Any] = {}
     for path in cfg.grpo.reward_files:
-        found = source_digest(path, cfg.storage)
-        if found is None:
-            raise ValueError(f"grpo.reward_files: {path}: {reward_file_problem(path)}")
+        found = source_digest(path, cfg.storage) or {}
         if is_s3_uri(path):  # an object or every object under a prefix, named by its key in the bucket
             bucket = split_s3_uri(path)[0]
             files.update({f"s3://{bucket}/{name}": digest for name, digest in found.items()})
@@ -129,9 +129,13 @@ def reward_files(cfg: PipelineConfig) -> dict[str, Any]:
     return {"grpo.reward_files": files} if files else {}
 
 
-def reward_file_problem(path: str) -> str:
-    """Why a local grpo.reward_files entry cannot be keyed (it does not exist), naming where it was looked for."""
-    return f"no such file or folder (looked at {Path(path).expanduser().absolute()})"
+def missing_reward_file(cfg: PipelineConfig) -> str | None:
+    """The first local grpo.reward_files entry that does not exist, as the error naming it and where it was looked
+    for; None when every one does (an s3:// entry is checked when it is read)."""
+    for path in cfg.grpo.reward_files:
+        if not is_s3_uri(path) and not (where := Path(path).expanduser()).exists():
+            return f"grpo.reward_files: {path}: no such file or folder (looked at {where.absolute()})"
+    return None
 
 
 # ------------------------------------------------------------------ fingerprints and keys

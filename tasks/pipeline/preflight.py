@@ -62,6 +62,13 @@ def is_hub_id(name: str) -> bool:
     return bool(_HUB_ID.match(name)) and not Path(name).expanduser().exists()
 
 
+def is_hub_model(name: str) -> bool:
+    """model.name names a hub repo (not tiny, a fetched alias, a .gguf file or an existing local folder)."""
+    from grpoflow.tasks.model.sources import ALIASES, is_gguf
+
+    return name != "tiny" and name not in ALIASES and not is_gguf(name) and is_hub_id(name)
+
+
 def hub_cache() -> Path:
     from huggingface_hub import constants
 

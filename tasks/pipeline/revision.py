@@ -22,18 +22,12 @@ import re
 import yaml
 
 from grpoflow.tasks.config import PipelineConfig
-from grpoflow.tasks.model.sources import ALIASES, is_gguf
-from grpoflow.tasks.pipeline.preflight import is_hub_id
+from grpoflow.tasks.pipeline.preflight import is_hub_model
 from grpoflow.tasks.tracking.hub_base import hub_commit
 
 log = logging.getLogger(__name__)
 
 COMMIT = re.compile(r"[0-9a-f]{40}")
-
-
-def is_hub_model(name: str) -> bool:
-    """model.name names a hub repo (not tiny, a fetched alias, a .gguf file or an existing local folder)."""
-    return name != "tiny" and name not in ALIASES and not is_gguf(name) and is_hub_id(name)
 
 
 def recorded_unpinned(cfg: PipelineConfig, recorded: bytes | str | None) -> bool:
