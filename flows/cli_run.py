@@ -245,7 +245,7 @@ def _serve_pipeline(cfg: PipelineConfig, before) -> int:
     server = start_server()
     try:
         if cfg.generation.backend == "vllm":  # fail now, not after data prep and SFT
-            from grpoflow.tasks.generation.vllm_engine import config_problem
+            from grpoflow.tasks.generation.vllm_support import config_problem
 
             if problem := config_problem(cfg):
                 raise ConfigError(f"generation.backend=vllm: {problem}")

@@ -61,7 +61,7 @@ def make_generator(
     follows ``model``'s weights in memory."""
     problem = None
     if cfg.backend != "transformers":
-        from grpoflow.tasks.generation.vllm_engine import model_architectures, model_head_dim, unsupported_reason
+        from grpoflow.tasks.generation.vllm_support import model_architectures, model_head_dim, unsupported_reason
 
         problem = unsupported_reason(model_architectures(model), model_head_dim(model), load_in_4bit)
     backend, why = choose_backend(cfg.backend, problem)

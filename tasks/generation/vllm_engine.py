@@ -3,7 +3,8 @@
 Same interface as the transformers backend (tasks/generation/transformers_loop.py): generate(prompt ids, n, params) ->
 Generation; sync_weights(model). What this module adds, and why:
 
-- One process. ``VLLM_ENABLE_V1_MULTIPROCESSING=0`` and the ``uni`` executor keep the engine in
+- One process. ``VLLM_ENABLE_V1_MULTIPROCESSING=0`` (tasks/generation/vllm_support.py, which also says whether
+  vLLM can serve a model here) and the ``uni`` executor keep the engine in
   the trainer's process, so weights move as tensors, never through files or sockets (under torchrun, one engine
   per rank with the ``external_launcher`` executor: tasks/generation/vllm_ranks.py). Memory is
   bounded by config: an explicit KV cache size (the only bound on CPU), or a fraction of the GPU.
@@ -41,7 +42,6 @@ from __future__ import annotations
 
 import gc
 import logging
-import os
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -59,97 +59,13 @@ from grpoflow.tasks.generation.vllm_device import (
     vllm_has_device_ids,
 )
 from grpoflow.tasks.generation.vllm_ranks import executor_backend, full, launcher_world, row_requests
+from grpoflow.tasks.generation.vllm_support import config_head_dim, import_vllm
 from grpoflow.tasks.model.device import model_device
 from grpoflow.tasks.model.lora import lora_layers, merged_weight, unwrap
 
 log = logging.getLogger(__name__)
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
-
-
-# --------------------------------------------------------------------------------------------
-# can vLLM serve this model?
-# --------------------------------------------------------------------------------------------
-def import_vllm():
-    """Import vLLM in-process mode; raises whatever the import raises (ImportError, a broken torchvision...)."""
-    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the engine lives in this process
-    import vllm
-
-    return vllm
-
-
-def import_problem() -> str | None:
-    """Why vLLM does not import here (a sentence), or None when it does."""
-    try:
-        import_vllm()
-        from vllm import ModelRegistry  # noqa: F401
-        from vllm.platforms import current_platform  # noqa: F401
-    except Exception as e:  # any import failure means "not available", with its reason
-        first_line = str(e).splitlines()[0] if str(e) else ""
-        return f"vllm does not import ({type(e).__name__}: {first_line})"
-    return None
-
-
-def unsupported_reason(architectures: list[str] | None, head_dim: int | None = None, load_in_4bit: bool = False):
-    """Why vLLM cannot generate for this model here (a sentence), or None when it can."""
-    if load_in_4bit:
-        return "model.load_in_4bit: the engine cannot take weights merged into a 4-bit bitsandbytes base"
-    if problem := import_problem():
-        return problem
-    from vllm import ModelRegistry
-    from vllm.platforms import current_platform
-
-    archs = architectures or []
-    if not any(a in ModelRegistry.get_supported_archs() for a in archs):
-        return f"vLLM has no implementation of {archs or 'this architecture'}"
-    if current_platform.is_cpu() and head_dim is not None:
-        from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
-
-        sizes = CPUAttentionBackend.get_supported_head_sizes()
-        if head_dim not in sizes:
-            return f"vLLM's CPU attention has no kernel for head_dim={head_dim} (supported: {sizes})"
-    return None
-
-
-def config_problem(cfg) -> str | None:
-    """Why ``generation.backend=vllm`` cannot work for this PipelineConfig, checked before any stage runs
-    (None: it can, or the backend is not vllm). Reads the model's config only, never its weights; a model
-    config that cannot be read here (a hub id offline) leaves the architecture check to the GRPO stage."""
-    if cfg.generation.backend != "vllm":
-        return None
-    m = cfg.model
-    if m.name == "tiny":
-        archs = ["Qwen2ForCausalLM" if m.tiny.architecture == "qwen2" else "LlamaForCausalLM"]
-        head_dim = config_head_dim(m.tiny)
-    else:
-        from grpoflow.tasks.model.sources import cached_model
-
-        name = cached_model(m.name, m.cache_dir)
-        if name is None:  # an alias or GGUF not converted yet: the GRPO stage checks the converted model
-            return import_problem()
-        try:
-            from transformers import AutoConfig
-
-            hf = AutoConfig.from_pretrained(name, revision=m.revision, trust_remote_code=m.trust_remote_code)
-        except Exception:  # noqa: BLE001 - unreadable here: check the import now, the rest at the GRPO stage
-            return import_problem()
-        archs = list(getattr(hf, "architectures", None) or [])
-        head_dim = config_head_dim(hf)
-    return unsupported_reason(archs, head_dim, m.load_in_4bit)
-
-
-def model_architectures(model) -> list[str]:
-    base = unwrap(model)
-    return list(getattr(base.config, "architectures", None) or [type(base).__name__])
-
-
-def config_head_dim(config) -> int:
-    """Attention head size of an HF config: its head_dim, else hidden_size / num_attention_heads."""
-    return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-
-
-def model_head_dim(model) -> int:
-    return config_head_dim(unwrap(model).config)
 
 
 # --------------------------------------------------------------------------------------------
@@ -335,6 +251,16 @@ def _quiet_sync_logs() -> None:
             handler.addFilter(_DropSyncChatter())
 
 
+def _engine_memory(kwargs: dict, device: str, sleep_enabled: bool) -> str:
+    """The engine's device, KV cache and sleep mode, as its start-up line says them."""
+    if "kv_cache_memory_bytes" in kwargs:
+        kv = f"{kwargs['kv_cache_memory_bytes'] / (1 << 20):.0f} MiB"
+    else:
+        kv = f"{kwargs.get('gpu_memory_utilization')} of the GPU"
+    sleep = "on" if sleep_enabled else "off (not supported on CPU)" if device == "cpu" else "off"
+    return f"{device}, co-located, KV cache {kv}, sleep mode {sleep}"
+
+
 class VLLMGenerator:
     """Samples with an in-process vLLM engine that follows the training model's weights."""
 
@@ -385,15 +311,8 @@ class VLLMGenerator:
         _quiet_sync_logs()  # before the engine starts: its chat warm-up is dropped too
         with keep_process_state(), keep_current_device():  # vLLM's worker sets the current device as it starts
             self.llm = vllm.LLM(**kwargs)
-        log.info(
-            "vLLM engine up in %.1fs (%s, co-located, KV cache %s, sleep mode %s)",
-            time.perf_counter() - t0,
-            self.device,
-            f"{kwargs['kv_cache_memory_bytes'] / (1 << 20):.0f} MiB"
-            if "kv_cache_memory_bytes" in kwargs
-            else f"{kwargs.get('gpu_memory_utilization')} of the GPU",
-            "on" if self.sleep_enabled else "off (not supported on CPU)" if self.device == "cpu" else "off",
-        )
+        up = _engine_memory(kwargs, self.device, self.sleep_enabled)
+        log.info("vLLM engine up in %.1fs (%s)", time.perf_counter() - t0, up)
         self._synced_version: int | None = None
         # what decides a sync when set (distributed GRPO: the optimizer step, the same on every rank); else the
         # trainable parameters' in-place versions

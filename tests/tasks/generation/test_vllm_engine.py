@@ -24,8 +24,8 @@ from grpoflow.tasks.generation.vllm_engine import (
     sleep_level,
     sleep_mode_on,
     sync_state,
-    unsupported_reason,
 )
+from grpoflow.tasks.generation.vllm_support import unsupported_reason
 from grpoflow.tasks.grpo.batch import build_round, policy_logprobs
 from grpoflow.tasks.grpo.trainer import GRPOTrainer
 from grpoflow.tasks.grpo.trainer_runtime import TrainerRuntime
@@ -249,7 +249,7 @@ def test_backend_vllm_is_refused_before_any_stage_runs(tmp_path, capsys):
     why, instead of after data prep and SFT; the default tiny model (head_dim 32) passes when vLLM imports."""
     from grpoflow.flows.cli import main
     from grpoflow.tasks.config import load_config
-    from grpoflow.tasks.generation.vllm_engine import config_problem
+    from grpoflow.tasks.generation.vllm_support import config_problem
 
     assert config_problem(load_config(None, ["generation.backend=transformers", "model.tiny.hidden_size=32"])) is None
     assert config_problem(load_config(None, ["generation.backend=vllm"])) == vllm_problem

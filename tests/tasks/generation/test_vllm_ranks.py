@@ -10,8 +10,9 @@ import sys
 import pytest
 import torch
 
-from grpoflow.tasks.generation.vllm_engine import engine_kwargs, unsupported_reason
+from grpoflow.tasks.generation.vllm_engine import engine_kwargs
 from grpoflow.tasks.generation.vllm_ranks import executor_backend, row_requests
+from grpoflow.tasks.generation.vllm_support import unsupported_reason
 from tests.paths import REPO
 from tests.tasks.generation.distributed_vllm_cases import CASES, ROWS_PER_ROUND, TINY
 

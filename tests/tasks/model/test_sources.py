@@ -60,7 +60,7 @@ def test_cached_model_neither_fetches_nor_converts(tiny_gguf, tmp_path):
     """The pre-stage checks (vLLM's architecture check reads the model's config) must not reach a hub with an
     alias or GGUF name, nor fetch or convert: they get the converted folder only when it is already there."""
     from grpoflow.tasks.config import load_config
-    from grpoflow.tasks.generation.vllm_engine import config_problem
+    from grpoflow.tasks.generation.vllm_support import config_problem
 
     path, _, _ = tiny_gguf
     cache = tmp_path / "cache"
