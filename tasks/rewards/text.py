@@ -6,7 +6,8 @@ The gold answer arrives as the ``answer`` column. ``completions`` may be plain s
 form (``[{"role": "assistant", "content": "..."}]`` per completion).
 
 Where these differ from the notebook:
-- ``correctness`` compares numbers as numbers ("72" == "72.0", "1,000" == "1000"), not only as strings.
+- ``correctness`` compares numbers as numbers, exactly ("72" == "72.0", "1,000" == "1000", but 9007199254740993 !=
+  9007199254740992 and 1e400 != 1e401, which a float comparison would call equal), not only as strings.
 - ``int`` accepts a leading '-' (the notebook used ``str.isdigit``).
 - ``strict_format`` uses ``re.DOTALL`` and allows a missing final newline (the notebook's pattern failed on
   multi-line reasoning); ``soft_format`` uses ``re.search`` rather than ``re.match``.
@@ -17,8 +18,10 @@ Where these differ from the notebook:
 
 from __future__ import annotations
 
+import math
 import re
 from collections.abc import Sequence
+from decimal import Decimal
 from typing import Any
 
 _NUMBER = re.compile(r"^[-+]?(?:\d+(?:\.\d*)?|\.\d+)(?:[eE][-+]?\d+)?$")
@@ -63,18 +66,28 @@ def extract_xml_answer(text: str) -> str | None:
     return text[start + len("<answer>") : end].strip()
 
 
-def parse_number(s: str | None) -> float | None:
-    """'1,000' -> 1000.0, '$72' -> 72.0, '-3.5' -> -3.5; None for anything else (including 'nan', 'inf')."""
+def _exact_number(s: str | None) -> Decimal | None:
+    """The number ``s`` writes, exactly (a Decimal: '72.0' == '72', but 2**53 + 1 != 2**53 and 1e400 != 1e401,
+    which floats would call equal); None for anything else."""
     if s is None:
         return None
     t = str(s).strip().replace(",", "").removeprefix("$").strip()
-    if not _NUMBER.match(t):
+    return Decimal(t) if _NUMBER.match(t) else None
+
+
+def parse_number(s: str | None) -> float | None:
+    """'1,000' -> 1000.0, '$72' -> 72.0, '-3.5' -> -3.5; None for anything else (including 'nan', 'inf', and a
+    number past float's range such as 1e400)."""
+    d = _exact_number(s)
+    if d is None:
         return None
-    return float(t)
+    f = float(d)
+    return f if math.isfinite(f) else None
 
 
 def _answers_equal(pred: str, gold: str) -> bool:
-    p, g = parse_number(pred), parse_number(gold)
+    """Equal as numbers, exactly (:func:`_exact_number`) when both are numbers; else as stripped strings."""
+    p, g = _exact_number(pred), _exact_number(gold)
     if p is not None and g is not None:
         return p == g
     return pred == gold.strip()

@@ -61,7 +61,7 @@ def test_parse_number(s, expected):
     assert parse_number(s) == expected
 
 
-@pytest.mark.parametrize("s", [None, "", "abc", "72 apples", "nan", "inf", "1/2", "--3"])
+@pytest.mark.parametrize("s", [None, "", "abc", "72 apples", "nan", "inf", "1/2", "--3", "1e400", "-1e400"])
 def test_parse_number_rejects(s):
     assert parse_number(s) is None
 
@@ -75,6 +75,14 @@ def test_correctness():
 def test_correctness_numeric_and_string_compare():
     comps = ["<answer>72.0</answer>", "<answer>1,000</answer>", "<answer>  Paris </answer>", "<answer>paris</answer>"]
     assert call(correctness, comps, ["72", "1000", "Paris", "Paris"]) == [2.0, 2.0, 2.0, 0.0]
+
+
+def test_correctness_compares_numbers_exactly_not_as_floats():
+    """Answers a float comparison calls equal (2**53 + 1 and 2**53; 1e400 and 1e401, both inf) are not the gold
+    answer: a policy cannot earn correctness with a nearby huge number."""
+    comps = ["<answer>9007199254740992</answer>", "<answer>1e401</answer>", "<answer>7.2e1</answer>"]
+    assert call(correctness, comps, ["9007199254740993", "1e400", "72"]) == [0.0, 0.0, 2.0]
+    assert call(proximity, ["<answer>1e400</answer>", "<answer>72</answer>"], ["72", "1e400"]) == [0.0, None]
 
 
 def test_correctness_conversational():
