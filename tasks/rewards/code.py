@@ -81,6 +81,16 @@ def question_helpers(question: str | None) -> str:
     return ast.unparse(ast.Module(body=kept, type_ignores=[])) + "\n" if kept else ""
 
 
+@lru_cache(maxsize=1024)
+def question_stubs(question: str | None) -> tuple[str, ...]:
+    """The names of the functions a Python question asks the program to write (its stubs, :func:`_is_stub`). The
+    tests take these from the program even where a builtin has the name: without that, tests of ``def sum(xs)``
+    called Python's ``sum`` and any program, even ``pass``, passed them."""
+    if not question or not _is_code(question):
+        return ()
+    return tuple(n.name for n in ast.parse(question).body if _is_stub(n))
+
+
 SANDBOX_START_S = 1.0  # seconds a sandbox run takes beyond its timeout: bwrap, python -I -S, the reap
 
 
@@ -139,8 +149,13 @@ class CodeTests:
             build_program(q, extract_program(completion_text(c))) for q, c in zip(questions, completions, strict=True)
         ]
         tests = [question_helpers(q) + t for q, t in zip(questions, tests, strict=True)]
+        asked = [question_stubs(q) for q in questions]
+
+        def run(program: str, test: str, names: tuple[str, ...]) -> sandbox.RunResult:
+            return sandbox.run_python(program, self.limits, mode, tests=test, asked=names)
+
         with ThreadPoolExecutor(max_workers=self.cfg.workers, thread_name_prefix="code-sandbox") as pool:
-            results = list(pool.map(lambda p, t: sandbox.run_python(p, self.limits, mode, tests=t), programs, tests))
+            results = list(pool.map(run, programs, tests, asked))
         batch = Counter(r.status for r in results)
         self.reasons.update(batch)
         self._unreported.update(batch)

@@ -288,10 +288,11 @@ def _release_uids(*uids: int) -> None:
         _LIVE_UIDS.difference_update(uids)
 
 
-def _input_file(nonce: str, tests: str | None) -> int:
-    """An unnamed file (no path to open it by) holding what the judge reads: nonce, whether there are tests, tests."""
+def _input_file(nonce: str, tests: str | None, asked: tuple[str, ...] = ()) -> int:
+    """An unnamed file (no path to open it by) holding what the judge reads: nonce, whether there are tests, the
+    names the program is asked to define (space-separated), tests."""
     f = tempfile.TemporaryFile()
-    f.write(f"{nonce}\n{int(tests is not None)}\n{tests or ''}".encode())
+    f.write(f"{nonce}\n{int(tests is not None)}\n{' '.join(asked)}\n{tests or ''}".encode())
     f.flush()
     fd = os.dup(f.fileno())
     f.close()
@@ -299,10 +300,13 @@ def _input_file(nonce: str, tests: str | None) -> int:
     return fd
 
 
-def run_python(source: str, limits: Limits, mode: str | None = None, tests: str | None = None) -> RunResult:
+def run_python(
+    source: str, limits: Limits, mode: str | None = None, tests: str | None = None, asked: tuple[str, ...] = ()
+) -> RunResult:
     """Run ``source`` under ``limits`` in a sandbox (``mode``: 'bwrap' or 'rlimits'; default :func:`isolation`),
     then ``tests`` against it, judged outside the program's process (:mod:`verdict_launcher`). Without tests a
-    run passes when the program's top level ran to its end.
+    run passes when the program's top level ran to its end. ``asked``: the names the program is to define (the
+    question's stubs), which the tests take from the program even where a builtin has the name (``sum``, ``max``).
 
     Never raises for anything the program does; a sandbox that fails to start gives status 'sandbox_error'."""
     mode = mode or isolation()
@@ -316,7 +320,7 @@ def run_python(source: str, limits: Limits, mode: str | None = None, tests: str 
     try:
         src, work = _write_program(top, source)
         nonce = secrets.token_hex(16)
-        input_fd = _input_file(nonce, tests)
+        input_fd = _input_file(nonce, tests, asked)
         verdict_r, verdict_w = os.pipe()
         fds += [input_fd, verdict_r, verdict_w]
         program = "/src/program.py" if bwrap else str(src / "program.py")

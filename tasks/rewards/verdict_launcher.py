@@ -9,7 +9,8 @@ Two processes, forked before any secret or test is read:
   function or ``getattr`` of an object it handed out. It never sees the tests, the nonce or the verdict fd.
 - the **judge** (B, the parent): non-dumpable and, as root, on a uid of its own, so the program cannot read its
   memory, fds or /proc entries; then it reads the nonce and the tests from the input fd, runs the tests with
-  every name they do not define (and that is not a builtin) looked up in the program over the pipe, and
+  every name they do not define (and that is not a builtin, unless the question asks the program for it: its
+  stubs) looked up in the program over the pipe, and
   writes the verdict with the nonce on the verdict fd.
 
 Values cross the pipe as JSON of tagged plain data (None, bool, int, float, complex, str, bytes, list, tuple,
@@ -344,13 +345,22 @@ class Remote:
 
 
 class ProgramGlobals(dict):
-    """The tests' globals: a name the tests did not define and that is no builtin is looked up in the program."""
+    """The tests' globals: a name the tests did not define and that is no builtin is looked up in the program. A
+    name the program is asked to define (``asked``: the question's stubs) is the program's even where a builtin
+    has it: tests of a ``def sum(xs)`` question test the program's ``sum``, not Python's; a program that does not
+    define it fails them (NameError), it does not pass them with the builtin."""
+
+    def __init__(self, asked=(), **names):
+        super().__init__(**names)
+        self.asked = frozenset(asked)
 
     def __missing__(self, name):
-        if hasattr(builtins, name):
+        if hasattr(builtins, name) and name not in self.asked:
             raise KeyError(name)
         found, value = CHANNEL.ask("get", name)
         if not found:
+            if name in self.asked:
+                raise NameError(f"the program does not define {name!r}")
             raise KeyError(name)
         self[name] = value
         return value
@@ -389,6 +399,7 @@ def judge(pid, req, resp, input_fd, verdict_fd, judge_uid, mem):
     with os.fdopen(input_fd, "rb") as f:
         nonce = f.readline().decode().strip()
         has_tests = f.readline().strip() == b"1"
+        asked = f.readline().decode().split()
         tests = f.read().decode()
     CHANNEL = Channel(req, resp)
     status, detail = "failed", ""
@@ -402,7 +413,7 @@ def judge(pid, req, resp, input_fd, verdict_fd, judge_uid, mem):
         elif not has_tests:
             status = "passed"
         else:
-            exec(compile(tests, "tests.py", "exec"), ProgramGlobals(__name__="__main__", __builtins__=builtins))
+            exec(compile(tests, "tests.py", "exec"), ProgramGlobals(asked, __name__="__main__", __builtins__=builtins))
             if CHANNEL.broken:
                 raise ChannelBroken(CHANNEL.broken)
             status = "passed"

@@ -92,6 +92,26 @@ def test_a_program_cannot_redefine_a_helper_of_the_question_that_the_tests_call(
     assert scores == [0.0] * 3 + [1.0] * 6, reward.reasons
 
 
+def test_a_function_named_like_a_builtin_is_tested_as_the_programs_not_pythons() -> None:
+    """A question asking for ``def sum(xs)`` or ``def max(a, b)``: the tests call the program's function. Before,
+    the judge never asked the program for a builtin's name, so the tests checked Python's ``sum`` and a program
+    returning 42, or writing nothing at all, passed."""
+    question = 'def sum(xs):\n    """Add the numbers."""\n'
+    tests = "def check(candidate):\n    assert candidate([1, 2]) == 3\n\ncheck(sum)\n"
+    other = 'def max(a, b):\n    """The larger."""\n'
+    completions = [
+        "```python\ndef sum(xs):\n    return 42\n```",
+        "pass",
+        "```python\ndef sum(xs):\n    t = 0\n    for x in xs:\n        t += x\n    return t\n```",
+        "```python\ndef max(a, b):\n    return None\n```",
+    ]
+    reward = CodeTests(FAST)
+    scores = reward(
+        ["p"] * 4, completions, answer=[tests] * 3 + ["assert max(3, 5) == 5"], question=[question] * 3 + [other]
+    )
+    assert scores == [0.0, 0.0, 1.0, 0.0], reward.reasons
+
+
 def test_code_tests_through_score_completions() -> None:
     funcs = resolve_reward_funcs(["code_tests", "soft_format"], FAST)
     completions = [
