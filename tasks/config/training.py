@@ -298,7 +298,9 @@ class GRPOConfig(OptimizerFields):
     gradient_checkpointing: bool | None = Field(None, description="Overrides model.gradient_checkpointing for GRPO.")
     save_steps: int = Field(50, ge=1, description="Checkpoint every N optimizer steps.")
     resume: Literal["auto", "never"] = Field(
-        "auto", description="auto: continue from the newest complete checkpoint of this run's GRPO stage."
+        "auto",
+        description="auto: continue from the newest complete checkpoint of this run's GRPO stage; never: start "
+        "from step 0, removing the checkpoints an earlier attempt left (locally and in the store).",
     )
     log_completions: bool = Field(
         True,

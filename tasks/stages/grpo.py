@@ -33,7 +33,7 @@ from grpoflow.tasks.stages.common import BASE_MODEL, model_and_dataset, model_pa
 from grpoflow.tasks.stages.grpo_launch import WORKER, launch_spec
 from grpoflow.tasks.stages.grpo_setup import GRPOSetup, dtype_name, setup_grpo
 from grpoflow.tasks.storage.uploads import UploadQueue, drain_on_sigterm
-from grpoflow.tasks.storage.workspace import Workspace
+from grpoflow.tasks.storage.workspace import MARKERS, Workspace
 from grpoflow.tasks.tracking import timeline
 from grpoflow.tasks.tracking.plots import plot_learning_curves
 from grpoflow.tasks.tracking.run_meta import constant_metrics, fmt_lr
@@ -92,6 +92,8 @@ def build_trainer(
     """The trainer over ``s`` with its checkpoint hooks (on S3: uploaded in the background, the queue returned),
     resumed from the newest checkpoint in grpo/checkpoints when grpo.resume is auto."""
     g, out_dir = cfg.grpo, s.out_dir
+    if g.resume == "never" and comm.is_main:
+        discard_checkpoints(ws, out_dir / "checkpoints")
     unsent = ws.unpublished("grpo", "checkpoints") if comm.is_main else []  # saved, killed before their upload
     uploads = checkpoint_uploads(ws, out_dir / "checkpoints", unsent) if comm.is_main else None  # in the background
 
@@ -115,6 +117,20 @@ def build_trainer(
             log.info("GRPO: uploading %s, saved before the stage was stopped and not on S3 yet", name)
             on_checkpoint(trainer.checkpoint_dir / name)
     return trainer, uploads
+
+
+def discard_checkpoints(ws: Workspace, local) -> None:
+    """grpo.resume=never: the checkpoints an earlier attempt of the same key left (locally and in the store) are
+    removed before training starts over. Kept, the trainer's pruning (the newest two by step) removed the new
+    attempt's checkpoint-10 and -20 beside the old -90 and -100, and a later resume (auto) continued the old
+    attempt's weights."""
+    stored = {e.name.split("/")[2] for e in ws.store.list("grpo/checkpoints/") if e.name.count("/") >= 3}
+    old = sorted({p.name for p in list_checkpoints(local)} | stored)
+    if not old:
+        return
+    log.warning("GRPO: grpo.resume is never: removing the checkpoints of an earlier attempt (%s)", ", ".join(old))
+    ws.store.delete_folder("grpo/checkpoints", markers=MARKERS)
+    shutil.rmtree(local, ignore_errors=True)
 
 
 def train(trainer: GRPOTrainer, generator, comm: Comm) -> dict:

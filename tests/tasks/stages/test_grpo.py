@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from grpoflow.tasks.config import config_from_dict
+from grpoflow.tasks.grpo.checkpoint import list_checkpoints
 from grpoflow.tasks.launch.dist import Comm
 from grpoflow.tasks.stages.data import prepare_data
 from grpoflow.tasks.stages.grpo import build_trainer, setup_grpo, train_grpo
@@ -109,8 +110,24 @@ def test_a_stage_with_a_checkpoint_resumes_from_it_unless_told_not_to(tmp_path, 
     again = cfg.model_copy(update={"grpo": cfg.grpo.model_copy(update={"resume": resume})})
     s = setup_grpo(again, ws, RunLogger.disabled(), None, Comm())
     trainer, uploads = build_trainer(again, ws, RunLogger.disabled(), s, Comm(), node_mirrors=False)
-    assert uploads.pending() == [] and uploads.done == ["checkpoint-1"]  # what the folder held when it began
+    assert uploads.pending() == []
     if resume == "auto":
+        assert uploads.done == ["checkpoint-1"]  # what the folder held when it began
         assert trainer.step == 1 and trainer.history == history[:1]
     else:
+        assert uploads.done == [] and list_checkpoints(ws.stage_dir("grpo") / "checkpoints") == []
         assert trainer.step == 0 and trainer.history == []
+
+
+def test_resume_never_starts_over_without_the_earlier_attempts_checkpoints(tmp_path):
+    """grpo.resume=never on a folder whose earlier attempt (same key) left checkpoint-9: it is removed before
+    training. Kept, the pruning (the newest two by step) removed the new attempt's checkpoint-1 beside it, and a
+    later resume continued the old attempt."""
+    cfg = make_cfg(tmp_path, save_steps=1)
+    ws = workspace(cfg, tmp_path)
+    train_grpo(cfg, ws, RunLogger.disabled())
+    ckpts = ws.stage_dir("grpo") / "checkpoints"
+    shutil.copytree(ckpts / "checkpoint-2", ckpts / "checkpoint-9")  # an earlier, longer attempt's
+    never = cfg.model_copy(update={"grpo": cfg.grpo.model_copy(update={"resume": "never"})})
+    train_grpo(never, ws, RunLogger.disabled())
+    assert [p.name for p in list_checkpoints(ckpts)] == ["checkpoint-1", "checkpoint-2"]
