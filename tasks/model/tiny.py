@@ -6,6 +6,8 @@ saved once under the run workspace (``base_model/``) and reloaded."""
 from __future__ import annotations
 
 import logging
+import os
+import shutil
 from collections.abc import Iterable
 from pathlib import Path
 
@@ -97,9 +99,15 @@ def ensure_base_model(cfg: ModelConfig, texts: Iterable[str] | None, out_dir: Pa
         raise ValueError("model.name=tiny needs the task text to train its tokenizer")
     tokenizer = train_tiny_tokenizer(texts, cfg.tiny.vocab_size)
     model = build_tiny_model(cfg.tiny, tokenizer, seed)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    tokenizer.save_pretrained(out_dir)
-    model.save_pretrained(out_dir)
+    # written aside, then moved in with config.json last: "config.json is there" means "built". Saved in place, a
+    # kill mid-write left config.json beside a cut model.safetensors that every later run failed to load.
+    building = out_dir / ".building"
+    shutil.rmtree(building, ignore_errors=True)
+    tokenizer.save_pretrained(building)
+    model.save_pretrained(building)
+    for name in sorted((p.name for p in building.iterdir()), key=lambda n: n == "config.json"):
+        os.replace(building / name, out_dir / name)
+    building.rmdir()
     n_params = sum(p.numel() for p in model.parameters())
     log.info("built tiny %s model: %.2fM parameters, vocab %d", cfg.tiny.architecture, n_params / 1e6, len(tokenizer))
     return str(out_dir)

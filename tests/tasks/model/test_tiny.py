@@ -2,7 +2,7 @@ import torch
 
 from grpoflow.tasks.config import ModelConfig, TinyModelConfig
 from grpoflow.tasks.model.loading import add_lora, backbone_and_head, count_parameters
-from grpoflow.tasks.model.tiny import build_tiny_model, train_tiny_tokenizer
+from grpoflow.tasks.model.tiny import build_tiny_model, ensure_base_model, train_tiny_tokenizer
 
 TEXTS = ["What is 12 + 345?", "<reasoning>\n12 + 345 = 357\n</reasoning>\n<answer>\n357\n</answer>"] * 20
 
@@ -64,3 +64,34 @@ def test_backbone_and_head_reproduce_the_logits_with_and_without_lora():
     assert 0 < trainable < total
     body, head = backbone_and_head(peft_model)
     torch.testing.assert_close(head(body(input_ids=ids).last_hidden_state), peft_model(input_ids=ids).logits)
+
+
+def test_a_tiny_model_build_killed_mid_write_is_built_again(tmp_path, monkeypatch):
+    """The weights' write fails half-way (a kill, a full disk): the next run builds the model again and it loads.
+    Saved in place, config.json was already there and every later run took the cut folder for built."""
+    import pytest
+    import transformers.modeling_utils as mu
+    from transformers import AutoModelForCausalLM
+
+    real_save = mu.safe_save_file
+
+    def cut(tensors, filename, *args, **kwargs):
+        open(filename, "wb").write(b"\0" * 100)
+        raise OSError("killed mid-write")
+
+    cfg = ModelConfig(
+        name="tiny",
+        tiny=TinyModelConfig(
+            hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1
+        ),
+    )
+    out = tmp_path / "base_model"
+    out.mkdir()
+    monkeypatch.setattr(mu, "safe_save_file", cut)
+    with pytest.raises(OSError, match="killed mid-write"):
+        ensure_base_model(cfg, TEXTS, out, seed=0)
+    assert not (out / "config.json").exists()
+    monkeypatch.setattr(mu, "safe_save_file", real_save)
+    path = ensure_base_model(cfg, TEXTS, out, seed=0)
+    assert AutoModelForCausalLM.from_pretrained(path).config.hidden_size == 32
+    assert sorted(p.name for p in out.iterdir() if p.name.startswith(".")) == []
