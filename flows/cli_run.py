@@ -139,10 +139,12 @@ def cmd_resume(args) -> int:
         raise ConfigError(f"RUN_DIR: {e}") from None
     if store.read("config.yaml") is None:
         raise ConfigError(missing)
-    from grpoflow.tasks.pipeline.run_folder import WOULD_EMPTY, foreign_config
+    from grpoflow.tasks.pipeline.run_folder import WOULD_EMPTY, foreign_config, mirror_problem
 
     if foreign := foreign_config(store):  # another tool's folder: refused before the lock file is written there
         raise ConfigError(f"RUN_DIR: {foreign}; {WOULD_EMPTY}. RUN_DIR must be a run workspace (<output_dir>/<name>)")
+    if mirrored := mirror_problem(store):
+        raise ConfigError(f"RUN_DIR: {mirrored}")
     from grpoflow.tasks.storage.lock import workspace_lock
 
     with workspace_lock(store, "grpoflow resume"):  # before anything is read: another process may be writing it
@@ -221,12 +223,14 @@ def _run_pipeline(cfg: PipelineConfig, before=None, check=None, command: str = "
     from grpoflow.tasks.storage.lock import workspace_lock
 
     store = open_store(join_location(cfg.run.output_dir, cfg.run.name), cfg.storage)
-    from grpoflow.tasks.pipeline.run_folder import WOULD_EMPTY, foreign_config
+    from grpoflow.tasks.pipeline.run_folder import WOULD_EMPTY, foreign_config, mirror_problem
 
     if foreign := foreign_config(store):  # another tool's folder: refused before the lock file is written there
         raise ConfigError(
             f"run.name {cfg.run.name!r}: {foreign}; {WOULD_EMPTY}. Pick another run.name or run.output_dir"
         )
+    if mirrored := mirror_problem(store):
+        raise ConfigError(f"run.output_dir: {mirrored}, not a run.output_dir of its own")
     with workspace_lock(store, command):  # a second process: exit 2 naming this one, before any work
         from grpoflow.tasks.pipeline.revision import pin_revision
 

@@ -23,7 +23,7 @@ import yaml
 
 from grpoflow.tasks.config import PipelineConfig, config_from_dict
 from grpoflow.tasks.storage.lock import LEASE, LOCK_FILE
-from grpoflow.tasks.storage.store import Store, join_location
+from grpoflow.tasks.storage.store import S3Store, Store, join_location
 from grpoflow.tasks.storage.workspace import ATTEMPT, MANIFEST
 
 CONFIG = "config.yaml"
@@ -33,6 +33,23 @@ STAGES = ("data", "sft", "grpo", "eval", "export")  # the stage folders a record
 # the sections of every config.yaml grpoflow has written (the first version's; later ones only added sections)
 ALWAYS_WRITTEN = ("run", "data", "model", "sft", "grpo", "generation", "eval", "export", "tracking")
 WOULD_EMPTY = "a run there would empty its data/, sft/, grpo/, eval/ and export/ folders"
+
+
+def mirror_problem(store: Store) -> str | None:
+    """Why a local RUN_DIR must not be run as a workspace of its own: it is the local copy of an s3:// workspace
+    (<storage.cache_dir>/<bucket>/<key>). Run there, a pipeline beside the S3 run's own would write the same
+    folder, and the S3 run's next pull would delete what it made. None for any other folder or an s3:// store."""
+    if isinstance(store, S3Store):
+        return None
+    from grpoflow.tasks.storage.mirror import mirrored_uri
+
+    uri = mirrored_uri(store.local_root)
+    if uri is None:
+        return None
+    return (
+        f"{store.local_root} is the local copy of the S3 workspace {uri} (storage.cache_dir): run it as "
+        f"`grpoflow resume {uri}`, which keeps this copy and S3 in step"
+    )
 
 
 def config_problem(text: bytes) -> str | None:

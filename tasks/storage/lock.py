@@ -176,8 +176,33 @@ class _S3Lease:
         self.mutex = threading.Lock()  # one renewal at a time (the thread's, or a write's check)
         self.renewed_at = 0.0  # time.monotonic() when the last successful write of the lease was sent
         self.lost = False
+        # the local copy is locked too: `grpoflow sync` of it (a local RUN_DIR) is then refused while the S3 run
+        # is live on this machine, as two senders of one journal would send its records twice
+        self.mirror: _LocalLock | None = _LocalLock(store.local_root)
+        self.expired_holder = False  # the lease was taken over from a live holder past its ttl
 
     def acquire(self, me: Holder) -> None:
+        try:
+            self._acquire(me)
+        except BaseException:
+            self.mirror = None
+            raise
+        try:
+            self.mirror.acquire(me)
+        except WorkspaceBusy as e:
+            self.mirror = None
+            if not self.expired_holder:
+                self.release()
+                raise
+            # a stalled holder on this host whose lease expired: taken over as on any host (it stops writing to
+            # S3 when it wakes); its flock on the local copy stays until it exits
+            log.warning("workspace %s: the local copy stays locked by the stalled holder (%s)", self.uri, e)
+        except BaseException:
+            self.mirror = None
+            self.release()
+            raise
+
+    def _acquire(self, me: Holder) -> None:
         self.me = me
         sent = time.monotonic()
         for _ in range(3):  # a lease deleted between our put and our read: try again
@@ -198,6 +223,7 @@ class _S3Lease:
                 raise WorkspaceBusy(self.uri.rsplit("/", 1)[0], Holder.loads(got[0]) if got else None)
             who = holder.describe() if holder else "an unreadable lease"
             why = "that process is gone" if dead else f"not renewed for {age:.0f} s (lease ttl {self.ttl_s:.0f} s)"
+            self.expired_holder = not dead
             log.warning("workspace %s: took over the lease of %s, %s", self.uri.rsplit("/", 1)[0], who, why)
             break
         else:
@@ -238,6 +264,8 @@ class _S3Lease:
             raise WorkspaceLost(self.uri.rsplit("/", 1)[0], self.ttl_s, Holder.loads(got[0]) if got else None)
 
     def release(self) -> None:
+        if self.mirror is not None:
+            self.mirror.release()
         self.stop.set()
         if self.thread is not None:
             self.thread.join(timeout=30)

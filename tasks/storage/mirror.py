@@ -118,3 +118,15 @@ def claim_mirror(uri: str, cache_dir: str | Path, where: str | None) -> Path:
             f"{mirror} and {path}"
         )
     return path
+
+
+def mirrored_uri(folder: str | Path) -> str | None:
+    """The s3:// URI whose local mirror ``folder`` is (or lies in): an ancestor ``A`` of it beside the record
+    ``.<A's name>.endpoint`` is bucket A's mirror (:func:`claim_mirror` writes the record there, bucket names never
+    start with '.'). None for any other folder."""
+    path = Path(folder).expanduser().resolve()
+    for bucket in (path, *path.parents):
+        if bucket.name and (bucket.parent / f".{bucket.name}.endpoint").is_file():
+            key = path.relative_to(bucket).as_posix()
+            return f"s3://{bucket.name}" + ("" if key == "." else f"/{key}")
+    return None

@@ -369,3 +369,35 @@ def test_run_into_a_folder_with_another_tools_config_yaml_is_refused_and_deletes
     assert f"{proj / 'config.yaml'} is no config grpoflow wrote" in last and "epochs" in last, last
     assert "Traceback" not in res.stderr
     assert _files(proj) == files
+
+
+def test_the_local_copy_of_an_s3_run_is_refused_as_a_run_folder_of_its_own(tmp_path):
+    """<storage.cache_dir>/<bucket>/<key> holds an S3 run's local copy: `grpoflow resume` of that folder, or a
+    `grpoflow run` whose output_dir is in it, would run a local pipeline beside the S3 run's own (whose next pull
+    deletes what it made). Both are refused naming the S3 URI to use; nothing in the folder changes."""
+    from grpoflow.tasks.storage.mirror import claim_mirror
+
+    cache = tmp_path / "cache"
+    claim_mirror("s3://bkt/runs/r1", cache, "http://127.0.0.1:8333")
+    copy = cache / "bkt" / "runs" / "r1"
+    copy.mkdir(parents=True)
+    shutil.copy(MICRO, copy / "config.yaml")
+    before = _files(copy)
+    env = dict(os.environ, OMP_NUM_THREADS="1", PREFECT_HOME=str(tmp_path / "prefect"))
+    resume = [sys.executable, "-m", "grpoflow.flows.cli", "resume", str(copy)]
+    run = [
+        sys.executable,
+        "-m",
+        "grpoflow.flows.cli",
+        "run",
+        str(MICRO),
+        f"run.output_dir={copy.parent}",
+        "run.name=r1",
+    ]
+    for cmd in (resume, run):
+        res = subprocess.run(cmd, env=env, cwd=tmp_path, capture_output=True, text=True, timeout=300)
+        assert res.returncode == 2, res.stderr[-3000:]
+        last = res.stderr.strip().splitlines()[-1]
+        assert "is the local copy of the S3 workspace s3://bkt/runs/r1" in last, last
+        assert "grpoflow resume s3://bkt/runs/r1" in last and "Traceback" not in res.stderr
+    assert _files(copy) == before

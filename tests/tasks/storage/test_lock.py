@@ -165,3 +165,20 @@ def test_s3_a_renewal_gives_the_lease_a_new_etag_so_a_taker_that_read_it_before_
         time.sleep(1.5)  # the holder renews meanwhile
         assert store.client.put_if(b'{"command": "taker"}', uri, etag=read) is None  # the taker's If-Match fails
         assert b'"holder"' in store.read(LEASE)
+
+
+def test_s3_holder_locks_its_local_copy_so_a_sync_of_that_folder_is_refused(env):
+    """`grpoflow sync` of an S3 run's local copy (a local RUN_DIR, as docs/tracking.md has a user do for its
+    journal) while the S3 run is live on this machine: refused naming the holder, as two senders of one journal
+    would send its records twice. Before, only the S3 lease was taken and the local folder's lock was free."""
+    location = f"s3://{env.bucket}/lock-{uuid.uuid4().hex[:8]}/run"
+    store = open_store(location)
+    proc = _holder(location)
+    try:
+        with pytest.raises(WorkspaceBusy, match=f"pid {proc.pid} on host .*holder test"):
+            with workspace_lock(open_store(store.local_root), "grpoflow sync"):
+                pass
+    finally:
+        _kill(proc)
+    with workspace_lock(open_store(store.local_root), "grpoflow sync"):  # the holder gone: free
+        pass

@@ -125,3 +125,16 @@ def test_one_server_spelled_another_way_is_the_same_endpoint(tmp_path):
             claim_mirror("s3://bkt/r", cache, other)
     claim_mirror("s3://aws-bkt/r", cache, "https://s3.eu-west-1.amazonaws.com:443")
     claim_mirror("s3://aws-bkt/r", cache, "https://S3.eu-west-1.amazonaws.com")  # the default port, left out
+
+
+def test_a_folder_in_a_buckets_mirror_names_its_s3_uri(tmp_path):
+    from grpoflow.tasks.storage.mirror import mirrored_uri
+
+    claim_mirror("s3://bkt/runs/r1", tmp_path / "cache", "http://127.0.0.1:8333")
+    run = tmp_path / "cache" / "bkt" / "runs" / "r1"
+    run.mkdir(parents=True)
+    assert mirrored_uri(run) == "s3://bkt/runs/r1"
+    assert mirrored_uri(run / "grpo") == "s3://bkt/runs/r1/grpo"
+    assert mirrored_uri(tmp_path / "cache" / "bkt") == "s3://bkt"
+    assert mirrored_uri(tmp_path / "cache" / "other" / "r1") is None  # no record for bucket 'other'
+    assert mirrored_uri(tmp_path / "runs" / "r1") is None
