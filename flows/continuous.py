@@ -17,7 +17,9 @@ deployment and the parameter. The files are recorded in the ledger (``<state>/le
 pipeline finished, so a failed cycle consumes nothing. Before the pipeline starts the ledger names the cycle as
 pending (its files and champion version); a cycle killed or failed stays pending and the next run continues it
 (the same workspace: finished stages skipped, GRPO from its newest checkpoint) on exactly its files while they are
-unchanged and the champion is the same, else trains them anew in a new cycle. Recording the files ends the pending
+unchanged and the champion is the same, else trains them anew in a new cycle; when the champion moved because
+the pending cycle's own model was promoted (killed between registration and the ledger), its files are recorded
+as trained, not trained again (:func:`_promoted_by`). Recording the files ends the pending
 cycle in the same write; ``grpoflow continuous-skip`` ends one that fails on every run, quarantining its files.
 The state (ledger and cycle workspaces) may live on S3 (tasks/ops/datasource.py: state_location), so a worker pod
 that restarts does not retrain on everything.
@@ -150,7 +152,15 @@ def _train(cfg: PipelineConfig, source: str, state: str, ledger: Ledger, new: li
     logger.info("%d new data files (%d rows) in %s: %s", len(new), got.rows, source, [f.name for f in new])
     champion = champion_task(cfg, str(incoming / "champion"))
     version = champion[1]["version"] if champion is not None else None
-    if pending is not None and (version != pending["champion"] or [f.key for f in new] != pending["files"]):
+    same_files = pending is not None and [f.key for f in new] == pending["files"]
+    if same_files and version != pending["champion"] and (run_id := _promoted_by(cfg, ws, champion)):
+        # killed after its model was promoted, before the ledger said so: recorded now, not trained a second time
+        ledger.record(new, cycle=name, mlflow_run_id=run_id)
+        decision = f"promoted before the cycle was stopped: {champion[1]['name']} version {version}"
+        logger.info("cycle %s: %s; ledger %s: recorded %d files", name, decision, ledger.location, len(new))
+        return {"cycle": name, "consumed": [f.name for f in new], "quarantined": quarantined, "decision": decision,
+                "mlflow_run_id": run_id}  # fmt: skip
+    if pending is not None and (version != pending["champion"] or not same_files):
         # its GRPO would continue from checkpoints of another start: the files train from the start, in a new cycle
         logger.warning(
             "cycle %s cannot continue (it started from champion version %s, the registry's is now %s; it trained %d "
@@ -182,6 +192,27 @@ def _train(cfg: PipelineConfig, source: str, state: str, ledger: Ledger, new: li
     _tag_run(cycle, result, new, champion, decision, quarantined)
     out = {"cycle": name, "consumed": [f.name for f in new], "quarantined": quarantined, "decision": decision}
     return {**out, "mlflow_run_id": result["mlflow_run_id"]}
+
+
+def _promoted_by(cfg: PipelineConfig, ws: str, champion: tuple[str, dict] | None) -> str | None:
+    """The MLflow parent run of the cycle workspace ``ws`` when the registry's champion is the version that run
+    registered (its ``registered_model`` tag), else None."""
+    import json
+
+    from mlflow.exceptions import MlflowException
+    from mlflow.tracking import MlflowClient
+
+    from grpoflow.tasks.pipeline.run_folder import RUN_FILE
+    from grpoflow.tasks.tracking.tracker import tracking_uri
+
+    run_id = json.loads(open_store(ws, cfg.storage).read(RUN_FILE) or b"{}").get("mlflow_run_id")
+    if champion is None or not run_id:
+        return None
+    try:
+        tags = MlflowClient(tracking_uri(cfg)).get_run(run_id).data.tags
+    except MlflowException:
+        return None
+    return run_id if tags.get("registered_model") == f"{champion[1]['name']}/{champion[1]['version']}" else None
 
 
 def _tag_run(cfg, result: dict, files, champion, decision: str, quarantined: list[dict]) -> None:

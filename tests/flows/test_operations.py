@@ -427,3 +427,46 @@ def test_a_champion_adapter_is_merged_onto_its_base(tmp_path):
     assert changed, "the adapter changed no weight: the test would prove nothing"
     for k in expected:
         torch.testing.assert_close(merged[k], expected[k])
+
+
+class _Killed(BaseException):
+    """A kill between the cycle's registration and its ledger write."""
+
+
+def test_a_cycle_killed_after_its_model_was_promoted_is_recorded_not_trained_again(tmp_path, monkeypatch):
+    """The first cycle registers and promotes its model, then is killed before the ledger records its files. The
+    next run finds the champion moved by that very cycle: it records the files as trained by it, and trains
+    nothing. Before, the champion's move read as "cannot continue" and the same files trained a second time in a
+    new cycle, registering a second version of the same data."""
+    from mlflow.tracking import MlflowClient
+
+    from grpoflow.flows.continuous import grpo_continuous
+
+    src = tmp_path / "incoming"
+    src.mkdir()
+    (src / "good.jsonl").write_text(json.dumps({"question": "What is 1 + 2?", "answer": "3"}) + "\n")
+    (tmp_path / "heldout.jsonl").write_text(json.dumps({"question": "What is 1 + 1?", "answer": "2"}) + "\n")
+    overrides = [f"run.output_dir={tmp_path / 'runs'}", f"data.eval_source={tmp_path / 'heldout.jsonl'}"]
+    run = functools.partial(grpo_continuous, str(MICRO), overrides, str(src), str(tmp_path / "state"))
+    real_record = Ledger.record
+
+    def killed(self, files, **info):
+        raise _Killed()
+
+    monkeypatch.setattr(Ledger, "record", killed)
+    with pytest.raises(_Killed):
+        run()
+    ledger = Ledger(tmp_path / "state" / "ledger.json")
+    pending = ledger.pending()
+    assert pending is not None and pending["champion"] is None
+    client = MlflowClient(f"sqlite:///{tmp_path / 'runs' / 'mlflow.db'}")
+    (model,) = client.search_registered_models()
+    assert [v.version for v in client.search_model_versions(f"name='{model.name}'")] == [1]
+
+    monkeypatch.setattr(Ledger, "record", real_record)
+    out = run()
+    assert out["cycle"] == pending["cycle"] and out["consumed"] == ["good.jsonl"], out
+    assert out["decision"] == f"promoted before the cycle was stopped: {model.name} version 1"
+    assert ledger.pending() is None and [e["cycle"] for e in ledger.entries()] == [pending["cycle"]]
+    assert [v.version for v in client.search_model_versions(f"name='{model.name}'")] == [1]  # nothing trained
+    assert sorted(p.name for p in (tmp_path / "state" / "cycles").iterdir()) == [pending["cycle"]]
