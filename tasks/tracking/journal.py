@@ -51,6 +51,22 @@ BATCH_LIMITS = {"m": 1000, "p": 100, "t": 100}  # MLflow's log_batch limits (met
 OP_START = b'{"op":'  # every line begins so (json.dumps with compact separators, "op" first)
 
 
+def file_state(path: Path) -> str | None:
+    """What an artifact's files are now, in 16 hex digits: a digest of each file's relative name, size and
+    modification time (a folder's files, in order); None when ``path`` is gone. An artifact line records it when
+    logged; the sender sends the path only while it is the same (:func:`grpoflow.tasks.tracking.sender.send`)."""
+    import hashlib
+
+    if not path.exists():
+        return None
+    files = sorted(p for p in path.rglob("*") if p.is_file()) if path.is_dir() else [path]
+    h = hashlib.sha256()
+    for f in files:
+        st = f.stat()
+        h.update(f"{f.relative_to(path) if path.is_dir() else f.name}\0{st.st_size}\0{st.st_mtime_ns}\n".encode())
+    return h.hexdigest()[:16]
+
+
 def backoff_s(failures: int) -> float:
     """Seconds before the next try after ``failures`` consecutive failed sends: min(2^(failures-1), 30)."""
     return min(2.0 ** max(failures - 1, 0), MAX_BACKOFF_S)

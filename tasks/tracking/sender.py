@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from grpoflow.tasks.tracking.bounds import bounded, out_of_time
-from grpoflow.tasks.tracking.journal import WARN_EVERY_S, Journal, backoff_s, group
+from grpoflow.tasks.tracking.journal import WARN_EVERY_S, Journal, backoff_s, file_state, group
 from grpoflow.tasks.tracking.journal_store import describe, other_store
 from grpoflow.tasks.tracking.refusal import NOT_ACTIVE, first_line, send_splitting
 
@@ -108,6 +108,11 @@ def send(client: FastClient, run_id: str, op: dict[str, Any]) -> None:
         path = Path(op["path"])
         if not path.exists():
             log.warning("run %s: artifact %s no longer exists; not sent", run_id, path)
+        elif op.get("state") is not None and file_state(path) != op["state"]:  # a line of an older journal: none
+            log.warning(
+                "run %s: artifact %s changed since it was logged (its stage ran again); not sent, so the run does "
+                "not get another attempt's files", run_id, path,
+            )  # fmt: skip
         elif path.is_dir():
             client.client.log_artifacts(run_id, str(path), op.get("dir"))
         else:

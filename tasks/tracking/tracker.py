@@ -225,7 +225,10 @@ class RunLogger:
         self.sender.wake()
 
     def _artifact(self, path: Path, artifact_path: str | None) -> None:
-        self.journal.append({"op": "artifact", "path": str(Path(path).absolute()), "dir": artifact_path})
+        from grpoflow.tasks.tracking.journal import file_state
+
+        path = Path(path).absolute()  # sent later, and only while its files are as logged ("state")
+        self.journal.append({"op": "artifact", "path": str(path), "dir": artifact_path, "state": file_state(path)})
         self.sender.wake()
 
     def _blob(self, data: bytes, artifact_file: str) -> None:

@@ -141,3 +141,29 @@ def test_a_stage_attempt_with_the_same_key_continues_its_run_without_repeating_s
     with stage_run(cfg, parent.run_id, PIPELINE["grpo"], root, "key2") as other:  # another key: the stage starts over
         assert other.run_id != first.run_id
     parent.end(True)
+
+
+def test_an_artifact_rewritten_before_it_was_sent_is_not_sent_to_the_old_run(tmp_path, caplog):
+    """An artifact line left unsent (the server down at the stage's end) and its file rewritten since (the stage
+    ran again under another key): the old run must not get the new attempt's file. Before, the sender read the
+    path at send time and the old run's report.json said "NEW". A file left as it was is sent."""
+    import logging
+
+    store = MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}")
+    rid = _run(store, tmp_path)
+    ws = tmp_path / "ws"
+    (ws / "eval").mkdir(parents=True)
+    report, kept = ws / "eval" / "report.json", ws / "eval" / "report.md"
+    report.write_text('{"attempt": "OLD"}')
+    kept.write_text("# old attempt\n")
+    down = MlflowClient("http://127.0.0.1:9")
+    logger = RunLogger(down, rid, ws / JOURNAL_DIR, flush_timeout_s=1, request_timeout_s=0.5)
+    logger.log_artifact(report)
+    logger.log_artifact(kept)
+    logger.close()
+    report.write_text('{"attempt": "NEW, another key"}')  # the stage's folder emptied and written again
+    with caplog.at_level(logging.WARNING):
+        done = replay(ws / JOURNAL_DIR, f"sqlite:///{tmp_path / 'mlflow.db'}", 30, force_store=True)
+    assert {k: r.left for k, r in done.items()} == {rid: 0}
+    assert sorted(a.path for a in store.list_artifacts(rid)) == ["report.md"]
+    assert f"artifact {report} changed since it was logged" in caplog.text
