@@ -173,8 +173,9 @@ class GenerationConfig(_Section):
         description="transformers backend: decode with a torch.compile'd static-shape step "
         "(tasks/generation/static_decode.py; on CUDA with CUDA graphs). auto: on for CUDA, off on CPU, where "
         "compiling (3-39 s a graph on the 2-core CPU host of benchmarks/RESULTS.md, cached to cold) costs more "
-        "than it saves in a default run (docs/generation.md). Keyed: compiled kernels sum in another order, so "
-        "log-probs differ in the last bits.",
+        "than it saves in a default run (docs/generation.md). Keyed as written: compiled kernels sum in another "
+        "order, so log-probs differ in the last bits; auto is one key on every device, so a run resumed on another "
+        "device continues with that device's choice (set on or off to hold it).",
     )
 
     @field_validator("compile", mode="before")

@@ -246,7 +246,9 @@ class GRPOConfig(OptimizerFields):
         "estimate until a GPU measures one); chunked off CUDA, and chunked wherever the triton package is not "
         "installed: macOS, Windows, a Linux install without it). "
         "Under autocast on CUDA both run with the autocast dtype's operands and float32 accumulation. triton on a "
-        "CPU device, or without the triton package, is refused when the GRPO trainer starts.",
+        "CPU device, or without the triton package, is refused when the GRPO trainer starts. Keyed as written: auto "
+        "is one key whatever it picks, so a run resumed on another device or table continues with that choice "
+        "(set triton or chunked to hold it).",
     )
     use_bias_correction_kl: bool = Field(
         True, description="Multiply the KL term by the importance ratio (unbiased off-policy); used when beta > 0."
