@@ -28,6 +28,7 @@ import sys
 import time
 import traceback
 from collections import deque
+from collections.abc import Sequence
 from pathlib import Path
 
 from grpoflow.tasks.config import DistributedConfig
@@ -158,9 +159,12 @@ def die_with_parent() -> None:
         pass
 
 
-def run_torchrun(cmd: list[str], errors_dir: Path, world: int, env: dict[str, str] | None = None) -> None:
+def run_torchrun(
+    cmd: list[str], errors_dir: Path, world: int, env: dict[str, str] | None = None, keep_fds: Sequence[int] = ()
+) -> None:
     """Run ``cmd`` (a torchrun command) in its own process group, its output streamed into this log; raise the
-    first failing rank's error on a non-zero exit; terminate the group if this thread is interrupted."""
+    first failing rank's error on a non-zero exit; terminate the group if this thread is interrupted. ``keep_fds``
+    (the workspace's lock) stay open in torchrun, which outlives its workers: the lock holds until they are gone."""
     log.info("launching: %s", " ".join(cmd))
     tail: deque[str] = deque(maxlen=200)
     proc = subprocess.Popen(
@@ -172,6 +176,7 @@ def run_torchrun(cmd: list[str], errors_dir: Path, world: int, env: dict[str, st
         start_new_session=True,  # its own process group: cancelling kills torchrun and every worker together
         preexec_fn=die_with_parent,  # and a kill -9 of this process stops torchrun, which stops its workers
         env={**os.environ, **(env or {})},
+        pass_fds=tuple(keep_fds),
     )
     try:
         assert proc.stdout is not None

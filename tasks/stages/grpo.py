@@ -32,6 +32,7 @@ from grpoflow.tasks.pipeline.spec import Pipeline, StageSpec
 from grpoflow.tasks.stages.common import BASE_MODEL, model_and_dataset, model_params
 from grpoflow.tasks.stages.grpo_launch import WORKER, launch_spec
 from grpoflow.tasks.stages.grpo_setup import GRPOSetup, dtype_name, setup_grpo
+from grpoflow.tasks.storage.lock import held_fds
 from grpoflow.tasks.storage.uploads import UploadQueue, drain_on_sigterm
 from grpoflow.tasks.storage.workspace import MARKERS, Workspace
 from grpoflow.tasks.tracking import timeline
@@ -61,7 +62,10 @@ def launch_grpo(cfg: PipelineConfig, ws: Workspace, tracker: RunLogger, init_mod
     folder = ws.stage_dir("grpo") / "launch"
     spec = launch_spec(cfg, ws, tracker, init_model, folder)
     (folder / "spec.json").write_text(json.dumps(spec))
-    run_torchrun(torchrun_command(d, WORKER, [str(folder / "spec.json")]), folder, d.world_size)
+    # the workspace lock held until the last worker exits: a kill -9 of this process leaves rank 0 draining its
+    # checkpoint uploads (tasks/storage/uploads.py) for a while, and no second run may start meanwhile
+    cmd = torchrun_command(d, WORKER, [str(folder / "spec.json")])
+    run_torchrun(cmd, folder, d.world_size, keep_fds=held_fds())
     return json.loads((folder / "summary.json").read_text())
 
 

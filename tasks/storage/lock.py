@@ -306,6 +306,16 @@ def workspace_lock(store: Store, command: str, ttl_s: float = LEASE_TTL_S) -> It
                 _held.pop(key)[0].release()
 
 
+def held_fds() -> list[int]:
+    """The descriptors of the local locks this process holds (an S3 lease's included: it locks the local copy).
+    A child process started with them (``pass_fds``: torchrun) keeps each flock until it exits too, so a kill -9
+    of this process does not free the workspace while its GRPO workers still drain their uploads."""
+    with _guard:
+        locks = [entry[0] for entry in _held.values()]
+    local = [lk.mirror if isinstance(lk, _S3Lease) else lk for lk in locks]
+    return sorted(lk.fd for lk in local if lk is not None and lk.fd is not None)
+
+
 def holds(store: Store) -> bool:
     """Whether this process holds ``store``'s workspace."""
     return store.location in _held

@@ -182,3 +182,24 @@ def test_s3_holder_locks_its_local_copy_so_a_sync_of_that_folder_is_refused(env)
         _kill(proc)
     with workspace_lock(open_store(store.local_root), "grpoflow sync"):  # the holder gone: free
         pass
+
+
+def test_a_child_started_with_the_held_fds_keeps_the_workspace_locked_until_it_exits(tmp_path):
+    """GRPO's torchrun is started with the lock's descriptor (tasks/stages/grpo.py): when the holder dies (kill -9)
+    while rank 0 still drains its checkpoint uploads, the workspace stays locked until that process exits too.
+    Before, the lock was free the moment the holder died and a second run wrote beside the draining workers."""
+    from grpoflow.tasks.storage.lock import held_fds
+
+    store = open_store(tmp_path / "run")
+    with workspace_lock(store, "holder"):
+        fds = held_fds()
+        assert len(fds) == 1
+        child = subprocess.Popen(["sleep", "60"], pass_fds=fds)
+    assert held_fds() == []  # let go here, as a killed holder does
+    try:
+        with pytest.raises(WorkspaceBusy), workspace_lock(store, "second"):
+            pass
+    finally:
+        _kill(child)
+    with workspace_lock(store, "third"):
+        assert holds(store)
