@@ -95,12 +95,35 @@ def collect_summary(ws: Workspace) -> dict:
     return json.loads((ws.stage_dir("grpo") / "launch" / "summary.json").read_text())
 
 
+JOB_RECORD = "grpo/trainjob.json"  # the TrainJob of the stage's latest attempt (outside launch/, which it empties)
+
+
+def stop_earlier_trainjob(kube, ws: Workspace) -> str | None:
+    """Delete the TrainJob the stage's last attempt created when it still exists: its launcher was killed or
+    evicted before it could (the lease then expires and a resume launches again), and its pods would go on
+    writing checkpoints into the workspace beside the new job's. Returns its name, None when there was none."""
+    raw = ws.store.read(JOB_RECORD)
+    if raw is None:
+        return None
+    name = json.loads(raw)["name"]
+    try:
+        kube.read(name)
+    except Exception as e:  # gone (404), or the API cannot say: nothing to delete
+        log.info("TrainJob %s of an earlier attempt: not found (%s)", name, str(e).splitlines()[0][:200])
+        return None
+    log.warning("TrainJob %s of an earlier attempt still exists: deleting it (and its pods) first", name)
+    kube.delete(name)
+    return name
+
+
 def launch_trainjob(cfg: PipelineConfig, ws: Workspace, tracker: RunLogger, init_model: str | None) -> dict:
     """Run :func:`train_grpo` on the nodes of a TrainJob; rank 0 logs into ``tracker``'s run. Returns its summary."""
     d, t = cfg.distributed, cfg.distributed.trainjob
+    kube = KubeTrainJobs(t.namespace)
+    stop_earlier_trainjob(kube, ws)
     job = prepare_trainjob(cfg, ws, tracker, init_model)
     name = job["metadata"]["name"]
-    kube = KubeTrainJobs(t.namespace)
+    ws.store.write(JOB_RECORD, json.dumps({"namespace": t.namespace, "name": name}).encode())
     kube.create(job)
     log.info("TrainJob %s/%s: %d node(s) x %d process(es)", t.namespace, name, d.nnodes, d.nproc_per_node)
     try:

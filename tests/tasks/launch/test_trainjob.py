@@ -343,3 +343,35 @@ def test_a_worker_without_the_real_uri_says_where_to_set_it(monkeypatch, tmp_pat
     spec = {"run_id": "r1", "tracking_uri": "https://***@mlflow.example.com"}
     with pytest.raises(ValueError, match=r"needs the real URI in \$MLFLOW_TRACKING_URI"):
         rank_tracker(None, spec, Comm(), None)
+
+
+class _Kube:
+    """The two calls :func:`stop_earlier_trainjob` makes, over a dict of live TrainJobs (no API server here)."""
+
+    def __init__(self, live):
+        self.live, self.deleted = set(live), []
+
+    def read(self, name):
+        if name not in self.live:
+            raise RuntimeError(f"(404) Reason: Not Found: trainjobs {name}")
+        return {"metadata": {"name": name}}
+
+    def delete(self, name):
+        self.live.discard(name)
+        self.deleted.append(name)
+
+
+def test_a_resume_deletes_the_trainjob_an_earlier_attempt_left_running(tmp_path):
+    """The launcher pod evicted mid-job: its TrainJob's pods go on training. The resume's stage deletes that job
+    before creating its own, found by the record the earlier attempt wrote; none, or one already gone, is left."""
+    import json
+
+    from grpoflow.tasks.stages.grpo_trainjob import JOB_RECORD, stop_earlier_trainjob
+    from grpoflow.tasks.storage.workspace import Workspace
+
+    ws = Workspace(tmp_path / "run")
+    kube = _Kube({"r-grpo-1", "other-run"})
+    assert stop_earlier_trainjob(kube, ws) is None and kube.deleted == []  # first attempt: no record
+    ws.store.write(JOB_RECORD, json.dumps({"namespace": "ml", "name": "r-grpo-1"}).encode())
+    assert stop_earlier_trainjob(kube, ws) == "r-grpo-1" and kube.deleted == ["r-grpo-1"]
+    assert stop_earlier_trainjob(kube, ws) is None and kube.live == {"other-run"}  # gone: nothing more
