@@ -470,3 +470,46 @@ def test_a_cycle_killed_after_its_model_was_promoted_is_recorded_not_trained_aga
     assert ledger.pending() is None and [e["cycle"] for e in ledger.entries()] == [pending["cycle"]]
     assert [v.version for v in client.search_model_versions(f"name='{model.name}'")] == [1]  # nothing trained
     assert sorted(p.name for p in (tmp_path / "state" / "cycles").iterdir()) == [pending["cycle"]]
+
+
+@pytest.mark.slow
+def test_a_killed_cycle_that_started_from_the_champion_continues_from_it(tmp_path, monkeypatch):
+    """Cycle 1 registers the champion. Cycle 2 starts from it and fails in GRPO; the next run continues cycle 2:
+    the champion is downloaded again, and its bytes key GRPO as before (model.warm_start is keyed by content), so
+    the data stage is skipped and GRPO's attempt keeps its key (its checkpoints would be continued), not
+    restarted as another attempt."""
+    from grpoflow.flows.continuous import grpo_continuous
+
+    src = tmp_path / "incoming"
+    src.mkdir()
+    (src / "first.jsonl").write_text(json.dumps({"question": "What is 1 + 2?", "answer": "3"}) + "\n")
+    (tmp_path / "heldout.jsonl").write_text(json.dumps({"question": "What is 1 + 1?", "answer": "2"}) + "\n")
+    (tmp_path / "flaky_rewards.py").write_text(FLAKY)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setenv("FLAKY_FLAG", str(tmp_path / "fail"))
+    overrides = [
+        f"run.output_dir={tmp_path / 'runs'}",
+        f"data.eval_source={tmp_path / 'heldout.jsonl'}",
+        "grpo.reward_funcs=[flaky_rewards:score,correctness]",
+    ]
+    run = functools.partial(grpo_continuous, str(MICRO), overrides, str(src), str(tmp_path / "state"))
+    first = run()
+    assert "version 1" in first["decision"] and "promoted" in first["decision"], first
+
+    (src / "second.jsonl").write_text(json.dumps({"question": "What is 3 + 3?", "answer": "6"}) + "\n")
+    (tmp_path / "fail").touch()
+    assert run(return_state=True).is_failed()
+    pending = Ledger(tmp_path / "state" / "ledger.json").pending()
+    assert pending is not None and pending["champion"] == "1"
+    cycle = tmp_path / "state" / "cycles" / pending["cycle"]
+    data_done = json.loads((cycle / "data" / "manifest.json").read_text())["finished_at"]
+    grpo_key = json.loads((cycle / "grpo" / "attempt.json").read_text())["key"]
+    config = yaml.safe_load((cycle / "config.yaml").read_text())
+    assert config["model"]["warm_start"] and config["sft"]["enabled"] is False
+
+    (tmp_path / "fail").unlink()
+    out = run()
+    assert out["cycle"] == pending["cycle"] and out["consumed"] == ["second.jsonl"], out
+    assert json.loads((cycle / "data" / "manifest.json").read_text())["finished_at"] == data_done  # skipped
+    assert json.loads((cycle / "grpo" / "attempt.json").read_text())["key"] == grpo_key  # the same attempt's key
+    assert json.loads((cycle / "grpo" / "manifest.json").read_text())["stage"] == "grpo"  # and it finished
