@@ -235,8 +235,8 @@ def _run_pipeline(cfg: PipelineConfig, before=None, check=None, command: str = "
         from grpoflow.tasks.pipeline.revision import pin_revision
 
         cfg, pinned = pin_revision(cfg, store.read("config.yaml"))
-        if pinned:
-            print(f"grpoflow: {pinned}")
+        for line in (pinned or "").splitlines():
+            print(f"grpoflow: {line}")
         if check is not None:
             check(store, cfg)
         return _serve_pipeline(cfg, before)

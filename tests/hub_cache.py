@@ -8,13 +8,14 @@ from pathlib import Path
 import huggingface_hub.constants
 
 
-def write_hub_cache(cache: Path, repo_id: str, files: Path, ref: str = "main") -> str:
-    """The files of the folder ``files`` as a commit of the hub model ``repo_id`` in a hub cache at ``cache``, laid
-    out as huggingface_hub downloads them: blobs named by content hash, the commit's snapshot of links to them, and
-    refs/<ref> naming the commit (a second call moves the ref, as a push to the repo does). Returns the commit: 40
-    hex digits (a hash of the files), as a git commit id is."""
-    repo = cache / ("models--" + repo_id.replace("/", "--"))
-    names = sorted(f.name for f in files.iterdir() if f.is_file())
+def write_hub_cache(cache: Path, repo_id: str, files: Path, ref: str = "main", repo_type: str = "model") -> str:
+    """The files of the folder ``files`` (and its subfolders) as a commit of the hub model (or ``repo_type``
+    dataset) ``repo_id`` in a hub cache at ``cache``, laid out as huggingface_hub downloads them: blobs named by
+    content hash, the commit's snapshot of links to them, and refs/<ref> naming the commit (a second call moves the
+    ref, as a push to the repo does). Returns the commit: 40 hex digits (a hash of the files), as a git commit id
+    is."""
+    repo = cache / (f"{repo_type}s--" + repo_id.replace("/", "--"))
+    names = sorted(f.relative_to(files).as_posix() for f in files.rglob("*") if f.is_file())
     commit = hashlib.sha1(b"".join(n.encode() + (files / n).read_bytes() for n in names)).hexdigest()
     snapshot = repo / "snapshots" / commit
     snapshot.mkdir(parents=True)
@@ -23,7 +24,8 @@ def write_hub_cache(cache: Path, repo_id: str, files: Path, ref: str = "main") -
         data = (files / name).read_bytes()
         blob = repo / "blobs" / hashlib.sha256(data).hexdigest()
         blob.write_bytes(data)
-        (snapshot / name).symlink_to(os.path.relpath(blob, snapshot))
+        (snapshot / name).parent.mkdir(parents=True, exist_ok=True)
+        (snapshot / name).symlink_to(os.path.relpath(blob, (snapshot / name).parent))
     (repo / "refs").mkdir(exist_ok=True)
     (repo / "refs" / ref).write_text(commit)
     return commit

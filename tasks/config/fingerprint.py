@@ -28,7 +28,7 @@ from pydantic_core import to_jsonable_python
 
 from grpoflow.tasks.config.distributed import DistributedConfig
 from grpoflow.tasks.config.model import ModelConfig
-from grpoflow.tasks.config.pipeline import PipelineConfig, RunConfig
+from grpoflow.tasks.config.pipeline import DataConfig, PipelineConfig, RunConfig
 from grpoflow.tasks.config.training import CodeRewardConfig, GRPOConfig, OptimizerFields
 
 # {config class: {field: why it cannot change a result}}; a class's entries apply to its subclasses too
@@ -40,6 +40,9 @@ IGNORED: dict[type[BaseModel], dict[str, str]] = {
     RunConfig: {
         "name": "the workspace's name: where the run lives",
         "output_dir": "the folder or bucket that holds the workspace: where the run lives",
+    },
+    DataConfig: {
+        "revision": (None, "a hub dataset read at its default branch, as every run did before the field"),
     },
     ModelConfig: {"cache_dir": "where downloaded weights are cached, not which weights"},
     OptimizerFields: {"logging_steps": "how often metrics are logged"},

@@ -124,6 +124,13 @@ class DataConfig(_Section):
     )
     subset: str | None = Field(None, description="Config name of a HF dataset id (e.g. 'main' for openai/gsm8k).")
     split: str = Field("train", description="Split of a HF dataset id used for training.")
+    revision: str | None = Field(
+        None,
+        description="Branch, tag or commit of a HF dataset id (data.source, and data.eval_source when it names a "
+        "split); null: the default branch. A run pins it to the commit it names when the run starts (config.yaml "
+        "records it), so a resume, a rerun of the data stage or a later run of the same config reads the same "
+        "files whatever is pushed to the dataset since.",
+    )
     eval_source: str | None = Field(
         None, description="Separate eval file (local or s3://) or split name; else a held-out slice."
     )

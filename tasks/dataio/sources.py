@@ -83,11 +83,39 @@ def humaneval_rows() -> list[dict[str, str]]:
     return rows
 
 
+def is_hub_dataset(source: str) -> bool:
+    """``source`` names a Hugging Face dataset id: no built-in source, s3:// URI, file path or existing path."""
+    if source in (BUILTIN_SOURCE, HUMANEVAL_SOURCE) or s3.is_s3_uri(source) or looks_like_file(source):
+        return False
+    return not Path(source).expanduser().exists()
+
+
+def load_hub_dataset(repo_id: str, subset: str | None, split: str, revision: str | None = None) -> Dataset:
+    """``split`` of the hub dataset ``repo_id`` at ``revision`` (a commit once the run pinned it). Where
+    ``datasets`` cannot load it (the hub out of reach, HF_HUB_OFFLINE, and no ``datasets`` cache of it) but the hub
+    cache holds the snapshot (`hf download --repo-type dataset` filled it, or an earlier run), the rows are read
+    from that snapshot folder: the offline way the preflight's message names, which ``datasets`` alone refuses."""
+    try:
+        return datasets.load_dataset(repo_id, subset, split=split, revision=revision)
+    except Exception as e:
+        from huggingface_hub import snapshot_download
+
+        try:
+            folder = snapshot_download(repo_id, repo_type="dataset", revision=revision, local_files_only=True)
+        except Exception:  # not in the hub cache either: the first error says why
+            raise e from None
+        return datasets.load_dataset(folder, subset, split=split)
+
+
 def load_source(
-    source: str, split: str = "train", subset: str | None = None, storage: StorageConfig | None = None
+    source: str,
+    split: str = "train",
+    subset: str | None = None,
+    storage: StorageConfig | None = None,
+    revision: str | None = None,
 ) -> Dataset:
     """Raw rows of a local or s3:// data file (reached with ``storage``), or of ``split`` of a Hugging Face dataset
-    id."""
+    id at ``revision``."""
     if s3.is_s3_uri(source):
         return _load_file(fetch_s3_file(source, storage), source)
     if source == HUMANEVAL_SOURCE:
@@ -98,7 +126,7 @@ def load_source(
     if looks_like_file(source) and not path.exists():
         raise FileNotFoundError(f"data file not found: {source!r} (looked at {path.resolve()})")
     try:
-        return datasets.load_dataset(source, subset, split=split)
+        return load_hub_dataset(source, subset, split, revision)
     except Exception as e:  # hub, network and builder errors alike
         raise ValueError(
             f"data source {source!r} (split {split!r}) is neither a local "
@@ -231,11 +259,13 @@ def _head_columns(path: Path) -> tuple[set[str] | None, str]:
     return common, f"(first {seen} rows)"
 
 
-def source_origin(source: str, split: str = "train", subset: str | None = None) -> dict[str, str] | None:
+def source_origin(
+    source: str, split: str = "train", subset: str | None = None, revision: str | None = None
+) -> dict[str, str] | None:
     """Where rows of ``source`` come from, as ``datasets.load_dataset`` arguments (the fields of MLflow's
     HuggingFaceDatasetSource): a file as ``{"path": its builder, "data_files": the file}`` (a local file made
-    absolute), a hub id as ``{"path": id, "config_name": subset, "split": split}``; None for the generated sources
-    (arithmetic, humaneval), which have no origin to reload."""
+    absolute), a hub id as ``{"path": id, "config_name": subset, "split": split}`` (with ``revision`` once
+    pinned); None for the generated sources (arithmetic, humaneval), which have no origin to reload."""
     if source in (BUILTIN_SOURCE, HUMANEVAL_SOURCE):
         return None
     path = Path(source).expanduser()
@@ -243,16 +273,16 @@ def source_origin(source: str, split: str = "train", subset: str | None = None) 
         suffix = PurePosixPath(source).suffix if s3.is_s3_uri(source) else path.suffix
         files = source if s3.is_s3_uri(source) else str(path.resolve())
         return {"path": FILE_BUILDERS.get(suffix.lower(), suffix.lstrip(".") or "file"), "data_files": files}
-    return {"path": source, "config_name": subset, "split": split}
+    return {"path": source, "config_name": subset, "split": split, **({"revision": revision} if revision else {})}
 
 
 def split_origins(d: DataConfig) -> dict[str, dict[str, str] | None]:
     """{prepared split: :func:`source_origin` of its rows}: train from data.source (data.split); eval from
     data.eval_source (a file, or a split of the hub dataset) or else the held-out slice of data.source's rows."""
-    train = source_origin(d.source, d.split, d.subset)
+    train = source_origin(d.source, d.split, d.subset, d.revision)
     if d.eval_source is None:
         return {"train": train, "eval": train}
     src = d.eval_source
     if Path(src).expanduser().exists() or looks_like_file(src) or s3.is_s3_uri(src):
         return {"train": train, "eval": source_origin(src)}
-    return {"train": train, "eval": source_origin(d.source, src, d.subset)}
+    return {"train": train, "eval": source_origin(d.source, src, d.subset, d.revision)}

@@ -72,7 +72,8 @@ def _load_eval(src: str, d: DataConfig, storage: StorageConfig) -> tuple[Dataset
             f"data.eval_source {src!r} is not an existing file; a split name only applies when "
             f"data.source is a Hugging Face dataset id (data.source is {d.source!r})"
         )
-    return load_source(d.source, split=src, subset=d.subset, storage=storage), f"{d.source} (split {src!r})"
+    rows = load_source(d.source, split=src, subset=d.subset, storage=storage, revision=d.revision)
+    return rows, f"{d.source} (split {src!r})"
 
 
 def _held_out(examples: list[dict[str, Any]], eval_size: float, seed: int) -> tuple[list, list]:
@@ -155,7 +156,7 @@ def _source_rows(cfg: PipelineConfig, skipped: dict) -> tuple[list[dict], list[d
     d = cfg.data
     source_name = d.source if looks_like_file(d.source) else f"{d.source} (split {d.split!r})"
     questions, answers = columns(
-        load_source(d.source, d.split, d.subset, cfg.storage), d.question_field, d.answer_field, source_name
+        load_source(d.source, d.split, d.subset, cfg.storage, d.revision), d.question_field, d.answer_field, source_name
     )
     fmt = d.format if d.format != "auto" else "code" if d.source == HUMANEVAL_SOURCE else detect_format(answers)
     where = row_locator(d.source, cfg.storage)

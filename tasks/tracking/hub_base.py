@@ -26,19 +26,21 @@ from pathlib import Path
 FLAVOR = "transformers"
 
 
-def hub_commit(repo_id: str, revision: str | None = None) -> str:
-    """The commit ``revision`` of ``repo_id`` names (a branch, tag or commit; None: the default branch): asked of
-    the hub, or read from the local hub cache (``refs/<revision>``) when the hub cannot be reached or
-    ``HF_HUB_OFFLINE`` is set. A commit is returned as it is once the cache or the hub knows it."""
+def hub_commit(repo_id: str, revision: str | None = None, repo_type: str = "model") -> str:
+    """The commit ``revision`` of ``repo_id`` (a ``repo_type`` repo: model or dataset) names (a branch, tag or
+    commit; None: the default branch): asked of the hub, or read from the local hub cache (``refs/<revision>``)
+    when the hub cannot be reached or ``HF_HUB_OFFLINE`` is set. A commit is returned as it is once the cache or
+    the hub knows it."""
     from huggingface_hub import HfApi
     from huggingface_hub.errors import RevisionResolutionError
 
     try:
-        return str(HfApi().resolve_revision(repo_id, revision=revision).resolved)
+        return str(HfApi().resolve_revision(repo_id, repo_type=repo_type, revision=revision).resolved)
     except RevisionResolutionError as e:
         ref = revision or "main"
+        what = "base model" if repo_type == "model" else repo_type
         raise FileNotFoundError(
-            f"base model {repo_id} is neither a local folder nor a hub repo whose revision {ref!r} can be resolved "
+            f"{what} {repo_id} is neither a local folder nor a hub repo whose revision {ref!r} can be resolved "
             f"(the hub cannot be reached and the hub cache has no refs/{ref} for it): {e}"
         ) from e
 

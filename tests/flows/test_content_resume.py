@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from grpoflow.tasks.dataio.splits import load_split
 from tests.hub_cache import write_hub_cache
 from tests.paths import MICRO
 
@@ -137,21 +138,31 @@ def test_a_hub_model_is_pinned_to_its_commit_so_a_push_changes_nothing_of_the_ru
     of the same run.name, which asks for main again, is refused naming the revision change."""
     repo, cache = "grpoflow-test/micro-base", tmp_path / "hf" / "hub"
     commit = write_hub_cache(cache, repo, ctx["ws"] / "base_model")
+    # the rows too: a hub dataset, read offline from the hub cache's snapshot at the commit the run pins
+    dataset = "grpoflow-test/micro-rows"
+    (tmp_path / "rows" / "data").mkdir(parents=True)
+    shutil.copy(ctx["data"], tmp_path / "rows" / "data" / "train.jsonl")
+    rows = write_hub_cache(cache, dataset, tmp_path / "rows", repo_type="dataset")
     env = {**ctx["env"], "HF_HOME": str(cache.parent), "HF_HUB_CACHE": str(cache), "HF_HUB_OFFLINE": "1"}
     out = ctx["ws"].parent
     cmd = [sys.executable, "-m", "grpoflow.flows.cli", "run", str(MICRO), f"run.output_dir={out}", "run.name=hub",
-           f"data.source={ctx['data']}", f"model.name={repo}", "sft.enabled=false", "grpo.max_steps=1",
+           f"data.source={dataset}", f"model.name={repo}", "sft.enabled=false", "grpo.max_steps=1",
            "eval.enabled=false", "export.enabled=false"]  # fmt: skip
     res = subprocess.run(cmd, env=env, capture_output=True, text=True)
     assert res.returncode == 0, res.stderr[-3000:]
     assert f"grpoflow: model.revision: {repo} pinned to commit {commit} (its default branch now)" in res.stdout
+    assert f"grpoflow: data.revision: {dataset} pinned to commit {rows} (its default branch now)" in res.stdout
     ws = out / "hub"
-    assert yaml.safe_load((ws / "config.yaml").read_text())["model"]["revision"] == commit
+    recorded = yaml.safe_load((ws / "config.yaml").read_text())
+    assert recorded["model"]["revision"] == commit and recorded["data"]["revision"] == rows
     first = json.loads((ws / "grpo" / "manifest.json").read_text())["finished_at"]
 
     (tmp_path / "pushed").mkdir()
     (tmp_path / "pushed" / "config.json").write_text('{"model_type": "no-such-architecture"}')
     pushed = write_hub_cache(cache, repo, tmp_path / "pushed")
+    (tmp_path / "rows2" / "data").mkdir(parents=True)
+    (tmp_path / "rows2" / "data" / "train.jsonl").write_text('{"question": "pushed", "answer": "1"}\n')
+    write_hub_cache(cache, dataset, tmp_path / "rows2", repo_type="dataset")
     again = subprocess.run(cmd, env=env, capture_output=True, text=True)
     assert again.returncode == 2, again.stderr[-3000:]
     assert f'config: model.revision "{commit}" -> "{pushed}"' in again.stderr
@@ -159,3 +170,10 @@ def test_a_hub_model_is_pinned_to_its_commit_so_a_push_changes_nothing_of_the_ru
     assert res.returncode == 0, res.stderr[-3000:]
     assert "pinned" not in res.stdout  # the recorded commit, as it is
     assert json.loads((ws / "grpo" / "manifest.json").read_text())["finished_at"] != first
+    # the data stage rerun reads the pinned commit's rows, not the pushed ones
+    res = subprocess.run([*cmd[:3], "resume", str(ws), "--from-stage", "data"], env=env, capture_output=True, text=True)
+    assert res.returncode == 0, res.stderr[-3000:]
+    questions = [r["question"] for r in load_split(ws / "data", "train")] + [
+        r["question"] for r in load_split(ws / "data", "eval")
+    ]
+    assert len(questions) == 30 and "pushed" not in questions

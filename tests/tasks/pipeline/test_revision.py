@@ -63,3 +63,42 @@ def test_a_revision_neither_the_hub_nor_the_cache_knows_is_left_unpinned_with_a_
     cfg = load_config(str(MICRO), ["model.name=grpoflow-test/not-cached"])
     assert pin_revision(cfg) == (cfg, None)
     assert "model.revision: not pinned: base model grpoflow-test/not-cached is neither a local folder" in caplog.text
+
+
+DATASET = "grpoflow-test/sums"
+
+
+def _rows(folder: Path, rows: list[dict]) -> Path:
+    import json
+
+    (folder / "data").mkdir(parents=True)
+    (folder / "data" / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return folder
+
+
+def test_a_hub_dataset_is_pinned_and_its_rows_load_at_that_commit_from_the_hub_cache(hub, tmp_path):
+    """data.source a hub dataset id: pinned to the commit its default branch names when the run starts; after a
+    push, rows load at the pinned commit. With the hub out of reach they load from the hub cache's snapshot, which
+    `datasets` alone refuses (the way out the preflight's message names); a workspace recorded unpinned keeps
+    its unpinned revision."""
+    from grpoflow.tasks.dataio.sources import load_source
+
+    v1 = [{"question": f"What is {i} + 1?", "answer": str(i + 1)} for i in range(4)]
+    first = write_hub_cache(hub["cache"], DATASET, _rows(tmp_path / "d1", v1), repo_type="dataset")
+    cfg = load_config(str(MICRO), [f"data.source={DATASET}", "data.format=qa"])
+    pinned, said = pin_revision(cfg)
+    assert pinned.data.revision == first and cfg.data.revision is None
+    assert said == (
+        f"data.revision: {DATASET} pinned to commit {first} (its default branch now); config.yaml records it, so "
+        "every stage and a resume load these files whatever is pushed to the repo since"
+    )
+    v2 = [{"question": "What is 9 + 9?", "answer": "18"}]
+    second = write_hub_cache(hub["cache"], DATASET, _rows(tmp_path / "d2", v2), repo_type="dataset")
+    assert [r["answer"] for r in load_source(DATASET, revision=first)] == ["1", "2", "3", "4"]
+    assert [r["answer"] for r in load_source(DATASET, revision=second)] == ["18"]
+    assert [r["answer"] for r in load_source(DATASET)] == ["18"]  # the branch: what was pushed last
+    assert pin_revision(cfg)[0].data.revision == second
+    recorded = yaml.safe_dump(cfg.to_dict())  # a run made before datasets were pinned keeps its branch
+    assert pin_revision(cfg, recorded) == (cfg, None)
+    with pytest.raises(ValueError, match=f"data source '{DATASET}' .*Hugging Face dataset id"):
+        load_source(DATASET, revision="0" * 40)  # neither reachable nor cached
