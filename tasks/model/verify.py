@@ -12,6 +12,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import math
+
 import torch
 
 # torch.finfo(dtype).eps: the gap between 1.0 and the next representable number
@@ -81,8 +83,11 @@ def compare_logprobs(
     completions: list[list[int]],
 ) -> Verification:
     """Gap statistics between per-prompt log-prob vectors (``reference``: the trained model's; ``other``: the
-    merged model's) and the merged model's greedy agreement with the trained completions."""
-    gaps = [(a - b).abs() for a, b in zip(reference, other)]
+    merged model's) and the merged model's greedy agreement with the trained completions. A log-prob that is not
+    finite on either side (a merged float16 model whose activations overflow, a NaN weight) is an infinite gap:
+    ``NaN > max_gap`` is False, so before this a NaN merged model verified with max_gap 0."""
+    gaps = [torch.nan_to_num((a - b).abs(), nan=math.inf, posinf=math.inf) for a, b in zip(reference, other)]
+    gaps = [torch.where(a.isfinite() & b.isfinite(), g, math.inf) for a, b, g in zip(reference, other, gaps)]
     flat = torch.cat(gaps) if gaps else torch.zeros(0)
     worst, max_gap = (0, 0), 0.0
     for i, g in enumerate(gaps):

@@ -24,6 +24,7 @@ listed under ``gguf_skipped``: the default ``export.gguf: [f16]`` must not fail 
 from __future__ import annotations
 
 import logging
+import math
 import shutil
 import time
 from pathlib import Path
@@ -112,9 +113,15 @@ def verify_merged(trained_logprobs, prompts, completions, merged_dir: Path, merg
         v.greedy_agreement,
     )
     if v.max_gap > tol:
+        overflow = (
+            " (log-probs that are not finite: NaN weights, or activations past the range of "
+            f"{merged_dtype}; try export.merged_dtype bfloat16 or float32)"
+            if math.isinf(v.max_gap)
+            else ""
+        )
         raise RuntimeError(
             f"export: the merged {merged_dtype} model at {merged_dir} does not match the trained model "
-            f"({trained_dtype}): max per-token log-prob gap {v.max_gap:.4g} > tolerance {tol:.4g} "
+            f"({trained_dtype}){overflow}: max per-token log-prob gap {v.max_gap:.4g} > tolerance {tol:.4g} "
             f"(eval prompt {v.worst[0]}, completion token {v.worst[1]}; mean gap {v.mean_gap:.4g} over {v.tokens} "
             "teacher-forced tokens)"
         )

@@ -58,6 +58,18 @@ def test_greedy_agreement_is_the_share_before_the_first_divergence():
     assert v.greedy_agreement == pytest.approx((2 / 3 + 0.0) / 2)
 
 
+def test_a_log_prob_that_is_not_finite_is_an_infinite_gap_not_none():
+    """A merged model whose float16 activations overflow, or with a NaN weight, gives NaN log-probs: before,
+    ``NaN > max_gap`` was False and such a prompt was skipped, so a NaN merged model verified with max_gap 0."""
+    v = compare_logprobs(
+        [torch.tensor([-1.0, -2.0]), torch.tensor([-0.5, -0.5])],
+        [torch.tensor([-1.0, float("nan")]), torch.tensor([-0.5, -float("inf")])],
+        [torch.tensor([1, 2]), torch.tensor([3, 4])],
+        [[1, 2], [3, 4]],
+    )
+    assert v.max_gap == float("inf") and v.worst == (0, 1) and v.mean_gap == float("inf")
+
+
 @pytest.fixture
 def trained_adapter(tmp_path):
     """A micro workspace (data, tiny base) and a LoRA adapter on that base with non-zero updates, as GRPO leaves."""
