@@ -10,9 +10,8 @@ figure (greedy_agreement), not checked.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import math
+from dataclasses import dataclass
 
 import torch
 
