@@ -40,8 +40,9 @@ from grpoflow.tasks.dataio.splits import load_split
 from grpoflow.tasks.generation.backend import compile_choice
 from grpoflow.tasks.generation.transformers_loop import TransformersGenerator
 from grpoflow.tasks.generation.types import SamplingParams
+from grpoflow.tasks.model.context import tokenize_prompts
 from grpoflow.tasks.model.device import model_device, select_device
-from grpoflow.tasks.model.loading import load_causal_lm, load_tokenizer, load_with_adapter, prompt_ids
+from grpoflow.tasks.model.loading import load_causal_lm, load_tokenizer, load_with_adapter
 from grpoflow.tasks.pipeline.fingerprint import reward_files, reward_modules
 from grpoflow.tasks.pipeline.shell import run_stage
 from grpoflow.tasks.pipeline.spec import Pipeline, StageSpec
@@ -109,16 +110,19 @@ def score(
 def greedy_metrics(funcs: list, rows: list[dict], texts: list[str], lengths: list[int]) -> tuple[dict, dict]:
     """Metrics of one greedy completion per row; also returns the per-row scores (for the completion table)."""
     scores = score(funcs, rows, texts)
-    correct = [v > 0 for v in scores[accuracy_reward(funcs)]]
+    acc = scores[accuracy_reward(funcs)]
+    correct = [v > 0 for v in acc]
+    scored = sum(not math.isnan(v) for v in acc)  # NaN: a reward that did not score it (a sandbox that failed)
     formatted = [v > 0 for v in scores["strict_format"]]
     metrics = {
         "rows": len(rows),
-        "accuracy": sum(correct) / len(rows),
+        "accuracy": sum(correct) / scored if scored else float("nan"),
         "format_compliance": sum(formatted) / len(rows),
         "accuracy_in_format": (
             sum(c and f for c, f in zip(correct, formatted)) / sum(formatted) if any(formatted) else float("nan")
         ),
         "mean_completion_length": sum(lengths) / len(lengths),
+        **({"unscored_rows": len(rows) - scored} if scored < len(rows) else {}),
     }
     for name, vals in scores.items():
         metrics[f"rewards/{name}/mean"] = _mean(vals)
@@ -133,8 +137,14 @@ def sampled_metrics(
     also returns the number of correct samples per row."""
     acc = accuracy_reward(funcs)
     scores = score([f for f in funcs if f[0] in (acc, "strict_format")], rows, texts, n)
-    correct = [sum(v > 0 for v in scores[acc][i * n : (i + 1) * n]) for i in range(len(rows))]
-    metrics = {f"pass_at_{k}": sum(pass_at_k(n, c, k) for c in correct) / len(rows) for k in pass_k}
+    per_row = [scores[acc][i * n : (i + 1) * n] for i in range(len(rows))]
+    correct = [sum(v > 0 for v in vals) for vals in per_row]
+    # a sample no reward scored (NaN) is left out of its row's n; a row left with fewer than k is out of pass@k
+    scored = [sum(not math.isnan(v) for v in vals) for vals in per_row]
+    metrics = {}
+    for k in pass_k:
+        counted = [(m, c) for m, c in zip(scored, correct, strict=True) if m >= k]
+        metrics[f"pass_at_{k}"] = sum(pass_at_k(m, c, k) for m, c in counted) / len(counted) if counted else math.nan
     metrics["sampled/format_compliance"] = sum(v > 0 for v in scores["strict_format"]) / len(texts)
     metrics["sampled/mean_completion_length"] = sum(lengths) / len(lengths)
     return metrics, correct
@@ -180,17 +190,21 @@ def evaluate_model(
         model, tokenizer, batch_size, threads=threads, compiled=compiled, compile_mode=compile_mode
     )
     funcs = eval_reward_funcs(reward_funcs)
-    prompts = [prompt_ids(tokenizer, r["prompt"], max_prompt_length) for r in rows]
+    # cut as training cuts them (left, to grpo.max_prompt_length), warned and counted: a cut prompt is likely
+    # answered wrong, and the report says how many there were
+    prompts, cut = tokenize_prompts(tokenizer, rows, max_prompt_length)
     t0 = time.perf_counter()
     greedy = SamplingParams(max_new_tokens=params.max_new_tokens, greedy=True)
     texts, lengths = decode(gen, tokenizer, prompts, 1, greedy, f"eval {label} greedy")
     metrics, scores = greedy_metrics(funcs, rows, texts, lengths)
+    if cut["truncated_prompts"]:
+        metrics["truncated_prompts"] = cut["truncated_prompts"]
     metrics["seconds/greedy"] = time.perf_counter() - t0
     table = {
         "question": [r.get("question", "") for r in rows],
         "answer": [r.get("answer", "") for r in rows],
         "completion": texts,
-        "correct": [v > 0 for v in scores[accuracy_reward(funcs)]],
+        "correct": [None if math.isnan(v) else v > 0 for v in scores[accuracy_reward(funcs)]],
         **{f"rewards/{name}": vals for name, vals in scores.items()},
     }
     if n:
@@ -324,7 +338,7 @@ def evaluate_and_log(
     # value, so no point (the tracker logs NaN as it is and warns)
     tracker.log_metrics({f"{label}/{k}": None if v != v else v for k, v in metrics.items()})
     tracker.log_table(table, f"eval/completions_{label}.json")
-    return metrics, [bool(c) for c in table["correct"]]
+    return metrics, [None if c is None else bool(c) for c in table["correct"]]
 
 
 def save_report(report: dict, out, tracker: RunLogger) -> None:

@@ -61,17 +61,21 @@ def mcnemar_exact_p(b: int, c: int) -> float:
 
 
 def paired_promotion(
-    champion_correct: Sequence[bool], candidate_correct: Sequence[bool], alpha: float
+    champion_correct: Sequence[bool | None], candidate_correct: Sequence[bool | None], alpha: float
 ) -> PairedComparison:
     """Promote the candidate over the champion? ``*_correct``: per held-out row (the same rows, in the same order),
-    whether that model's greedy answer was correct. Promote when b > c and the exact McNemar p < ``alpha``."""
+    whether that model's greedy answer was correct, None where its reward did not score it (a code sandbox that
+    failed to start): such a row is left out for both models, not counted as a loss of the one it failed for.
+    Promote when b > c and the exact McNemar p < ``alpha``."""
     if len(champion_correct) != len(candidate_correct):
         raise ValueError(
             f"paired comparison: {len(champion_correct)} champion rows vs {len(candidate_correct)} candidate rows; "
             "both models must be scored on the same held-out rows"
         )
+    pairs = [(old, new) for old, new in zip(champion_correct, candidate_correct) if old is not None and new is not None]
+    champion_correct, candidate_correct = [old for old, _ in pairs], [new for _, new in pairs]
     if not champion_correct:
-        raise ValueError("paired comparison: no held-out rows")
+        raise ValueError("paired comparison: no held-out rows (scored for both models)")
     if not 0 < alpha <= 1:
         raise ValueError(f"tracking.promotion_alpha: must be in (0, 1] (got {alpha})")
     rows = len(champion_correct)

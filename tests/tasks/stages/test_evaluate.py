@@ -99,6 +99,25 @@ def test_sampled_metrics_are_the_mean_of_per_row_pass_at_k():
     assert metrics["sampled/format_compliance"] == 10 / 12
 
 
+def test_rows_the_accuracy_reward_did_not_score_are_left_out_not_counted_wrong():
+    """A code sandbox that could not start scores None (NaN): such a row is out of accuracy and pass@k (its count
+    reported), not a wrong answer; before, NaN > 0 made it one, and a champion's eval that hit a sandbox failure
+    counted as a gain of the candidate."""
+    from grpoflow.tasks.rewards.text import strict_format
+
+    def scored(values):
+        return lambda prompts, completions, **kw: values[: len(completions)]
+
+    funcs = [("correctness", scored([2.0, None, 0.0, None])), ("strict_format", strict_format)]
+    metrics, _ = greedy_metrics(funcs, rows("7", "7", "7", "7"), ["a", "b", "c", "d"], [1, 1, 1, 1])
+    assert metrics["accuracy"] == 0.5 and metrics["unscored_rows"] == 2 and metrics["rows"] == 4
+    funcs = [("correctness", scored([2.0, None, 0.0, 0.0])), ("strict_format", strict_format)]
+    sampled, correct = sampled_metrics(funcs, rows("7", "7"), ["a", "b", "c", "d"], [1] * 4, 2, [1, 2])
+    assert correct == [1, 0]
+    assert sampled["pass_at_1"] == 0.5  # row 0: 1 of its 1 scored sample; row 1: 0 of 2
+    assert sampled["pass_at_2"] == 0.0  # row 0 has 1 scored sample: out of pass@2
+
+
 # ------------------------------------------------------------------------------------------ a real model
 @pytest.fixture(scope="module")
 def taught():
@@ -158,6 +177,21 @@ def test_before_and_after_report_on_a_model_taught_one_answer(taught, tmp_path):
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     with Image.open(png) as im:
         assert im.size[0] >= 600 and im.size[1] >= 400
+
+
+def test_eval_prompts_cut_to_max_prompt_length_are_warned_and_counted(taught, caplog):
+    """Eval cuts prompts as training does (left, to grpo.max_prompt_length), and now says so: a warning and
+    truncated_prompts in the metrics. Before, the cut was silent and the report claimed every row whole."""
+    import logging
+
+    tok, _, after = taught
+    funcs = resolve_reward_funcs(["correctness"])
+    sampling = SamplingParams.from_grpo(GRPOConfig(max_completion_length=4))
+    whole, _ = evaluate_model(after, tok, rows("7"), funcs, sampling, [1], 0, 8, "after")
+    assert "truncated_prompts" not in whole
+    with caplog.at_level(logging.WARNING):
+        cut, _ = evaluate_model(after, tok, rows("7", "8"), funcs, sampling, [1], 0, 8, "after", max_prompt_length=3)
+    assert cut["truncated_prompts"] == 2 and "cuts 2 of 2 prompts" in caplog.text
 
 
 def test_an_undefined_eval_metric_is_no_point_in_mlflow(taught, tmp_path, monkeypatch):

@@ -85,3 +85,11 @@ def test_rows_must_pair_up():
         paired_promotion([], [], alpha=0.05)
     with pytest.raises(ValueError, match="promotion_alpha"):
         paired_promotion([True], [True], alpha=0.0)
+
+
+def test_a_row_unscored_for_either_model_is_out_of_the_pair():
+    """None: the reward did not score that row for that model (a sandbox failure); the row pairs with nothing."""
+    got = paired_promotion([True, None, False, False], [True, True, None, True], alpha=0.5)
+    assert (got.rows, got.b, got.c) == (2, 1, 0)
+    with pytest.raises(ValueError, match="no held-out rows"):
+        paired_promotion([None], [True], alpha=0.5)
