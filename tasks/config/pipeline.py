@@ -132,7 +132,10 @@ class DataConfig(_Section):
         "files whatever is pushed to the dataset since.",
     )
     eval_source: str | None = Field(
-        None, description="Separate eval file (local or s3://) or split name; else a held-out slice."
+        None,
+        description="Separate eval file (local or s3://) or split name; else a held-out slice. Either way a "
+        "training row whose question (whitespace aside) is a held-out one is dropped, and each held-out question "
+        "is scored once (a warning counts both).",
     )
     eval_size: float = Field(0.1, gt=0, description="Held-out rows: a fraction (<1) or a count (>=1).")
     max_train_rows: int | None = Field(None, ge=1, description="Keep at most this many training rows; null: all.")

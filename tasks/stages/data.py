@@ -133,10 +133,29 @@ def _split_rows(cfg: PipelineConfig, skipped: dict) -> tuple[list[dict], list[di
         eval_q, eval_a = columns(eval_ds, d.question_field, d.answer_field, eval_name)
         eval_where = row_locator(d.eval_source, cfg.storage)
         eval_rows, skipped[eval_name] = map_rows(eval_q, eval_a, fmt, d, eval_name, eval_where)
-        if d.source == BUILTIN_SOURCE:  # keep eval questions out of the generated train split
-            held = {r["question"] for r in eval_rows}
-            train_rows = [r for r in train_rows if r["question"] not in held]
-    return train_rows, eval_rows, fmt
+    return (*_held_apart(train_rows, eval_rows), fmt)
+
+
+def _question_key(row: dict[str, Any]) -> str:
+    return " ".join(str(row["question"]).split())  # the question with its whitespace collapsed
+
+
+def _held_apart(train_rows: list[dict], eval_rows: list[dict]) -> tuple[list[dict], list[dict]]:
+    """(train rows without any whose question is a held-out one, held-out rows with each question once). A source
+    that holds a question twice put one copy in each split, and a separate data.eval_source could repeat training
+    questions: the model was then scored on rows it trained on (and the promotion test counted them twice)."""
+    held: dict[str, dict] = {}
+    for r in eval_rows:
+        held.setdefault(_question_key(r), r)
+    train = [r for r in train_rows if _question_key(r) not in held]
+    if len(train) < len(train_rows) or len(held) < len(eval_rows):
+        log.warning(
+            "data: %d training rows dropped, their question being a held-out one too; %d repeated held-out rows "
+            "dropped (held-out rows are scored unseen, each once)",
+            len(train_rows) - len(train),
+            len(eval_rows) - len(held),
+        )
+    return train, list(held.values())
 
 
 def _arithmetic_rows(d: DataConfig, seed: int) -> tuple[list[dict], list[dict], str]:

@@ -223,9 +223,29 @@ def test_custom_fields_and_numeric_answers(tmp_path):
 
 
 def test_arithmetic_format_on_a_file(tmp_path):
-    path = write_rows(tmp_path / "arith.jsonl", [{"question": "What is 3 * -4?", "answer": "-12"}] * 3)
+    path = write_rows(
+        tmp_path / "arith.jsonl", [{"question": f"What is {a} * -4?", "answer": str(-4 * a)} for a in (3, 5, 7)]
+    )
     _, ws = run(tmp_path, source=str(path), format="arithmetic", eval_size=1)
-    assert "3 * -4 = -12" in load_split(ws.root / "data", "train")[0]["reference"]
+    train = {r["question"]: r["reference"] for r in load_split(ws.root / "data", "train")}
+    assert any(f"{a} * -4 = {-4 * a}" in train.get(f"What is {a} * -4?", "") for a in (3, 5, 7))
+
+
+def test_a_question_in_both_splits_is_kept_out_of_training_and_held_out_once(tmp_path, caplog):
+    """A source that holds a question twice (or a data.eval_source repeating training questions) put a copy in
+    each split: the model was scored on rows it trained on. Training keeps none of the held-out questions
+    (whitespace aside), and each held-out question is scored once."""
+    rows = [{"question": f"Capital number {i}?", "answer": f"City{i}"} for i in range(8)] * 2
+    path = write_rows(tmp_path / "twice.jsonl", rows)
+    with caplog.at_level(logging.WARNING):
+        summary, ws = run(tmp_path / "a", source=str(path), eval_size=4, system_prompt=None)
+    train, held = (list(load_split(ws.root / "data", s)["question"]) for s in ("train", "eval"))
+    assert not set(train) & set(held) and len(held) == len(set(held)) == summary["eval_rows"]
+    assert len(train) == 16 - 2 * len(held) and "held-out one too" in caplog.text
+    extra = write_rows(tmp_path / "eval.jsonl", [{"question": " Capital  number 3? ", "answer": "City3"}] * 2)
+    summary, ws = run(tmp_path / "b", source=str(path), eval_source=str(extra), system_prompt=None)
+    assert (summary["train_rows"], summary["eval_rows"]) == (14, 1)
+    assert "Capital number 3?" not in set(load_split(ws.root / "data", "train")["question"])
 
 
 def test_eval_source_file(tmp_path):
