@@ -13,7 +13,9 @@ The version is tagged with the run's held-out accuracy after GRPO; it takes the 
   the p-value, alpha and the decision are tagged (``promotion.*``) on the version and the parent run. Should the
   alias have moved to another version during the run, the new one is not promoted (it was not compared with it);
 - for any other run (it did not start from the champion, so the two were never measured side by side), when its
-  accuracy beats the champion's recorded ``accuracy_after`` tag (ties keep the current champion).
+  accuracy beats the champion's recorded ``accuracy_after`` tag (ties keep the current champion), and only when
+  both were measured on the same held-out set (the ``eval_set`` tag: :func:`eval_set_id`); a figure from other
+  rows, another eval.max_samples or another token budget is not comparable and keeps the champion.
 
 The decision and its reason are tagged on the version and the parent run (``champion_decision``). The registry
 lives in the tracking store (SQLite file or an ``mlflow server``).
@@ -23,6 +25,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
+from pathlib import Path
 
 from mlflow.exceptions import MlflowException
 from mlflow.tracking import MlflowClient
@@ -32,6 +35,18 @@ from grpoflow.tasks.tracking.promotion import PairedComparison, paired_promotion
 
 log = logging.getLogger(__name__)
 ACCURACY_TAG = "accuracy_after"
+EVAL_SET_TAG = "eval_set"
+
+
+def eval_set_id(eval_split: str, max_samples: int | None, max_new_tokens: int, accuracy_reward: str) -> str:
+    """16 hex digits naming what an accuracy was measured on: the held-out split's content (its Arrow files),
+    eval.max_samples (the rows taken), the token budget and the reward that counts a row right."""
+    import hashlib
+
+    from grpoflow.tasks.tracking.dataset_inputs import split_digest
+
+    parts = [split_digest(eval_split), str(max_samples), str(max_new_tokens), accuracy_reward]
+    return hashlib.sha256("\0".join(parts).encode()).hexdigest()[:16]
 
 
 @dataclass(frozen=True)
@@ -71,15 +86,18 @@ def register_run_model(
     parent_run_id: str | None = None,
     model_id: str | None = None,
     baseline: Baseline | None = None,
+    eval_set: str | None = None,
 ) -> Registration:
     """Register ``source`` (an artifact URI of ``run_id``) as a new version of ``name``; move ``alias`` to it
     when the module docstring's rule says so (``baseline``: the champion version the run started from and the
-    paired comparison with it). Tags the version (accuracy, decision, the comparison) and the parent run."""
+    paired comparison with it; ``eval_set``: :func:`eval_set_id` of the accuracy). Tags the version (accuracy,
+    eval set, decision, the comparison) and the parent run."""
     try:
         client.get_registered_model(name)
     except MlflowException:
         client.create_registered_model(name, description="GRPO fine-tuned models of grpoflow runs")
     tags = {ACCURACY_TAG: f"{accuracy:.6f}"} if accuracy is not None else {}
+    tags |= {EVAL_SET_TAG: eval_set} if eval_set is not None and accuracy is not None else {}
     version = client.create_model_version(name, source, run_id=run_id, tags=tags, model_id=model_id).version
     try:
         current = client.get_model_version_by_alias(name, alias)
@@ -96,6 +114,13 @@ def register_run_model(
         )
     elif baseline is not None:
         promoted, reason = baseline.comparison.promote, baseline.comparison.reason
+    elif eval_set is not None and current.tags.get(EVAL_SET_TAG, eval_set) != eval_set:
+        promoted = False
+        reason = (
+            f"accuracy {accuracy:.1%} was measured on another held-out set than the champion's (version "
+            f"{current.version}: eval set {current.tags[EVAL_SET_TAG]}, this run's {eval_set}: other rows, "
+            "eval.max_samples or token budget): not comparable, the champion is kept"
+        )
     else:
         promoted, reason = champion_decision(accuracy, champion)
         if champion is None:
@@ -164,8 +189,12 @@ def register_pipeline_model(
     source, model_id = logged.source, logged.model_id
     accuracy = (evaluation or {}).get("accuracy_after")
     baseline = paired_baseline(cfg, evaluation, champion_version)
+    eval_set = None
+    if accuracy is not None and eval_path and Path(eval_path).is_dir():
+        acc_reward = "code_tests" if "code_tests" in cfg.grpo.reward_funcs else "correctness"
+        eval_set = eval_set_id(eval_path, cfg.eval.max_samples, max_new, acc_reward)
     reg = register_run_model(
-        client, name, t.champion_alias, source, export_run, accuracy, parent_run_id, model_id, baseline
+        client, name, t.champion_alias, source, export_run, accuracy, parent_run_id, model_id, baseline, eval_set
     )
     client.set_tag(parent_run_id, "registered_export_run", export_run)
     return reg

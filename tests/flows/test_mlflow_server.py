@@ -36,6 +36,33 @@ def test_champion_alias_follows_accuracy(server, tmp_path):
     assert [v.run_id for v in client.search_model_versions(f"name='{name}'", order_by=["version_number ASC"])] == runs
 
 
+def test_an_accuracy_from_another_held_out_set_does_not_move_the_champion(server, tmp_path):
+    """A run measured on other held-out rows (another dataset, or eval.max_samples=8 of them): its accuracy is
+    not comparable with the champion's and does not replace it, however high. Before, 5/8 = 62.5% on 8 rows beat
+    45% on the full set and moved the alias. The same set compares as before; eval_set_id names the split's
+    content, max_samples, the token budget and the accuracy reward."""
+    from datasets import Dataset
+
+    from grpoflow.tasks.tracking.registry import EVAL_SET_TAG, eval_set_id
+
+    split = tmp_path / "eval"
+    Dataset.from_list([{"question": "What is 1 + 1?", "answer": "2"}]).save_to_disk(str(split))
+    full, eight = eval_set_id(str(split), None, 64, "correctness"), eval_set_id(str(split), 8, 64, "correctness")
+    assert len({full, eight, eval_set_id(str(split), None, 32, "correctness")}) == 3
+    assert eval_set_id(str(split), None, 64, "correctness") == full
+    client = MlflowClient(server)
+    exp = client.create_experiment("eval-set-registry-test")
+    runs = [client.create_run(exp).info.run_id for _ in range(3)]
+    name = "grpoflow-eval-set-test"
+    src = [f"{client.get_run(r).info.artifact_uri}/merged" for r in runs]
+    first = register_run_model(client, name, "champion", src[0], runs[0], 0.45, eval_set=full)
+    other = register_run_model(client, name, "champion", src[1], runs[1], 0.625, eval_set=eight)
+    same = register_run_model(client, name, "champion", src[2], runs[2], 0.50, eval_set=full)
+    assert (first.promoted, other.promoted, same.promoted) == (True, False, True)
+    assert "another held-out set" in other.reason and "not comparable" in other.reason
+    assert client.get_model_version(name, other.version).tags[EVAL_SET_TAG] == eight
+
+
 def test_a_run_from_the_champion_is_promoted_on_the_paired_comparison(server):
     """A run that started from the champion: the paired test decides, not the champion's recorded accuracy; the
     figures go on the version and the parent run; a champion that moved meanwhile is not replaced."""
