@@ -41,9 +41,6 @@ IGNORED: dict[type[BaseModel], dict[str, str]] = {
         "name": "the workspace's name: where the run lives",
         "output_dir": "the folder or bucket that holds the workspace: where the run lives",
     },
-    DataConfig: {
-        "revision": (None, "a hub dataset read at its default branch, as every run did before the field"),
-    },
     ModelConfig: {"cache_dir": "where downloaded weights are cached, not which weights"},
     OptimizerFields: {"logging_steps": "how often metrics are logged"},
     GRPOConfig: {
@@ -68,6 +65,9 @@ IGNORED: dict[type[BaseModel], dict[str, str]] = {
 ADDED: dict[type[BaseModel], dict[str, tuple[Any, str]]] = {
     GRPOConfig: {
         "reward_files": ([], "no data file of the rewards keyed, as before the field"),
+    },
+    DataConfig: {
+        "revision": (None, "a hub dataset read at its default branch, as every run did before the field"),
     },
     ModelConfig: {
         "warm_start": (None, "GRPO starts from model.name (or SFT's model), as every run did before the field"),

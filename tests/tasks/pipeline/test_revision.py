@@ -88,6 +88,10 @@ def test_a_hub_dataset_is_pinned_and_its_rows_load_at_that_commit_from_the_hub_c
     cfg = load_config(str(MICRO), [f"data.source={DATASET}", "data.format=qa"])
     pinned, said = pin_revision(cfg)
     assert pinned.data.revision == first and cfg.data.revision is None
+    from grpoflow.flows.stages import PIPELINE
+    from grpoflow.tasks.pipeline.fingerprint import stage_keys
+
+    assert stage_keys(PIPELINE, pinned)["data"] != stage_keys(PIPELINE, cfg)["data"]  # the commit is in the key
     assert said == (
         f"data.revision: {DATASET} pinned to commit {first} (its default branch now); config.yaml records it, so "
         "every stage and a resume load these files whatever is pushed to the repo since"
