@@ -80,7 +80,8 @@ def _format_error(err: ValidationError, sources: dict[str, str] | None = None) -
         if e["type"] == "extra_forbidden":
             msg = "unknown key"
         elif "input" in e and e["type"] not in ("missing",) and not isinstance(e["input"], dict):
-            msg = f"{msg} (got {e['input']!r})"
+            got = f"(got {e['input']!r})"
+            msg = msg if msg.endswith(got) or f"(got {e['input']})" in msg else f"{msg} {got}"
         lines.append(f"  {key}: {msg}")
     return "invalid config:\n" + "\n".join(lines)
 
@@ -160,11 +161,37 @@ def load_config(
     return config_from_dict(apply_overrides(raw, list(overrides or [])))
 
 
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """yaml.SafeLoader that refuses a key given twice in one mapping: YAML keeps the last, so a second ``grpo:``
+    block silently dropped every key of the first (learning_rate, reward_funcs back to their defaults)."""
+
+
+def _unique_mapping(loader: _UniqueKeyLoader, node: yaml.MappingNode, deep: bool = False) -> dict:
+    seen: dict[Any, int] = {}
+    for key_node, _ in node.value:
+        key = loader.construct_object(key_node, deep=deep)
+        line = key_node.start_mark.line + 1
+        if key in seen:
+            raise yaml.constructor.ConstructorError(
+                None,
+                None,
+                f"key {key!r} given twice (lines {seen[key]} and {line}): merge the two",
+                key_node.start_mark,
+            )
+        seen[key] = line
+    return loader.construct_mapping(node, deep=deep)
+
+
+_UniqueKeyLoader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _unique_mapping)
+
+
 def _read_mapping(path: Path, what: str) -> dict[str, Any]:
     try:
-        raw = yaml.safe_load(path.read_text()) or {}
+        raw = yaml.load(path.read_text(encoding="utf-8"), Loader=_UniqueKeyLoader) or {}  # noqa: S506 - a SafeLoader
     except OSError as e:
         raise ConfigError(f"{path}: cannot read: {e.strerror or e}") from None
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"{path}: not UTF-8 text (byte {e.start}: {e.reason}); save it as UTF-8") from None
     except yaml.YAMLError as e:
         raise ConfigError(f"{path}: not valid YAML: {e}") from None
     if not isinstance(raw, dict):

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import math
 import os
+import posixpath
 import re
 from typing import Any, Literal
 
@@ -352,6 +353,30 @@ class TrackingConfig(_Section):
         "and backs off itself (1, 2, 4 ... 30 s) while the server does not answer. No request outlasts "
         "tracking.flush_timeout_s at a stage's end, nor `grpoflow sync --timeout`.",
     )
+
+    @field_validator("registered_model")
+    @classmethod
+    def _model_name(cls, v: str | None) -> str | None:
+        """MLflow's rules for a registered model name (mlflow.utils.validation._validate_model_name), checked here:
+        refused by the registry, the name failed the export stage, after training."""
+        if v is None:
+            return v
+        norm = posixpath.normpath(v)
+        if not v.strip() or "/" in v or ":" in v or norm != v or norm == "." or norm.startswith(".."):
+            raise ValueError("no MLflow registered model name: not empty, no '/' or ':', no '.' or '..'")
+        return v
+
+    @field_validator("champion_alias")
+    @classmethod
+    def _alias(cls, v: str) -> str:
+        """MLflow's rules for an alias (mlflow.utils.validation._validate_model_alias_name and _reserved): letters,
+        digits, '_' and '-'; not 'latest' nor a version alias (v1, V2); otherwise the alias never moved (latest
+        names the newest version) or the registry refused it after training."""
+        if not v or len(v) > 255 or not re.fullmatch(r"[\w\-]+", v):
+            raise ValueError("an MLflow alias may only hold letters, digits, '_' and '-' (1 to 255 of them)")
+        if v.lower() == "latest" or re.fullmatch(r"[vV]\d+", v):
+            raise ValueError("reserved by MLflow ('latest', and v<N> for version N)")
+        return v
 
     @model_validator(mode="before")
     @classmethod

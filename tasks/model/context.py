@@ -52,6 +52,12 @@ def context_problem(
             f"grpo.max_completion_length = {g.max_completion_length} tokens, not below the model's context of "
             f"{context} (max_position_embeddings of {where}); lower it"
         )
+    e = cfg.eval
+    if e.enabled and e.max_new_tokens is not None and e.max_new_tokens >= context:
+        return (
+            f"eval.max_new_tokens = {e.max_new_tokens} tokens, not below the model's context of {context} "
+            f"(max_position_embeddings of {where}); lower it (null: grpo.max_completion_length)"
+        )
     if sft and cfg.sft.enabled and cfg.sft.max_length > context:
         return (
             f"sft.max_length = {cfg.sft.max_length} tokens, beyond the model's context of {context} "

@@ -84,6 +84,23 @@ def test_missing_file_and_bad_yaml(tmp_path):
         load_config(bad)
 
 
+def test_a_section_given_twice_or_a_file_not_in_utf8_is_refused_naming_it(tmp_path):
+    """YAML keeps the last of two equal keys: a second grpo: block silently reset the first one's keys to their
+    defaults. And a Latin-1 file raised a raw UnicodeDecodeError."""
+    twice = tmp_path / "twice.yaml"
+    twice.write_text("grpo:\n  learning_rate: 1.0e-3\nmodel:\n  name: tiny\ngrpo:\n  max_steps: 3\n")
+    with pytest.raises(ConfigError, match="key 'grpo' given twice \\(lines 1 and 5\\)"):
+        load_config(twice)
+    nested = tmp_path / "nested.yaml"
+    nested.write_text("grpo:\n  max_steps: 3\n  max_steps: 4\n")
+    with pytest.raises(ConfigError, match="key 'max_steps' given twice"):
+        load_config(nested)
+    latin = tmp_path / "latin.yaml"
+    latin.write_bytes("run:\n  name: caf\xe9\n".encode("latin-1"))
+    with pytest.raises(ConfigError, match="latin.yaml: not UTF-8 text"):
+        load_config(latin)
+
+
 def test_resolve_eval_size():
     assert resolve_eval_size(0.1, 100) == 10
     assert resolve_eval_size(25, 100) == 25

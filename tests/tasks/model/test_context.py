@@ -39,6 +39,59 @@ def test_lengths_past_the_context_are_refused_naming_both_numbers():
     )
 
 
+def test_an_eval_token_budget_past_the_context_is_refused():
+    """eval.max_new_tokens=500 on a 128-token model: validate said OK and eval decoded 500 tokens a row."""
+    cfg = config_from_dict(
+        {
+            "model": {"tiny": {"max_position_embeddings": 128}},
+            "sft": {"max_length": 96},
+            "grpo": {"max_prompt_length": 64, "max_completion_length": 32},
+            "eval": {"max_new_tokens": 500},
+        }
+    )
+    assert context_problem(cfg, 128, "model.tiny").startswith("eval.max_new_tokens = 500 tokens, not below")
+    off = cfg.model_copy(update={"eval": cfg.eval.model_copy(update={"enabled": False})})
+    assert context_problem(off, 128, "model.tiny") is None
+
+
+def test_tracking_names_follow_mlflows_own_rules():
+    """registered_model and champion_alias are refused at load as MLflow's registry refuses them (checked against
+    its validators): before, 'a/b' failed the export stage after training and 'latest' never moved."""
+    import pytest
+    from mlflow.exceptions import MlflowException
+    from mlflow.utils import validation as v
+
+    from grpoflow.tasks.config import ConfigError
+
+    def mlflow_ok(check, *values):
+        try:
+            for value in values:
+                check(value)
+            return True
+        except MlflowException:
+            return False
+
+    for name in ["grpoflow-qwen2.5-0.5b", "a/b", "a:b", ".", "..", "../x", "x/..", " ", "m_1"]:
+        ours = True
+        try:
+            config_from_dict({"tracking": {"registered_model": name}})
+        except ConfigError:
+            ours = False
+        assert ours == mlflow_ok(v._validate_model_name, name), name
+    for alias in ["champion", "latest", "LATEST", "v1", "V22", "v1x", "best model", "a.b", "x" * 256, "prod-2"]:
+        ours = True
+        try:
+            config_from_dict({"tracking": {"champion_alias": alias}})
+        except ConfigError:
+            ours = False
+        theirs = mlflow_ok(v._validate_model_alias_name, alias) and mlflow_ok(
+            v._validate_model_alias_name_reserved, alias
+        )
+        assert ours == theirs, alias
+    with pytest.raises(ConfigError, match="tracking.champion_alias.*reserved"):
+        config_from_dict({"tracking": {"champion_alias": "latest"}})
+
+
 def test_known_context_reads_a_local_config_json(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps({"text_config": {"max_position_embeddings": 4096}}))
     cfg = config_from_dict({"model": {"name": str(tmp_path)}})
