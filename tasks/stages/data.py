@@ -102,6 +102,13 @@ def prepare_data(cfg: PipelineConfig, ws: Workspace) -> dict[str, Any]:
     n_skipped = sum(len(s) for s in skipped.values())
     if not train_rows:
         raise _no_training_rows(d, skipped, n_skipped, cfg.storage)
+    if not eval_rows and cfg.eval.enabled:  # found now, not in the eval stage after SFT and GRPO trained
+        where = f"data.eval_source {d.eval_source!r}" if d.eval_source else f"data.source {d.source!r}"
+        raise ValueError(
+            f"{where}: no held-out row to evaluate on ({len(train_rows)} training rows"
+            + (f"; {n_skipped} invalid rows skipped" if n_skipped else "")
+            + "); give a data.eval_source file, more rows, or set eval.enabled=false"
+        )
     if not eval_rows:
         log.warning("data.source %r: the eval split is empty", d.source)
     train_path, eval_path, samples_path = _write_splits(ws, train_rows, eval_rows)
@@ -133,6 +140,11 @@ def _split_rows(cfg: PipelineConfig, skipped: dict) -> tuple[list[dict], list[di
         eval_q, eval_a = columns(eval_ds, d.question_field, d.answer_field, eval_name)
         eval_where = row_locator(d.eval_source, cfg.storage)
         eval_rows, skipped[eval_name] = map_rows(eval_q, eval_a, fmt, d, eval_name, eval_where)
+    if "code_tests" in cfg.grpo.reward_funcs and fmt != "code":  # it would score 0 on every row, and train nothing
+        raise ValueError(
+            f"grpo.reward_funcs: code_tests runs each row's answer as Python tests, but data.source {d.source!r} "
+            f"gives rows of format {fmt!r}; set data.format=code for a file of code rows, or drop code_tests"
+        )
     return (*_held_apart(train_rows, eval_rows), fmt)
 
 
@@ -178,6 +190,7 @@ def _source_rows(cfg: PipelineConfig, skipped: dict) -> tuple[list[dict], list[d
         load_source(d.source, d.split, d.subset, cfg.storage, d.revision), d.question_field, d.answer_field, source_name
     )
     fmt = d.format if d.format != "auto" else "code" if d.source == HUMANEVAL_SOURCE else detect_format(answers)
+
     where = row_locator(d.source, cfg.storage)
     examples, skipped[source_name] = map_rows(questions, answers, fmt, d, source_name, where)
     if d.eval_source is None:
@@ -193,6 +206,11 @@ def _no_training_rows(d: DataConfig, skipped: dict, n_skipped: int, storage: Sto
         if rows and len(first) < 3:
             where = row_locator(name, storage)
             first += [f"{where(i)}: {why}" for i, why in rows[: 3 - len(first)]]
+    if not n_skipped:  # none invalid: every one was a held-out question (the warning above counts them)
+        return ValueError(
+            f"data.source {d.source!r}: no training rows left: every question is a held-out one too "
+            f"(data.eval_source {d.eval_source!r} repeats data.source?)"
+        )
     return ValueError(
         f"data.source {d.source!r}: no usable training rows: {n_skipped} invalid rows skipped"
         + (f" ({', '.join(first)}{', ...' if n_skipped > len(first) else ''})" if first else "")

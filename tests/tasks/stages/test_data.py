@@ -470,3 +470,22 @@ def test_a_row_missing_the_question_field_is_an_invalid_row_not_a_missing_column
     absent = write_rows(tmp_path / "absent.jsonl", [{"answer": "#### 5"}] * 3)
     with pytest.raises(ValueError, match=r"data.question_field 'question': no row has it; the rows have \['answer'\]"):
         run(tmp_path, source=str(absent), format="gsm8k", on_invalid_row="skip")
+
+
+def test_no_held_out_row_stops_the_data_stage_while_eval_is_on(tmp_path):
+    """A one-row file leaves the held-out slice empty: the data stage stops, naming data.source, rather than the
+    eval stage failing with a raw IndexError after SFT and GRPO trained. With eval off it only warns."""
+    path = write_rows(tmp_path / "one.jsonl", [{"question": "What is 1 + 1?", "answer": "2"}])
+    with pytest.raises(ValueError, match=r"data.source '.*one.jsonl': no held-out row to evaluate on \(1 training"):
+        prepare_data(make_cfg(tmp_path / "a", source=str(path)), Workspace(tmp_path / "a" / "ws"))
+    cfg = make_cfg(tmp_path / "b", source=str(path))
+    off = cfg.model_copy(update={"eval": cfg.eval.model_copy(update={"enabled": False})})
+    assert prepare_data(off, Workspace(tmp_path / "b" / "ws"))["eval_rows"] == 0
+
+
+def test_code_tests_on_rows_that_are_no_code_is_refused(tmp_path):
+    """code_tests on the arithmetic task or a qa file scored 0 on every row: a run that trained nothing, rc 0."""
+    cfg = make_cfg(tmp_path)
+    cfg = cfg.model_copy(update={"grpo": cfg.grpo.model_copy(update={"reward_funcs": ["code_tests"]})})
+    with pytest.raises(ValueError, match="code_tests runs each row's answer as Python tests.*format 'arithmetic'"):
+        prepare_data(cfg, Workspace(tmp_path / "ws"))
