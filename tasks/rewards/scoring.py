@@ -69,9 +69,16 @@ def _import_reward(path: str) -> tuple[str, RewardFunc]:
     return reward_name(path), obj
 
 
+# what a reward is called with: prompts, completions, and the prepared split's columns but the prompt
+# (tasks/dataio/rows.py FEATURES; tests/tasks/rewards/test_scoring.py checks the two agree)
+PASSED = ("prompts", "completions", "question", "answer", "reference")
+
+
 def check_signature(spec: str, fn: Callable) -> None:
     """A reward is called as fn(prompts=..., completions=..., **dataset_columns) (TRL's convention): it must
-    take keyword arguments it does not name (``**kwargs``) and no positional-only parameter without a default."""
+    take keyword arguments it does not name (``**kwargs``), no positional-only parameter without a default, and
+    no parameter without a default that the call does not pass (:data:`PASSED`): ``def exact(completions,
+    solution, **kw)`` failed with a TypeError in GRPO, after SFT."""
     try:
         sig = inspect.signature(fn)
     except (TypeError, ValueError):  # a builtin or C callable without a signature: let the call decide
@@ -82,6 +89,11 @@ def check_signature(spec: str, fn: Callable) -> None:
     for p in sig.parameters.values():
         if p.kind == p.POSITIONAL_ONLY and p.default is p.empty:
             raise ValueError(f"reward {spec!r}: parameter {p.name!r} of {sig} is positional-only; {call}")
+        if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY) and p.default is p.empty and p.name not in PASSED:
+            raise ValueError(
+                f"reward {spec!r}: parameter {p.name!r} of {sig} has no default and is never passed: rewards get "
+                f"{', '.join(PASSED)} (the prepared rows' columns); read it from one of those, or give it a default"
+            )
 
 
 def resolve_reward_funcs(names: list[str], code: CodeRewardConfig | None = None) -> list[tuple[str, RewardFunc]]:

@@ -157,6 +157,12 @@ def bad_plugin(tmp_path, monkeypatch):
 
             def positional_only(prompts, /, completions, **kwargs):
                 return [0.0] * len(completions)
+
+            def needs_solution(completions, solution, **kwargs):
+                return [0.0] * len(completions)
+
+            def reads_a_column(completions, answer, question, *, reference=None, bonus=1.0, **kwargs):
+                return [bonus] * len(completions)
             """
         )
     )
@@ -194,11 +200,24 @@ def test_arrays_tensors_bools_and_nan_are_converted(bad_plugin):
         ("bad_rewards_plugin:no_kwargs", r"takes no \*\*kwargs"),
         ("bad_rewards_plugin:positional_only", r"'prompts' .* is positional-only"),
         ("broken_on_import:f", r"importing 'broken_on_import' raised RuntimeError: needs an API key"),
+        ("bad_rewards_plugin:needs_solution", r"parameter 'solution' .* has no default and is never passed"),
     ],
 )
 def test_bad_reward_specs_fail_at_resolution(bad_plugin, spec, match):
     with pytest.raises(ValueError, match=match):
         resolve_reward_funcs([spec])
+
+
+def test_a_reward_may_name_the_columns_it_is_passed(bad_plugin):
+    """Required parameters among prompts, completions and the prepared columns are fine; PASSED is what the
+    trainer passes: prompts, completions and every column of the prepared rows but the prompt."""
+    from grpoflow.tasks.dataio.rows import FEATURES
+    from grpoflow.tasks.rewards.scoring import PASSED
+
+    assert set(PASSED) == {"prompts", "completions"} | (set(FEATURES) - {"prompt"})
+    ((name, fn),) = resolve_reward_funcs(["bad_rewards_plugin:reads_a_column"])
+    columns = {"question": ["q"], "answer": ["a"], "reference": ["r"]}
+    assert score_completions([(name, fn)], ["p"], ["c"], columns)[name] == [1.0]
 
 
 def test_cli_validate_checks_rewards_and_non_finite_numbers(bad_plugin, tmp_path):
