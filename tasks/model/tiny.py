@@ -60,15 +60,12 @@ def train_tiny_tokenizer(texts: Iterable[str], vocab_size: int) -> PreTrainedTok
     return fast
 
 
-def build_tiny_model(cfg: TinyModelConfig, tokenizer: PreTrainedTokenizerBase, seed: int) -> PreTrainedModel:
-    """A randomly initialised causal LM sized by ``cfg`` (vocab = the tokenizer's)."""
-    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+def tiny_config(cfg: TinyModelConfig, **extra):
+    """The transformers config of the tiny model ``cfg`` describes (``extra``: vocab_size, token ids)."""
+    from transformers import LlamaConfig, Qwen2Config
 
-    config_cls, model_cls = {"llama": (LlamaConfig, LlamaForCausalLM), "qwen2": (Qwen2Config, Qwen2ForCausalLM)}[
-        cfg.architecture
-    ]
-    config = config_cls(
-        vocab_size=len(tokenizer),
+    config_cls = {"llama": LlamaConfig, "qwen2": Qwen2Config}[cfg.architecture]
+    return config_cls(
         hidden_size=cfg.hidden_size,
         intermediate_size=cfg.intermediate_size,
         num_hidden_layers=cfg.num_hidden_layers,
@@ -76,6 +73,18 @@ def build_tiny_model(cfg: TinyModelConfig, tokenizer: PreTrainedTokenizerBase, s
         num_key_value_heads=cfg.num_key_value_heads,
         max_position_embeddings=cfg.max_position_embeddings,
         tie_word_embeddings=cfg.tie_word_embeddings,
+        **extra,
+    )
+
+
+def build_tiny_model(cfg: TinyModelConfig, tokenizer: PreTrainedTokenizerBase, seed: int) -> PreTrainedModel:
+    """A randomly initialised causal LM sized by ``cfg`` (vocab = the tokenizer's)."""
+    from transformers import LlamaForCausalLM, Qwen2ForCausalLM
+
+    model_cls = {"llama": LlamaForCausalLM, "qwen2": Qwen2ForCausalLM}[cfg.architecture]
+    config = tiny_config(
+        cfg,
+        vocab_size=len(tokenizer),
         bos_token_id=tokenizer.pad_token_id,
         eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id,

@@ -95,3 +95,30 @@ def test_a_tiny_model_build_killed_mid_write_is_built_again(tmp_path, monkeypatc
     path = ensure_base_model(cfg, TEXTS, out, seed=0)
     assert AutoModelForCausalLM.from_pretrained(path).config.hidden_size == 32
     assert sorted(p.name for p in out.iterdir() if p.name.startswith(".")) == []
+
+
+def test_lora_target_modules_that_match_no_module_are_found_before_any_stage(tmp_path):
+    """From the structure alone (the meta device, no weights): model.tiny, and a local folder's config.json.
+    Before, peft refused the names in the GRPO stage, after SFT, without naming the key."""
+    from grpoflow.tasks.config import config_from_dict
+    from grpoflow.tasks.model.lora import lora_target_problem
+
+    small = {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 2,
+             "num_key_value_heads": 1}  # fmt: skip
+
+    def cfg(name="tiny", **lora):
+        export = {} if lora.get("enabled", True) else {"adapter": False}
+        return config_from_dict({"model": {"name": name, "tiny": small, "lora": lora}, "export": export})
+
+    assert lora_target_problem(cfg()) is None  # the defaults: q/k/v/o and the MLP
+    problem = lora_target_problem(cfg(target_modules=["foo_proj", "q_proj"]))
+    assert problem.startswith("model.lora.target_modules: 'foo_proj' match no module of model.tiny")
+    assert "its linear layers are down_proj, gate_proj, k_proj" in problem
+    assert lora_target_problem(cfg(target_modules="all-linear")) is None
+    assert lora_target_problem(cfg(enabled=False, target_modules=["foo_proj"])) is None
+    tok, model = tiny()
+    model.save_pretrained(tmp_path / "local")
+    assert lora_target_problem(cfg(str(tmp_path / "local"))) is None
+    assert "of " + str(tmp_path / "local") + "'s config.json" in lora_target_problem(
+        cfg(str(tmp_path / "local"), target_modules=["c_attn"])
+    )
