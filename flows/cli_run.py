@@ -61,7 +61,7 @@ def _load(args) -> PipelineConfig:
 
     if (known := known_context(cfg)) and (problem := context_problem(cfg, *known)):  # lengths past the context
         raise ConfigError(problem)
-    from grpoflow.tasks.model.lora import lora_target_problem
+    from grpoflow.tasks.model.targets import lora_target_problem
 
     if problem := lora_target_problem(cfg):  # names that match no module: now, not in GRPO after SFT
         raise ConfigError(problem)

@@ -101,7 +101,7 @@ def test_lora_target_modules_that_match_no_module_are_found_before_any_stage(tmp
     """From the structure alone (the meta device, no weights): model.tiny, and a local folder's config.json.
     Before, peft refused the names in the GRPO stage, after SFT, without naming the key."""
     from grpoflow.tasks.config import config_from_dict
-    from grpoflow.tasks.model.lora import lora_target_problem
+    from grpoflow.tasks.model.targets import lora_target_problem
 
     small = {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 2,
              "num_key_value_heads": 1}  # fmt: skip
