@@ -308,6 +308,19 @@ class ExportConfig(_Section):
         return raw
 
 
+# the URI schemes MLflow 3 tracks and registers models with (postgresql+psycopg2 etc.: the part before '+')
+TRACKING_SCHEMES = (
+    "http",
+    "https",
+    "file",
+    "sqlite",
+    "postgresql",
+    "mysql",
+    "mssql",
+    "databricks",
+    "databricks-uc",
+    "uc",
+)
 EXPERIMENT_ENV = "MLFLOW_EXPERIMENT_NAME"  # MLflow's own name for the default experiment
 
 
@@ -353,6 +366,18 @@ class TrackingConfig(_Section):
         "and backs off itself (1, 2, 4 ... 30 s) while the server does not answer. No request outlasts "
         "tracking.flush_timeout_s at a stage's end, nor `grpoflow sync --timeout`.",
     )
+
+    @field_validator("uri")
+    @classmethod
+    def _uri_scheme(cls, v: str | None) -> str | None:
+        """A scheme MLflow serves (its tracking and registry stores: mlflow.tracking._tracking_service.utils):
+        'htp://...' otherwise failed the run with MLflow's traceback before the first stage."""
+        if v is None or "://" not in v:
+            return v  # a plain folder path, as MLflow takes it
+        scheme = v.split("://", 1)[0].lower()
+        if scheme.split("+", 1)[0] not in TRACKING_SCHEMES:
+            raise ValueError(f"scheme {scheme!r} is no MLflow tracking store: one of {', '.join(TRACKING_SCHEMES)}")
+        return v
 
     @field_validator("registered_model")
     @classmethod

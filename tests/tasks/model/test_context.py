@@ -90,6 +90,10 @@ def test_tracking_names_follow_mlflows_own_rules():
         assert ours == theirs, alias
     with pytest.raises(ConfigError, match="tracking.champion_alias.*reserved"):
         config_from_dict({"tracking": {"champion_alias": "latest"}})
+    with pytest.raises(ConfigError, match="tracking.uri: scheme 'htp' is no MLflow tracking store"):
+        config_from_dict({"tracking": {"uri": "htp://localhost:5000"}})  # was MLflow's traceback before stage one
+    for uri in ("http://127.0.0.1:5000", "sqlite:///x.db", "postgresql+psycopg2://h/db", "/tmp/mlruns", "file:///m"):
+        assert config_from_dict({"tracking": {"uri": uri}}).tracking.uri == uri
 
 
 def test_known_context_reads_a_local_config_json(tmp_path):
