@@ -71,7 +71,7 @@ def main(argv: list[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="command", required=True)
     for name, fn, help_ in (
         ("run", cmd_run, "run the whole pipeline: data -> sft -> grpo -> eval -> export"),
-        ("validate", cmd_validate, "load and check a config without running anything"),
+        ("validate", cmd_validate, "load and check a config (imports the reward modules it names; runs no stage)"),
     ):
         p = sub.add_parser(name, help=help_)
         p.add_argument("config", nargs="?", default=None, help="YAML config (default: the embedded offline config)")
