@@ -174,6 +174,7 @@ NOT_STAGES = {
     ("tasks/dataio/sources.py", "eval"),  # the prepared eval split's origin (split_origins)
     ("tasks/tracking/run_meta.py", "grpo"),  # TRL's keys map onto the config's grpo section
     ("tasks/grpo/loss.py", "grpo"),  # grpo.loss_type "grpo"
+    ("tasks/pipeline/revision.py", "data"),  # the config's data section, whose hub dataset revision is pinned
 }
 
 

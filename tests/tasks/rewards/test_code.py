@@ -185,8 +185,8 @@ def test_humaneval_source_prepares_code_rows_the_reward_scores(tmp_path) -> None
 
 def test_code_format_file_and_its_errors(tmp_path) -> None:
     path = tmp_path / "code.jsonl"
-    good = {"question": "Write f(x) returning x + 1.", "answer": "assert f(1) == 2"}
-    path.write_text("\n".join(json.dumps(r) for r in [good] * 5 + [{"question": "q", "answer": "assert ("}]) + "\n")
+    good = [{"question": f"Write f(x) returning x + {i}.", "answer": f"assert f(1) == {1 + i}"} for i in range(5)]
+    path.write_text("\n".join(json.dumps(r) for r in [*good, {"question": "q", "answer": "assert ("}]) + "\n")
     with pytest.raises(ValueError, match=r"line 6: answer \(the tests\) is not valid Python"):
         _prepare(tmp_path, source=str(path), format="code")
     summary, _ = _prepare(tmp_path, source=str(path), format="code", on_invalid_row="skip", eval_size=1)

@@ -378,8 +378,10 @@ def test_data_sources_on_s3(env, tmp_path, store):
     cfg = config_from_dict({"data": data, "storage": {"cache_dir": str(tmp_path / "cache")}})
     ws = Workspace(tmp_path / "ws")
     summary = prepare_data(cfg, ws)
-    assert (summary["train_rows"], summary["eval_rows"], summary["format"]) == (len(rows), 5, "gsm8k")
+    # the 5 eval rows are rows of the source too: kept out of training (scored unseen)
+    assert (summary["train_rows"], summary["eval_rows"], summary["format"]) == (len(rows) - 5, 5, "gsm8k")
     assert load_split(ws.root / "data", "eval")["question"] == [r["question"] for r in rows[:5]]
+    assert load_split(ws.root / "data", "train")["question"] == [r["question"] for r in rows[5:]]
     assert (tmp_path / "cache" / env.bucket / "datasets" / "gsm8k.jsonl").is_file()
 
     missing = _uri(env, "datasets", "missing.jsonl")
