@@ -65,6 +65,16 @@ def _load(args) -> PipelineConfig:
 
     if problem := lora_target_problem(cfg):  # names that match no module: now, not in GRPO after SFT
         raise ConfigError(problem)
+    x = cfg.export
+    if x.enabled and x.merged and "q4_k_m" in x.gguf:  # said now: the export stage skips it at the run's end
+        from grpoflow.tasks.model.gguf import llama_cpp_module, llama_quantize_binary
+
+        if llama_cpp_module() is None and llama_quantize_binary() is None:
+            print(
+                "grpoflow: warning: export.gguf q4_k_m needs llama.cpp (pip install 'grpoflow[llamacpp]', or "
+                "llama-quantize on PATH), neither found: the export will skip it",
+                file=sys.stderr,
+            )
     from grpoflow.tasks.dataio.sources import file_problem
 
     d = cfg.data
