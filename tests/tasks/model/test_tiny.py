@@ -98,10 +98,16 @@ def test_a_tiny_model_build_killed_mid_write_is_built_again(tmp_path, monkeypatc
 
 
 def test_lora_target_modules_that_match_no_module_are_found_before_any_stage(tmp_path):
-    """From the structure alone (the meta device, no weights): model.tiny, and a local folder's config.json.
-    Before, peft refused the names in the GRPO stage, after SFT, without naming the key."""
+    """From the weights' names alone (safetensors headers; for model.tiny its architectures' layers): model.tiny,
+    and a local folder. Before, peft refused the names in the GRPO stage, after SFT, without naming the key."""
     from grpoflow.tasks.config import config_from_dict
-    from grpoflow.tasks.model.targets import lora_target_problem
+    from grpoflow.tasks.model.targets import TINY_LINEAR, lora_target_problem
+
+    for arch in ("llama", "qwen2"):  # the constant is what the tiny architectures hold
+        _, built = tiny(TinyModelConfig(architecture=arch, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                        num_attention_heads=2, num_key_value_heads=1))  # fmt: skip
+        linear = {n.rsplit(".", 1)[-1] for n, m in built.named_modules() if isinstance(m, torch.nn.Linear)}
+        assert linear == set(TINY_LINEAR), arch
 
     small = {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 2,
              "num_key_value_heads": 1}  # fmt: skip
@@ -119,6 +125,6 @@ def test_lora_target_modules_that_match_no_module_are_found_before_any_stage(tmp
     tok, model = tiny()
     model.save_pretrained(tmp_path / "local")
     assert lora_target_problem(cfg(str(tmp_path / "local"))) is None
-    assert "of " + str(tmp_path / "local") + "'s config.json" in lora_target_problem(
+    assert "of " + str(tmp_path / "local") + "'s weights" in lora_target_problem(
         cfg(str(tmp_path / "local"), target_modules=["c_attn"])
     )
