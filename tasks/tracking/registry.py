@@ -101,30 +101,9 @@ def register_run_model(
     version = client.create_model_version(name, source, run_id=run_id, tags=tags, model_id=model_id).version
     try:
         current = client.get_model_version_by_alias(name, alias)
-        champion = float(current.tags[ACCURACY_TAG]) if ACCURACY_TAG in current.tags else None
     except MlflowException:
-        current, champion = None, None
-    if accuracy is None or current is None:
-        promoted, reason = champion_decision(accuracy, None if current is None else champion)
-    elif baseline is not None and str(current.version) != baseline.version:
-        promoted = False
-        reason = (
-            f"the champion moved to version {current.version} during this run (it started from version "
-            f"{baseline.version} and was compared with it): the champion is kept"
-        )
-    elif baseline is not None:
-        promoted, reason = baseline.comparison.promote, baseline.comparison.reason
-    elif eval_set is not None and current.tags.get(EVAL_SET_TAG, eval_set) != eval_set:
-        promoted = False
-        reason = (
-            f"accuracy {accuracy:.1%} was measured on another held-out set than the champion's (version "
-            f"{current.version}: eval set {current.tags[EVAL_SET_TAG]}, this run's {eval_set}: other rows, "
-            "eval.max_samples or token budget): not comparable, the champion is kept"
-        )
-    else:
-        promoted, reason = champion_decision(accuracy, champion)
-        if champion is None:
-            promoted, reason = True, f"the champion (version {current.version}) has no recorded accuracy"
+        current = None
+    promoted, reason = _decide(accuracy, current, baseline, eval_set)
     if promoted:
         client.set_registered_model_alias(name, alias, version)
     decided = {"champion_decision": reason}
@@ -139,6 +118,30 @@ def register_run_model(
             client.set_tag(parent_run_id, key, value)
     log.info("registry: %s version %s; %s", name, version, reason)
     return Registration(name, str(version), promoted, reason)
+
+
+def _decide(accuracy: float | None, current, baseline: Baseline | None, eval_set: str | None) -> tuple[bool, str]:
+    """(promote?, why) for a new version against ``current`` (the alias holder's ModelVersion, None: no champion),
+    by the module docstring's rule."""
+    champion = float(current.tags[ACCURACY_TAG]) if current is not None and ACCURACY_TAG in current.tags else None
+    if accuracy is None or current is None:
+        return champion_decision(accuracy, champion)
+    if baseline is not None and str(current.version) != baseline.version:
+        return False, (
+            f"the champion moved to version {current.version} during this run (it started from version "
+            f"{baseline.version} and was compared with it): the champion is kept"
+        )
+    if baseline is not None:
+        return baseline.comparison.promote, baseline.comparison.reason
+    if eval_set is not None and current.tags.get(EVAL_SET_TAG, eval_set) != eval_set:
+        return False, (
+            f"accuracy {accuracy:.1%} was measured on another held-out set than the champion's (version "
+            f"{current.version}: eval set {current.tags[EVAL_SET_TAG]}, this run's {eval_set}: other rows, "
+            "eval.max_samples or token budget): not comparable, the champion is kept"
+        )
+    if champion is None:
+        return True, f"the champion (version {current.version}) has no recorded accuracy"
+    return champion_decision(accuracy, champion)
 
 
 def paired_baseline(cfg, evaluation: dict | None, champion_version: str | None) -> Baseline | None:
